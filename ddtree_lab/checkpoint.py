@@ -1,0 +1,326 @@
+"""Loading and saving model directories in the formats users already have on disk.
+
+Targets: HF `Qwen3ForCausalLM` / `LlamaForCausalLM` directories. Drafters: the public DFlash format.
+Weights come from `model.safetensors` or shards listed in `model.safetensors.index.json`; the
+tokenizer from `tokenizer.json` (+ `tokenizer_config.json`). Nothing is fetched from a hub.
+Every error names the directory, file, tensor or field that is wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import (ConfigError, DrafterConfig, TargetConfig, check_pair, drafter_config_from_hf,
+                     read_json, target_config_from_hf)
+from .drafter import Drafter
+from .model import Target
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded: names the file and tensor."""
+
+
+@dataclass
+class Pair:
+    """A target, its drafter and the tokenizer: everything `generate` needs."""
+
+    target: Target
+    drafter: Drafter | None
+    tokenizer: object | None  # tokenizers.Tokenizer
+    name: str
+    target_id: dict
+    drafter_id: dict | None
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+    chat_template: str | None = None
+    special_tokens: dict = field(default_factory=dict)
+    load_seconds: float = 0.0
+
+    @property
+    def attention(self) -> str:
+        return self.target.attention
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this pair has no tokenizer: pass the prompt as a list of token ids")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "target": self.target_id, "drafter": self.drafter_id,
+                "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "attention": self.attention}
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing field 'weight_map'")
+        files = {name: directory / fname for name, fname in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise CheckpointError(f"{index}: lists shard {f.name}, which is not in {directory}")
+        return files
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+class _TensorReader:
+    def __init__(self, directory: Path, strip_prefix: str = ""):
+        self.directory = directory
+        self.files = _tensor_files(directory)
+        if strip_prefix:
+            self.files = {(k[len(strip_prefix):] if k.startswith(strip_prefix) else k): v
+                          for k, v in self.files.items()}
+        self.prefix = strip_prefix
+        self._handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.files:
+            raise CheckpointError(f"{self.directory}: missing tensor '{name}'")
+        path = self.files[name]
+        handle = self._handles.get(path) or self._handles.setdefault(path, safe_open(str(path), "pt"))
+        stored = name if name in handle.keys() else self.prefix + name
+        t = handle.get_tensor(stored)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor '{stored}' has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        return t
+
+
+def _fill(module: torch.nn.Module, reader: _TensorReader, mapping: dict[str, list[str]]) -> None:
+    """mapping: our parameter name -> the stored names concatenated (dim 0) into it."""
+    own = dict(module.named_parameters())
+    with torch.no_grad():
+        for ours, stored in mapping.items():
+            param = own[ours]
+            parts, offset = [], 0
+            for name in stored:
+                rows = _rows_of(name, module, ours, param, len(stored))
+                parts.append(reader.get(name, (rows, *param.shape[1:]) if param.dim() > 1 else (rows,)))
+                offset += rows
+            param.copy_(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
+
+
+def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) -> int:
+    """Rows each stored tensor contributes to a fused parameter."""
+    if n_parts == 1:
+        return param.shape[0]
+    cfg = module.cfg
+    if ".wqkv." in ours:
+        kind = name.split(".")[-2]  # q_proj | k_proj | v_proj
+        heads = cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads
+        return heads * cfg.head_dim
+    return cfg.intermediate_size  # gate_up: gate then up
+
+
+def _layer_mapping(prefix: str, i: int, qk_norm: bool, bias: bool) -> dict[str, list[str]]:
+    src = f"{prefix}layers.{i}"
+    ours = f"layers.{i}"
+    m = {
+        f"{ours}.input_layernorm.weight": [f"{src}.input_layernorm.weight"],
+        f"{ours}.post_attention_layernorm.weight": [f"{src}.post_attention_layernorm.weight"],
+        f"{ours}.qkv.wqkv.weight": [f"{src}.self_attn.{p}_proj.weight" for p in "qkv"],
+        f"{ours}.o_proj.weight": [f"{src}.self_attn.o_proj.weight"],
+        f"{ours}.mlp.gate_up.weight": [f"{src}.mlp.gate_proj.weight", f"{src}.mlp.up_proj.weight"],
+        f"{ours}.mlp.down.weight": [f"{src}.mlp.down_proj.weight"],
+    }
+    if bias:
+        m[f"{ours}.qkv.wqkv.bias"] = [f"{src}.self_attn.{p}_proj.bias" for p in "qkv"]
+    if qk_norm:
+        m[f"{ours}.qkv.q_norm.weight"] = [f"{src}.self_attn.q_norm.weight"]
+        m[f"{ours}.qkv.k_norm.weight"] = [f"{src}.self_attn.k_norm.weight"]
+    return m
+
+
+def target_mapping(cfg: TargetConfig) -> dict[str, list[str]]:
+    m = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        m.update(_layer_mapping("model.", i, cfg.qk_norm, cfg.attention_bias))
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = ["lm_head.weight"]
+    return m
+
+
+def drafter_mapping(cfg: DrafterConfig) -> dict[str, list[str]]:
+    m = {"fc.weight": ["fc.weight"], "hidden_norm.weight": ["hidden_norm.weight"], "norm.weight": ["norm.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        m.update(_layer_mapping("", i, True, False))
+    return m
+
+
+def _identity(directory: Path, kind: str) -> dict:
+    config_bytes = (directory / "config.json").read_bytes()
+    return {"path": str(directory), "kind": kind,
+            "config_sha256": hashlib.sha256(config_bytes).hexdigest()[:16]}
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"target directory {directory} does not exist")
+    cfg = target_config_from_hf(read_json(directory / "config.json"), directory / "config.json")
+    with torch.device("meta"):
+        model = Target(cfg)
+    model = model.to_empty(device="cpu")
+    reader = _TensorReader(directory)
+    _fill(model, reader, target_mapping(cfg))
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_drafter(directory, device="cpu", dtype=torch.float32) -> Drafter:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"drafter directory {directory} does not exist")
+    cfg = drafter_config_from_hf(read_json(directory / "config.json"), directory / "config.json")
+    with torch.device("meta"):
+        model = Drafter(cfg)
+    model = model.to_empty(device="cpu")
+    reader = _TensorReader(directory)
+    if not reader.has("fc.weight") and reader.has("model.fc.weight"):
+        reader = _TensorReader(directory, strip_prefix="model.")
+    _fill(model, reader, drafter_mapping(cfg))
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_tokenizer(directory: Path):
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None, {}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    tcfg_path = directory / "tokenizer_config.json"
+    tcfg = read_json(tcfg_path) if tcfg_path.is_file() else {}
+    return tok, tcfg
+
+
+def _token_text(value):
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def resolve_named_pair(name: str) -> tuple[Path, Path]:
+    """Named pairs shipped with (or pulled into) the package."""
+    if name == "lab":
+        root = Path(__file__).parent / "lab_pair"
+        if not (root / "target" / "config.json").is_file():
+            raise CheckpointError(f"the lab pair is not present in {root} (target/config.json missing)")
+        return root / "target", root / "drafter"
+    from . import registry  # named pairs that live outside the package (pulled checkpoints)
+
+    return registry.resolve(name)
+
+
+def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu", dtype="float32",
+              attention: str = "sdpa") -> Pair:
+    """Load a target + DFlash drafter pair: `load_pair("lab")` or `load_pair(target=DIR, drafter=DIR)`."""
+    start = time.perf_counter()
+    if name is not None:
+        if target is not None:
+            raise ValueError("give either a pair name or target=/drafter= directories, not both")
+        target, drafter = resolve_named_pair(name)
+    if target is None:
+        raise ValueError("load_pair needs a pair name or target=DIR")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    device = torch.device(device)
+    target_dir = Path(target)
+    tmodel = load_target(target_dir, device, dtype)
+    tmodel.set_attention(attention)
+    dmodel = None
+    if drafter is not None:
+        drafter_dir = Path(drafter)
+        dmodel = load_drafter(drafter_dir, device, dtype)
+        check_pair(tmodel.cfg, dmodel.cfg, where=f"drafter {drafter_dir}")
+    tok, tcfg = load_tokenizer(target_dir)
+    if tok is None and drafter is not None:
+        tok, tcfg = load_tokenizer(Path(drafter))
+    eos = list(tmodel.cfg.eos_token_id)
+    eos_text = _token_text(tcfg.get("eos_token"))
+    if tok is not None and eos_text and tok.token_to_id(eos_text) is not None:
+        eos_id = tok.token_to_id(eos_text)
+        eos = eos if eos_id in eos else eos + [eos_id]
+    return Pair(
+        target=tmodel, drafter=dmodel, tokenizer=tok,
+        name=name or target_dir.name,
+        target_id=_identity(target_dir, tmodel.cfg.arch),
+        drafter_id=_identity(Path(drafter), "dflash") if drafter is not None else None,
+        device=device, dtype=dtype, eos_token_ids=eos,
+        chat_template=tcfg.get("chat_template"),
+        special_tokens={k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")
+                        if tcfg.get(k)},
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+# ----------------------------------------------------------------------------- saving
+
+def _hf_state(module, mapping: dict[str, list[str]], dtype) -> dict[str, torch.Tensor]:
+    own = dict(module.named_parameters())
+    out = {}
+    for ours, stored in mapping.items():
+        param = own[ours].detach().to("cpu", dtype)
+        sizes = [_rows_of(n, module, ours, param, len(stored)) for n in stored]
+        for name, part in zip(stored, param.split(sizes, 0)):
+            out[name] = part.contiguous()
+    return out
+
+
+def save_target(target: Target, directory, dtype=torch.float16, tokenizer_dir=None) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(_hf_state(target, target_mapping(target.cfg), dtype), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf = target.cfg.to_hf()
+    hf["torch_dtype"] = str(dtype).replace("torch.", "")
+    (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for fname in ("tokenizer.json", "tokenizer_config.json"):
+            src = Path(tokenizer_dir) / fname
+            if src.is_file():
+                (directory / fname).write_bytes(src.read_bytes())
+    return directory
+
+
+def save_drafter(drafter: Drafter, directory, dtype=torch.float16) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(_hf_state(drafter, drafter_mapping(drafter.cfg), dtype), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf = drafter.cfg.to_hf()
+    hf["torch_dtype"] = str(dtype).replace("torch.", "")
+    (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return directory
+
+
+__all__ = ["Pair", "load_pair", "load_target", "load_drafter", "save_target", "save_drafter",
+           "CheckpointError", "ConfigError"]

@@ -1,0 +1,295 @@
+"""Model configurations as dataclasses, read from Hugging Face `config.json` files.
+
+Both transformers 4.x keys (`rope_theta`, `rope_scaling`) and 5.x keys (`rope_parameters`) are read.
+Every error names the file and the field that is wrong.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a supported model."""
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class TargetConfig:
+    arch: str = "qwen3"  # qwen3 (q/k RMSNorm) | llama
+    vocab_size: int = 4096
+    hidden_size: int = 384
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    eos_token_id: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json dict transformers (4.x and 5.x) reads for this model."""
+        arch_name = {v: k for k, v in SUPPORTED_TARGETS.items()}[self.arch]
+        rope_scaling = None
+        if self.rope.type != "default":
+            rope_scaling = {"rope_type": self.rope.type, "factor": self.rope.factor}
+            if self.rope.type == "llama3":
+                rope_scaling.update(
+                    low_freq_factor=self.rope.low_freq_factor,
+                    high_freq_factor=self.rope.high_freq_factor,
+                    original_max_position_embeddings=self.rope.original_max_position_embeddings,
+                )
+        eos = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
+        return {
+            "architectures": [arch_name],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": rope_scaling,
+            "eos_token_id": eos,
+            "bos_token_id": self.bos_token_id,
+            "torch_dtype": "float32",
+        }
+
+
+@dataclass
+class DrafterConfig:
+    """A DFlash block drafter: Qwen3-sized layers, non-causal over one block."""
+
+    hidden_size: int = 384
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 4096
+    block_size: int = 16
+    num_target_layers: int = 8
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = 0
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
+                              "mask_token_id": self.mask_token_id},
+        }
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers spread evenly when a drafter config does not list them (DESIGN §4)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    k = num_draft_layers
+    return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _need(cfg: dict, key: str, where: Path, kind=(int,)):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{where}: missing field '{key}'")
+    value = cfg[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and bool not in kind:
+        raise ConfigError(f"{where}: field '{key}' should be {'/'.join(k.__name__ for k in kind)}, got {value!r}")
+    return value
+
+
+def _rope_from_hf(cfg: dict, where: Path) -> RopeConfig:
+    # transformers 5.x nests everything under rope_parameters; 4.x has rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type '{rope_type}' (field 'rope_scaling.rope_type') is not supported; "
+                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings",
+                                                        cfg.get("max_position_embeddings", 8192))),
+    )
+
+
+def _eos_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def target_config_from_hf(cfg: dict, where: Path) -> TargetConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((SUPPORTED_TARGETS[a] for a in archs if a in SUPPORTED_TARGETS), None)
+    if arch is None:
+        raise ConfigError(f"{where}: field 'architectures' is {archs!r}; supported targets: "
+                          f"{', '.join(SUPPORTED_TARGETS)}")
+    hidden = _need(cfg, "hidden_size", where)
+    heads = _need(cfg, "num_attention_heads", where)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+    return TargetConfig(
+        arch=arch,
+        vocab_size=_need(cfg, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=_need(cfg, "intermediate_size", where),
+        num_hidden_layers=_need(cfg, "num_hidden_layers", where),
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope=_rope_from_hf(cfg, where),
+        eos_token_id=_eos_list(cfg.get("eos_token_id")),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+def drafter_config_from_hf(cfg: dict, where: Path) -> DrafterConfig:
+    archs = cfg.get("architectures") or []
+    if "DFlashDraftModel" not in archs:
+        raise ConfigError(f"{where}: field 'architectures' is {archs!r}; a drafter must be 'DFlashDraftModel'")
+    hidden = _need(cfg, "hidden_size", where)
+    heads = _need(cfg, "num_attention_heads", where)
+    layers = _need(cfg, "num_hidden_layers", where)
+    dflash = cfg.get("dflash_config") or {}
+    if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
+        raise ConfigError(f"{where}: missing field 'dflash_config.mask_token_id'")
+    num_target_layers = _need(cfg, "num_target_layers", where)
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=_need(cfg, "intermediate_size", where),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        vocab_size=_need(cfg, "vocab_size", where),
+        block_size=_need(cfg, "block_size", where),
+        num_target_layers=num_target_layers,
+        target_layer_ids=[int(i) for i in (dflash.get("target_layer_ids") or [])]
+        or default_target_layer_ids(num_target_layers, layers),
+        mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
+        rope=_rope_from_hf(cfg, where),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    )
+
+
+def check_pair(target: TargetConfig, drafter: DrafterConfig, where: str = "drafter") -> None:
+    """Refuse a drafter that cannot read this target's features or share its head."""
+    if drafter.hidden_size != target.hidden_size:
+        raise ValueError(f"{where}: hidden_size {drafter.hidden_size} does not match the target's "
+                         f"{target.hidden_size}")
+    if drafter.vocab_size != target.vocab_size:
+        raise ValueError(f"{where}: vocab_size {drafter.vocab_size} does not match the target's "
+                         f"{target.vocab_size}")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise ValueError(f"{where}: target_layer_ids {bad} are outside the target's "
+                         f"{target.num_hidden_layers} layers")
+    if drafter.num_target_layers != target.num_hidden_layers:
+        raise ValueError(f"{where}: num_target_layers {drafter.num_target_layers} does not match the "
+                         f"target's num_hidden_layers {target.num_hidden_layers}")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise ValueError(f"{where}: mask_token_id {drafter.mask_token_id} is outside the vocabulary")
+    if drafter.block_size < 2:
+        raise ValueError(f"{where}: block_size {drafter.block_size} must be at least 2")
+
+
+def as_dict(cfg) -> dict:
+    return asdict(cfg)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig):
+    """Inverse frequencies [head_dim/2], with linear or llama3 scaling applied."""
+    import torch
+
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.type == "linear":
+        inv = inv / rope.factor
+    elif rope.type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, blended, scaled)
+    return inv.float()

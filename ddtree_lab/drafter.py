@@ -1,0 +1,104 @@
+"""The DFlash block drafter: one non-causal pass predicts a whole block of tokens.
+
+Context: per committed position, the target's hidden states after `target_layer_ids`, concatenated,
+projected by `fc` and normalised by `hidden_norm`. In every layer keys/values come from
+[context ; block] and queries from the block alone, with no causal mask. The context part of K/V
+depends only on the context features (not on earlier drafter layers), so it is computed once when
+a position is committed and kept in the drafter's own cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import DrafterConfig
+from .layers import QKV, GatedMLP, RMSNorm, Rotary
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = QKV(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       True, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def context_kv(self, ctx: torch.Tensor, cos, sin):
+        # ctx [B, Tc, H] (projected features, not re-normalised per layer) -> k, v [B, Hkv, Tc, D]
+        _, k, v = self.qkv.project(ctx)
+        return self.qkv.norm_rope_k(k, cos, sin), v
+
+    def block(self, x, cos, sin, k_ctx, v_ctx, mask=None):
+        """x [B, Tq, H] block states; k_ctx/v_ctx [B, Hkv, Tc, D]; mask [B|1, Tq, Tc+Tq] or None."""
+        B, Tq, _ = x.shape
+        q, k, v = self.qkv.project(self.input_layernorm(x))
+        q, k = self.qkv.norm_rope_q(q, cos, sin), self.qkv.norm_rope_k(k, cos, sin)
+        k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, Tq, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        n_feat = len(cfg.target_layer_ids) * cfg.hidden_size
+        self.fc = nn.Linear(n_feat, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope)
+        self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
+        self.ctx_len = 0
+        self.window: int | None = None  # draft_window: how many recent context positions a block sees
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., k*H] concatenated target layer outputs -> [..., H] context features."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    # ------------------------------------------------------------------ training / reference forward
+    def forward(self, x, q_pos, ctx, ctx_pos, mask=None):
+        """x [B, Tq, H] block input embeddings, ctx [B, Tc, H] projected context -> hidden [B, Tq, H]."""
+        cos_q, sin_q = self.rotary(q_pos, x.dtype)
+        cos_c, sin_c = self.rotary(ctx_pos, x.dtype)
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.context_kv(ctx, cos_c, sin_c)
+            x = layer.block(x, cos_q, sin_q, k_ctx, v_ctx, mask)
+        return self.norm(x)
+
+    # ------------------------------------------------------------------ cached decoding
+    def setup_cache(self, max_len: int, device=None, dtype=None) -> None:
+        c, p = self.cfg, self.fc.weight
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim)
+        if self.kv is None or self.kv.shape != shape or self.kv.device != (device or p.device):
+            self.kv = torch.zeros(shape, device=device or p.device, dtype=dtype or p.dtype)
+        self.ctx_len = 0
+
+    def append_context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Commit context for `positions` [Tc]: target_hidden [Tc, k*H] -> cached K/V of every layer."""
+        Tc = positions.shape[0]
+        if self.ctx_len + Tc > self.kv.shape[3]:
+            raise ValueError(f"drafter context of {self.ctx_len + Tc} exceeds its cache of {self.kv.shape[3]}")
+        ctx = self.project_context(target_hidden)[None]  # [1, Tc, H]
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for li, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, cos, sin)  # [1, Hkv, Tc, D]
+            self.kv[li, 0, :, self.ctx_len: self.ctx_len + Tc] = k[0]
+            self.kv[li, 1, :, self.ctx_len: self.ctx_len + Tc] = v[0]
+        self.ctx_len += Tc
+
+    def draft(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [Tq, H] block input embeddings at `positions` [Tq] -> hidden [Tq, H] (final-normed)."""
+        lo = 0 if self.window is None else max(0, self.ctx_len - self.window)
+        cos, sin = self.rotary(positions, x.dtype)
+        h = x[None]
+        for li, layer in enumerate(self.layers):
+            k_ctx = self.kv[li, 0, :, lo: self.ctx_len][None]
+            v_ctx = self.kv[li, 1, :, lo: self.ctx_len][None]
+            h = layer.block(h, cos, sin, k_ctx, v_ctx)
+        return self.norm(h)[0]

@@ -1,0 +1,1 @@
+"""The embedded lab pair: a small code target and its DFlash drafter (see README.md here)."""

@@ -1,0 +1,86 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, gated MLP, QKV projection."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import RopeConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as the reference implementations do), scale in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables computed for arbitrary (tree) positions; the half-split convention of HF models."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions [..., T] -> cos, sin [..., T, D]
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, D]; cos/sin [B, T, D] (or [T, D]) broadcast over heads
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class QKV(nn.Module):
+    """Fused q/k/v projection with optional per-head q/k RMSNorm (Qwen3) and RoPE."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool,
+                 eps: float, bias: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.wqkv = nn.Linear(hidden, (n_heads + 2 * n_kv_heads) * head_dim, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def project(self, x: torch.Tensor):
+        # x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D], before norms and RoPE
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+
+    def norm_rope_q(self, q, cos, sin):
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def norm_rope_k(self, k, cos, sin):
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin)

@@ -1,0 +1,120 @@
+"""The target model: a Qwen3 / Llama decoder with a static KV cache and tree-aware attention.
+
+One `forward` serves prefill, AR steps and tree verification: it takes query tokens with explicit
+positions and a `TreeMask` saying which of the new tokens each query may see (all committed
+positions are always visible), writes the new K/V into the cache after the committed ones, and
+returns logits plus the hidden states of requested layers (the drafter's context features).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import TreeMask, check_backend, tree_attention
+from .config import TargetConfig
+from .layers import QKV, GatedMLP, RMSNorm, Rotary
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = QKV(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       cfg.qk_norm, cfg.rms_norm_eps, cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Target(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope)
+        self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
+        self.attention = "sdpa"
+
+    # ------------------------------------------------------------------ helpers
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def lm_head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
+
+    def setup_cache(self, max_len: int, device=None, dtype=None) -> None:
+        c = self.cfg
+        p = self.embed_tokens.weight
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim)
+        if self.kv is None or self.kv.shape != shape or self.kv.device != (device or p.device):
+            self.kv = torch.zeros(shape, device=device or p.device, dtype=dtype or p.dtype)
+
+    def set_attention(self, backend: str) -> None:
+        self.attention = check_backend(backend)
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[3]
+
+    # ------------------------------------------------------------------ decoding forward
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, past_len: int, mask: TreeMask,
+                hidden_layers: list[int] = (), logits_rows: torch.Tensor | None = None):
+        """tokens, positions [T]; the new K/V go to cache slots past_len … past_len+T-1.
+
+        Returns logits [T or len(logits_rows), V] and hidden [T, len(hidden_layers)*H].
+        """
+        T = tokens.shape[0]
+        if past_len + T > self.cache_len:
+            raise ValueError(f"context of {past_len + T} tokens exceeds the KV cache of {self.cache_len}")
+        x = self.embed_tokens(tokens)[None]  # [1, T, H]
+        cos, sin = self.rotary(positions, x.dtype)  # [T, D]
+        wanted = {layer: i for i, layer in enumerate(hidden_layers)}
+        captured = [None] * len(hidden_layers)
+        for li, blk in enumerate(self.layers):
+            h = blk.input_layernorm(x)
+            q, k, v = blk.qkv.project(h)  # [1, H*, T, D]
+            q = blk.qkv.norm_rope_q(q, cos, sin)[0]
+            k = blk.qkv.norm_rope_k(k, cos, sin)[0]
+            k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [Hkv, S, D]
+            k_cache[:, past_len: past_len + T] = k
+            v_cache[:, past_len: past_len + T] = v[0]
+            att = tree_attention(q, k_cache, v_cache, past_len, mask, self.attention)  # [Hq, T, D]
+            x = x + blk.o_proj(att.transpose(0, 1).reshape(1, T, -1))
+            x = x + blk.mlp(blk.post_attention_layernorm(x))
+            if li in wanted:
+                captured[wanted[li]] = x[0]
+        hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(T, 0)
+        out = x[0] if logits_rows is None else x[0, logits_rows]
+        return self.lm_head_logits(self.norm(out)), hidden
+
+    # ------------------------------------------------------------------ training forward
+    def forward_train(self, tokens: torch.Tensor, hidden_layers: list[int] = ()):
+        """Plain causal forward without a cache. tokens [B, T] -> logits [B, T, V], hidden [B, T, k*H]."""
+        B, T = tokens.shape
+        x = self.embed_tokens(tokens)
+        positions = torch.arange(T, device=tokens.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        wanted = {layer: i for i, layer in enumerate(hidden_layers)}
+        captured = [None] * len(hidden_layers)
+        for li, blk in enumerate(self.layers):
+            h = blk.input_layernorm(x)
+            q, k, v = blk.qkv.project(h)
+            q, k = blk.qkv.norm_rope_q(q, cos, sin), blk.qkv.norm_rope_k(k, cos, sin)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+            x = x + blk.mlp(blk.post_attention_layernorm(x))
+            if li in wanted:
+                captured[wanted[li]] = x
+        hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(B, T, 0)
+        return self.lm_head_logits(self.norm(x)), hidden
+
+    def compact_cache(self, past_len: int, src: torch.Tensor) -> None:
+        """Move cache slots past_len + src[i] to past_len + i (src ascending, src[i] >= i), all layers."""
+        n = src.shape[0]
+        self.kv[:, :, :, past_len: past_len + n] = self.kv[:, :, :, past_len + src]

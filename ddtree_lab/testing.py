@@ -1,0 +1,79 @@
+"""Random tiny checkpoints in the real on-disk formats, for tests and quick experiments."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import save_drafter, save_target
+from .config import DrafterConfig, RopeConfig, TargetConfig
+from .drafter import Drafter
+from .model import Target
+
+TINY_TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i * i)\n"
+)
+
+
+def tiny_target_config(arch: str = "qwen3", vocab_size: int = 300, **overrides) -> TargetConfig:
+    cfg = dict(arch=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+               tie_word_embeddings=arch == "qwen3", rope=RopeConfig(theta=10000.0), eos_token_id=[])
+    cfg.update(overrides)
+    return TargetConfig(**cfg)
+
+
+def tiny_drafter_config(target: TargetConfig, **overrides) -> DrafterConfig:
+    cfg = dict(hidden_size=target.hidden_size, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=target.vocab_size,
+               block_size=8, num_target_layers=target.num_hidden_layers, target_layer_ids=[0, 2],
+               mask_token_id=target.vocab_size - 1, rope=RopeConfig(theta=10000.0))
+    cfg.update(overrides)
+    return DrafterConfig(**cfg)
+
+
+def random_init(module: torch.nn.Module, seed: int, std: float = 0.08) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> None:
+    """A byte-level BPE with <|endoftext|> and <|mask|>, trained on a few lines of code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|mask|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TINY_TEXT] * 4, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "mask_token": "<|mask|>", "model_max_length": 2048}, indent=2))
+
+
+def make_tiny_pair(directory, arch: str = "qwen3", vocab_size: int = 300, seed: int = 0,
+                   tokenizer: bool = True, dtype=torch.float32, **target_overrides) -> tuple[Path, Path]:
+    """Write a random target + DFlash drafter (+ tokenizer) under `directory`; return their dirs."""
+    directory = Path(directory)
+    tcfg = tiny_target_config(arch, vocab_size, **target_overrides)
+    dcfg = tiny_drafter_config(tcfg)
+    target, drafter = Target(tcfg), Drafter(dcfg)
+    random_init(target, seed)
+    random_init(drafter, seed + 1)
+    tdir, ddir = directory / "target", directory / "drafter"
+    tok_dir = None
+    if tokenizer:
+        tok_dir = directory / "tokenizer"
+        write_tiny_tokenizer(tok_dir, vocab_size)
+    save_target(target, tdir, dtype=dtype, tokenizer_dir=tok_dir)
+    save_drafter(drafter, ddir, dtype=dtype)
+    return tdir, ddir

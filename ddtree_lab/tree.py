@@ -1,0 +1,124 @@
+"""Building the draft tree from the drafter's per-depth distributions (DESIGN §1 step 2).
+
+A node is a rank prefix (r_1 … r_d) with score Σ log q_i[r_i]. The tree is the `budget` best prefixes.
+A child never outscores its parent, so the best `budget` nodes at depth d all hang below the best
+`budget` nodes at depth d-1: a beam of width `budget` per depth holds every candidate, and one
+global top-`budget` over the L beams gives the tree. All of it is fixed-shape tensor work with no
+host synchronisation, so the same code runs on the CPU and inside a CUDA graph.
+
+Ties: candidates are laid out depth-major and ranks ascending, and every selection is a stable
+descending sort, so an exact tie goes to the shallower node (a parent before its equal-scoring child)
+and then to the lower rank. The result is deterministic and always prefix-closed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_BUDGET = 1024
+
+
+@dataclass
+class DraftTree:
+    """Nodes 1..n in descending score order (parents precede children); node 0 is the root."""
+
+    tokens: torch.Tensor    # [n] token ids
+    depths: torch.Tensor    # [n] 1..L
+    parents: torch.Tensor   # [n] parent index in 0..n-1+1 (0 = root)
+    scores: torch.Tensor    # [n] cumulative draft log-probability
+    logprobs: torch.Tensor  # [n] the node's own draft log-probability at its depth
+    ranks: torch.Tensor     # [n] the node's rank among its depth's top-K tokens (0 = most likely)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def to(self, device) -> "DraftTree":
+        return DraftTree(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+    def to_json(self) -> dict:
+        return {f: getattr(self, f).tolist() for f in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DraftTree":
+        kinds = {"scores": torch.float32, "logprobs": torch.float32}
+        return cls(**{f: torch.tensor(d[f], dtype=kinds.get(f, torch.long)) for f in cls.__dataclass_fields__})
+
+
+def check_budget(budget: int, topk: int | None) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget!r} is out of range: it must be an integer in 1..{MAX_BUDGET}")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        raise ValueError(f"topk={topk!r} must be a positive integer or None")
+
+
+def tree_size(depth: int, k: int, budget: int) -> int:
+    """How many nodes the tree holds: the budget, unless fewer rank prefixes exist (e.g. topk=1)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level = min(level * k, budget)
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
+def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
+    """draft_logits [L, V] (depths 1..L) -> the `budget` most likely rank prefixes as a DraftTree."""
+    check_budget(budget, topk)
+    L, V = draft_logits.shape
+    K = min(topk or budget, budget, V)
+    n = tree_size(L, K, budget)
+    device = draft_logits.device
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    top_lp, top_tok = logp.topk(K, dim=-1)  # [L, K] each, ranks ascending
+
+    # Beam per depth: W slots (score, parent slot in the previous beam, rank). -inf marks empty slots.
+    W = min(budget, n)
+    beam_score = torch.full((L, W), float("-inf"), device=device)
+    beam_parent = torch.zeros((L, W), dtype=torch.long, device=device)
+    beam_rank = torch.zeros((L, W), dtype=torch.long, device=device)
+    first = min(K, W)
+    beam_score[0, :first] = top_lp[0, :first]
+    beam_rank[0, :first] = torch.arange(first, device=device)
+    for d in range(1, L):
+        # children of every beam slot at depth d-1: [W, K], laid out parent-major then rank
+        child = beam_score[d - 1][:, None] + top_lp[d][None, :]
+        order = child.flatten().sort(descending=True, stable=True).indices[:W]
+        beam_score[d] = child.flatten()[order]
+        beam_parent[d] = order // K
+        beam_rank[d] = order % K
+
+    # Global selection over all depths, depth-major so ties favour shallower nodes.
+    flat = beam_score.flatten()  # [L*W], index = d*W + slot
+    chosen = flat.sort(descending=True, stable=True).indices[:n]  # [n]
+    depth0 = chosen // W  # 0-based depth
+    slot = chosen % W
+    # Node index (1..n) of each chosen candidate, to translate parent slots into node indices.
+    node_of = torch.zeros(L * W, dtype=torch.long, device=device)
+    node_of[chosen] = torch.arange(1, n + 1, device=device)
+    parent_flat = (depth0 - 1).clamp(min=0) * W + beam_parent[depth0, slot]
+    parents = torch.where(depth0 == 0, torch.zeros_like(chosen), node_of[parent_flat])
+    ranks = beam_rank[depth0, slot]
+    return DraftTree(
+        tokens=top_tok[depth0, ranks],
+        depths=depth0 + 1,
+        parents=parents,
+        scores=flat[chosen],
+        logprobs=top_lp[depth0, ranks],
+        ranks=ranks,
+    )
+
+
+def ancestor_matrix(parents_with_root: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents_with_root [T] (entry 0 = root, its own parent) -> anc [T, T] bool, anc[i, j] = j ≤ i on i's path.
+
+    Each step ORs in the parent's row; after `max_depth` steps every row holds its whole path.
+    Fixed step count, no host sync.
+    """
+    T = parents_with_root.shape[0]
+    eye = torch.eye(T, dtype=torch.bool, device=parents_with_root.device)
+    anc = eye.clone()
+    for _ in range(max_depth):
+        anc = eye | anc[parents_with_root]
+    return anc
