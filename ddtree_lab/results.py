@@ -1,0 +1,559 @@
+"""Per-run results: generate a run's prompts, record `results.json` + `traces.jsonl`, and compare
+runs against the AR run of the same study (speedup, losslessness).
+
+The first per-run notebook calls `ensure_results(RunParams)`; later notebooks of the same run load
+what it wrote. The report recomputes the comparisons from all results.json files (`compare`), so a
+run's verdict never depends on the order runs were executed in.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from .atomic import atomic_write_json, atomic_write_jsonl, read_jsonl
+from .study import REPO_DIR, RunParams, load_prompts
+
+SCHEMA = "ddtree_lab.results/1"
+STAGES = ("draft", "tree_build", "verify", "commit", "other")
+RESULTS_FILE, TRACES_FILE = "results.json", "traces.jsonl"
+
+
+# ----------------------------------------------------------------------------- metrics
+def acceptance_by_depth(taus: Iterable[int], max_depth: int | None = None) -> dict:
+    """Depths 1..max_depth: survival = share of rounds whose accepted path reaches depth >= d,
+    conditional = P(reach d | reach d-1). A round with τ accepted nodes reached depth τ-1."""
+    from . import metrics
+    taus = [int(t) for t in taus]
+    max_depth = max_depth if max_depth is not None else max([t - 1 for t in taus] + [0])
+    return {**metrics.acceptance_by_depth(taus, max_depth), "rounds": len(taus)}
+
+
+def tau_histogram(taus: Iterable[int], max_tau: int | None = None) -> dict:
+    from . import metrics
+    taus = [int(t) for t in taus]
+    if not taus:
+        return {"values": [], "counts": []}
+    counts = metrics.tau_histogram(taus, max_tau)
+    return {"values": list(range(1, len(counts) + 1)), "counts": counts}
+
+
+def summarize(prompts: list[dict], max_depth: int | None = None) -> dict:
+    """Run totals from per-prompt records (tokens, acceptance_lengths, wall/stage seconds).
+    max_depth: the drafter's L (block_size - 1), so runs of a study share their depth axis."""
+    taus = [t for p in prompts for t in p.get("acceptance_lengths", [])]
+    new_tokens = sum(len(p.get("tokens", [])) for p in prompts)
+    wall = sum(p.get("wall_seconds", 0.0) for p in prompts)
+    stages: dict[str, float] = {}
+    for p in prompts:
+        for k, v in (p.get("stage_seconds") or {}).items():
+            stages[k] = stages.get(k, 0.0) + float(v)
+    return {
+        "new_tokens": new_tokens,
+        "rounds": len(taus),
+        "mean_tau": sum(taus) / len(taus) if taus else None,
+        "tau_histogram": tau_histogram(taus, max_depth + 1 if max_depth else None),
+        "acceptance_by_depth": acceptance_by_depth(taus, max_depth),
+        "stage_seconds": stages,
+        "wall_seconds": wall,
+        "tokens_per_second": new_tokens / wall if wall > 0 else None,
+        "seconds_per_token": wall / new_tokens if new_tokens else None,
+    }
+
+
+# ----------------------------------------------------------------------------- environment
+def device_info(device: Any = None) -> dict:
+    info = {"device": str(device) if device is not None else "cpu", "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        import torch
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available() and str(device).startswith("cuda"):
+            idx = torch.device(device).index or 0
+            p = torch.cuda.get_device_properties(idx)
+            info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1),
+                        cuda=torch.version.cuda, sm=f"{p.major}.{p.minor}")
+    except Exception:  # noqa: BLE001 - device info is best effort
+        pass
+    return info
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "ddtree_lab", "plotly", "papermill", "tokenizers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(repo: Path = REPO_DIR) -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------- recording
+def _plain(x: Any) -> Any:
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def round_to_json(r: Any) -> dict:
+    """A RoundTrace (or a dict already) -> JSON-ready dict."""
+    if isinstance(r, dict):
+        return r
+    if hasattr(r, "to_json"):
+        return r.to_json()
+    tree = getattr(r, "tree", None)
+    return {"tree": tree.to_json() if hasattr(tree, "to_json") else tree,
+            "accepted": _plain(getattr(r, "accepted", [])), "next_token": _plain(getattr(r, "next_token", None))}
+
+
+def prompt_record(prompt: dict, res: Any, n_prompt_tokens: int | None = None) -> dict:
+    """One prompt's GenerationResult -> the per-prompt entry of results.json."""
+    taus = [int(t) for t in (getattr(res, "acceptance_lengths", None) or [])]
+    tokens = [int(t) for t in _plain(getattr(res, "tokens", []))]
+    return {
+        "id": prompt["id"], "prompt": prompt["prompt"],
+        "n_prompt_tokens": n_prompt_tokens if n_prompt_tokens is not None
+        else len(getattr(res, "prompt_tokens", None) or []) or None,
+        "stop_reason": getattr(res, "stop_reason", None),
+        "tokens": tokens, "text": getattr(res, "text", ""),
+        "acceptance_lengths": taus, "rounds": len(taus),
+        "mean_tau": sum(taus) / len(taus) if taus else None,
+        "wall_seconds": float(getattr(res, "wall_seconds", 0.0) or 0.0),
+        "tokens_per_second": getattr(res, "tokens_per_second", None),
+        "stage_seconds": {k: float(v) for k, v in (getattr(res, "stage_seconds", None) or {}).items()},
+    }
+
+
+def build_results(params: RunParams, pair: Any, prompts: list[dict], gen_results: list[Any],
+                  n_prompt_tokens: list[int] | None = None, extra: dict | None = None) -> dict:
+    """The results.json dict of one run, from its GenerationResults (one per prompt)."""
+    per_prompt = [prompt_record(p, r, n_prompt_tokens[i] if n_prompt_tokens else None)
+                  for i, (p, r) in enumerate(zip(prompts, gen_results))]
+    describe = getattr(pair, "describe", None)
+    models = describe() if callable(describe) else {}
+    models.setdefault("name", getattr(pair, "name", params.pair))
+    models.setdefault("target", getattr(pair, "target_id", None))
+    models.setdefault("drafter", getattr(pair, "drafter_id", None))
+    out = {
+        "schema": SCHEMA, "study": params.study_name, "run": params.run_name, "status": "complete",
+        "config": {k: v for k, v in params.to_json().items() if k not in ("run_dir", "study_dir", "budgets")},
+        "models": models,
+        "device": device_info(getattr(pair, "device", params.device)),
+        "versions": versions(), "commit": git_commit(),
+        "prompts": per_prompt,
+        "summary": summarize(per_prompt, drafter_depth(pair)),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    out.update(extra or {})
+    return out
+
+
+def drafter_depth(pair: Any) -> int | None:
+    """L = block_size - 1: the deepest a tree can go (None without a drafter)."""
+    cfg = getattr(getattr(pair, "drafter", None), "cfg", None)
+    bs = getattr(cfg, "block_size", None)
+    return bs - 1 if bs else None
+
+
+def trace_rows(prompt: dict, res: Any) -> list[dict]:
+    rows = []
+    for i, r in enumerate(getattr(res, "rounds", None) or []):
+        row = {"prompt_id": prompt["id"], "index": i}
+        row.update(round_to_json(r))
+        rows.append(row)
+    return rows
+
+
+def load_run_pair(params: RunParams):
+    """The pair a run names (`lab`, `random:<shape>` or target/drafter dirs)."""
+    import ddtree_lab as dl
+    kw = dict(device=params.device, dtype=params.dtype, attention=params.attention)
+    if params.pair:
+        return dl.load_pair(params.pair, **kw)
+    return dl.load_pair(target=params.target_dir, drafter=params.drafter_dir, **kw)
+
+
+def gen_kwargs(params: RunParams) -> dict:
+    kw = dict(method=params.method, max_new_tokens=params.max_new_tokens,
+              temperature=params.temperature)
+    if params.method == "ddtree":
+        kw.update(budget=params.budget, topk=params.topk or None)
+    return kw
+
+
+def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Generate every prompt of the run; returns (results dict, trace rows)."""
+    import ddtree_lab as dl
+    pair = pair if pair is not None else load_run_pair(params)
+    prompts = load_prompts(params.prompt_set, params.n_prompts)
+    kw = gen_kwargs(params)
+    if params.warmup:  # first calls pay for allocations / kernel compilation: keep them untimed
+        dl.generate(pair, prompts[0]["prompt"], **{**kw, "max_new_tokens": min(8, params.max_new_tokens)},
+                    seed=params.seed, trace=False)
+    results, rows, ntok = [], [], []
+    for i, p in enumerate(prompts):
+        res = dl.generate(pair, p["prompt"], seed=params.seed + i, trace=True, **kw)
+        results.append(res)
+        rows.extend(trace_rows(p, res))
+        ntok.append(len(getattr(res, "prompt_tokens", None) or []) or None)
+        if progress:
+            taus = getattr(res, "acceptance_lengths", []) or []
+            print(f"{params.run_name} prompt {i + 1}/{len(prompts)}: {len(res.tokens)} tokens, "
+                  f"{len(taus)} rounds, {res.wall_seconds:.2f}s", flush=True)
+    return build_results(params, pair, prompts, results, ntok), rows
+
+
+def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:
+    run_dir = Path(run_dir)
+    atomic_write_jsonl(run_dir / TRACES_FILE, rows)
+    atomic_write_json(run_dir / RESULTS_FILE, results)  # last: its presence means the run is whole
+
+
+def ensure_results(params: RunParams, pair: Any = None, progress: bool = True) -> dict:
+    """Load this run's results.json from params.run_dir, or generate and write it.
+
+    Results written for other parameters are regenerated. If the study's AR run already exists,
+    the comparison (speedup, losslessness) is added right away; the report recomputes it anyway."""
+    run_dir = Path(params.run_dir or ".")
+    path = run_dir / RESULTS_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("fingerprint") == params.fingerprint():
+            return old
+    results, rows = generate_run(params, pair, progress)
+    results["fingerprint"] = params.fingerprint()
+    ar = load_results(Path(params.study_dir) / ar_run_name(results)) if params.study_dir else None
+    results["comparison"] = compare(results, ar)
+    write_run(run_dir, results, rows)
+    return results
+
+
+def load_results(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_traces(run_dir: str | os.PathLike, prompt_id: str | None = None) -> list[dict]:
+    path = Path(run_dir) / TRACES_FILE
+    if not path.is_file():
+        return []
+    rows = read_jsonl(path)
+    return [r for r in rows if prompt_id is None or r.get("prompt_id") == prompt_id]
+
+
+def tokenizer_for(results: dict | None):
+    """The target's tokenizer (tokenizers only, no torch) from the checkpoint path in results."""
+    tid = ((results or {}).get("models") or {}).get("target") or {}
+    path = Path(tid["path"]) / "tokenizer.json" if isinstance(tid, dict) and tid.get("path") else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - token text is a nicety
+        return None
+
+
+def overview(results: dict) -> str:
+    """A few lines a notebook prints under a run."""
+    s, c, cfg = results.get("summary", {}), results.get("comparison") or {}, results.get("config", {})
+    tps, spt = s.get("tokens_per_second"), s.get("seconds_per_token")
+    lines = [f"run {results.get('run')}: {cfg.get('method')} budget={cfg.get('budget')} topk={cfg.get('topk') or '-'} "
+             f"T={cfg.get('temperature')} on {results.get('device', {}).get('gpu') or results.get('device', {}).get('device')}",
+             f"  {s.get('new_tokens')} tokens in {s.get('rounds')} rounds, mean tau "
+             f"{s.get('mean_tau') or 0:.2f}, {tps or 0:.1f} tokens/s ({(spt or 0) * 1e3:.1f} ms/token)",
+             f"  speedup over AR: {c.get('speedup'):.2f}x" if c.get("speedup") else "  speedup over AR: n/a",
+             f"  losslessness: {c.get('verdict')} ({c.get('detail')})"]
+    return "\n".join(lines)
+
+
+def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any = None) -> dict[int, list[dict]]:
+    """{budget: trace rows} for the tree explorer: this run's own traces, a sibling run's traces from
+    the same study when one exists, else rounds generated live (same prompts, same settings)."""
+    import ddtree_lab as dl
+    from .study import run_name
+    out: dict[int, list[dict]] = {}
+    own = load_traces(params.run_dir) if params.method == "ddtree" else []
+    if own:
+        out[params.budget] = own
+    prompts = None
+    for b in budgets or []:
+        if b in out:
+            continue
+        sibling = Path(params.study_dir) / run_name("ddtree", b, params.topk, params.temperature)
+        rows = load_traces(sibling) if params.study_dir else []
+        if not rows:
+            pair = pair if pair is not None else load_run_pair(params)
+            prompts = prompts or load_prompts(params.prompt_set, params.n_prompts)
+            kw = {**gen_kwargs(params), "method": "ddtree", "budget": b, "topk": params.topk or None}
+            for i, p in enumerate(prompts):
+                rows += trace_rows(p, dl.generate(pair, p["prompt"], seed=params.seed + i, trace=True, **kw))
+        out[b] = rows
+    return out
+
+
+def quick_sweep(params: RunParams, budgets: list[int], pair: Any = None) -> None:
+    """Without a study runner: write AR + DDTree runs (one per budget) into params.study_dir, in the
+    same layout a study uses, so the sweep and report functions read them alike."""
+    import dataclasses
+    from .study import run_name
+    pair = pair if pair is not None else load_run_pair(params)
+    specs = [dataclasses.replace(params, method="ar", budget=0, topk=0)]
+    specs += [dataclasses.replace(params, method="ddtree", budget=b) for b in budgets]
+    for spec in specs:
+        name = run_name(spec.method, spec.budget, spec.topk, spec.temperature)
+        d = Path(spec.study_dir) / name
+        d.mkdir(parents=True, exist_ok=True)
+        res = ensure_results(dataclasses.replace(spec, run_name=name, run_dir=str(d)), pair, progress=False)
+        atomic_write_json(d / "run.json", {"name": name, "kind": "run", "status": "complete",
+                                           "fingerprint": res.get("fingerprint"), "params": spec.to_json()})
+
+
+# ----------------------------------------------------------------------------- comparison
+def ar_run_name(results: dict) -> str:
+    from .study import run_name
+    return run_name("ar", temperature=float(results.get("config", {}).get("temperature", 0.0)))
+
+
+def losslessness(results: dict, ar: dict | None) -> dict:
+    """At T = 0 every prompt's tokens must equal the AR run's, token for token."""
+    cfg = results.get("config", {})
+    if cfg.get("method") == "ar":
+        return {"verdict": "reference", "detail": "the AR run is the reference"}
+    if not results.get("summary", {}).get("new_tokens"):
+        return {"verdict": "no tokens", "detail": "the run produced no tokens"}
+    if float(cfg.get("temperature", 0.0)) > 0:
+        return {"verdict": "not checked", "detail": "sampling (T > 0): outputs differ by design"}
+    if ar is None:
+        return {"verdict": "not checked", "detail": "no AR run at T = 0 in this study"}
+    ar_tokens = {p["id"]: p["tokens"] for p in ar.get("prompts", [])}
+    bad = []
+    for p in results.get("prompts", []):
+        ref = ar_tokens.get(p["id"])
+        if ref is None:
+            return {"verdict": "not checked", "detail": f"prompt {p['id']} missing from the AR run"}
+        if p["tokens"] != ref:
+            pos = next((i for i, (a, b) in enumerate(zip(p["tokens"], ref)) if a != b),
+                       min(len(p["tokens"]), len(ref)))
+            bad.append(f"{p['id']} diverges at token {pos}")
+    if bad:
+        return {"verdict": "mismatch", "detail": "; ".join(bad)}
+    return {"verdict": "lossless", "detail": f"{len(ar_tokens)} prompt(s) identical to AR"}
+
+
+def compare(results: dict, ar: dict | None) -> dict:
+    tps = results.get("summary", {}).get("tokens_per_second")
+    ar_tps = (ar or {}).get("summary", {}).get("tokens_per_second")
+    speedup = tps / ar_tps if tps and ar_tps else None
+    return {"ar_run": (ar or {}).get("run"), "speedup": speedup, **losslessness(results, ar)}
+
+
+def collect_study(study_dir: str | os.PathLike) -> list[dict]:
+    """Every run directory of a study as a row: status (run.json), results, fresh comparison."""
+    from .study import read_run_status
+    study_dir = Path(study_dir)
+    rows = []
+    for d in sorted(p for p in study_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        status = read_run_status(d)
+        res = load_results(d)
+        if status is None and res is None:
+            continue
+        kind = (status or {}).get("kind", "run" if res is not None else "study")
+        rows.append({"name": d.name, "dir": d, "kind": kind, "results": res, "run": status or {},
+                     "status": (status or {}).get("status", "complete")})
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        if r["results"] is not None:
+            ar_row = by_name.get(ar_run_name(r["results"]))
+            r["comparison"] = compare(r["results"], (ar_row or {}).get("results"))
+    return rows
+
+
+def suspect_reason(row: dict) -> str | None:
+    """Why a run needs a look (failed, no tokens, not lossless), or None."""
+    if row["status"] == "failed":
+        return f"failed: {row['run'].get('error')}"
+    res = row.get("results")
+    if res is None:
+        return "no results.json" if row["kind"] == "run" else None
+    verdict = row.get("comparison", {}).get("verdict")
+    if verdict in ("mismatch", "no tokens"):
+        return f"{verdict}: {row['comparison'].get('detail')}"
+    if any(not p.get("tokens") for p in res.get("prompts", [])):
+        return "a prompt produced no tokens"
+    tau = res.get("summary", {}).get("mean_tau")
+    if tau is not None and (math.isnan(tau) or tau < 1):
+        return f"mean τ {tau} < 1"
+    return None
+
+
+# ----------------------------------------------------------------------------- kernel timeline
+PEAK_GBPS = {"H200": 4800, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "H20": 4000,
+             "B200": 8000, "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555,
+             "L40S": 864, "L4": 300, "A10G": 600, "A10": 600, "RTX 4090": 1008, "RTX 3090": 936}
+
+
+def peak_bandwidth_gbps(gpu_name: str | None) -> float | None:
+    """Datasheet HBM/GDDR bandwidth for known GPUs (longest matching name wins), else None."""
+    if not gpu_name:
+        return None
+    hits = [k for k in PEAK_GBPS if k.lower() in gpu_name.lower()]
+    return float(PEAK_GBPS[max(hits, key=len)]) if hits else None
+
+
+def _top_level(events: list[dict]) -> list[dict]:
+    """Events not nested inside another event of the same thread (outermost ops)."""
+    out = []
+    by_tid: dict[Any, list[dict]] = {}
+    for e in events:
+        by_tid.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in by_tid.values():
+        end = -1.0
+        for e in sorted(evs, key=lambda e: (e["ts"], -e.get("dur", 0))):
+            if e["ts"] >= end:
+                out.append(e)
+                end = e["ts"] + e.get("dur", 0)
+    return out
+
+
+def summarize_chrome_trace(trace: dict | list, rounds: list[dict] | None = None,
+                           totals: dict | None = None, span: str = "ddtree_lab.generate",
+                           max_events: int = 4000) -> dict:
+    """A torch.profiler Chrome trace -> {stages, kernels, top_kernels} on one time axis (µs).
+
+    Stages come from `record_function` annotations named after a stage if the engine emits them,
+    else from the rounds' stage clocks laid end to end from the start of the `span` annotation.
+    Kernels are GPU kernels when there are any, else the outermost CPU ops."""
+    events = [e for e in (trace.get("traceEvents", []) if isinstance(trace, dict) else trace)
+              if e.get("ph") == "X" and "ts" in e]
+    for e in events:
+        e["ts"], e["dur"] = float(e["ts"]), float(e.get("dur", 0))
+    spans = [e for e in events if e.get("name") == span]
+    t0 = spans[0]["ts"] if spans else min((e["ts"] for e in events), default=0.0)
+    t1 = spans[0]["ts"] + spans[0]["dur"] if spans else max((e["ts"] + e["dur"] for e in events), default=0.0)
+
+    def stage_of(name: str) -> str | None:
+        base = name.split("/")[-1].split(".")[-1].split("::")[-1]
+        return base if base in STAGES else None
+
+    ann = [e for e in events if "user_annotation" in str(e.get("cat", "")) and stage_of(e["name"])]
+    stages, source = [], "record_function annotations"
+    if ann:
+        stages = [{"name": stage_of(e["name"]), "start_us": e["ts"], "dur_us": e["dur"]} for e in ann]
+    elif rounds:
+        source, t = "stage clocks of each round", t0
+        in_rounds = {s: sum((r.get("stage_seconds") or {}).get(s, 0.0) for r in rounds) for s in STAGES}
+        prefill = max(0.0, (totals or {}).get("verify", 0.0) - in_rounds["verify"])
+        if prefill:
+            stages.append({"name": "prefill", "start_us": t, "dur_us": prefill * 1e6})
+            t += prefill * 1e6
+        for r in rounds:
+            for s, sec in (r.get("stage_seconds") or {}).items():
+                stages.append({"name": s, "start_us": t, "dur_us": sec * 1e6, "round": r.get("index")})
+                t += sec * 1e6
+
+    gpu = [e for e in events if str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kind = "GPU kernels"
+    if not gpu:
+        kind = "CPU ops (outermost)"
+        gpu = _top_level([e for e in events if e.get("cat") == "cpu_op" and t0 <= e["ts"] <= t1])
+    agg: dict[str, list[float]] = {}
+    for e in gpu:
+        a = agg.setdefault(e["name"], [0.0, 0])
+        a[0] += e["dur"]
+        a[1] += 1
+    total = sum(a[0] for a in agg.values()) or 1.0
+    top = sorted(({"name": k, "total_us": v[0], "count": v[1], "share": v[0] / total} for k, v in agg.items()),
+                 key=lambda k: -k["total_us"])
+    keep = {k["name"] for k in top[:12]}
+    kernels = [{"name": e["name"], "start_us": e["ts"], "dur_us": e["dur"]}
+               for e in sorted(gpu, key=lambda e: e["ts"]) if e["name"] in keep][:max_events]
+    return {"kind": kind, "source": source, "stages": stages, "kernels": kernels, "top_kernels": top[:40],
+            "span_us": t1 - t0}
+
+
+def profile_run(params: RunParams, pair: Any = None, out_dir: str | os.PathLike = ".",
+                max_new_tokens: int | None = None) -> dict:
+    """Profile one generate of the run's first prompt with torch.profiler; write trace.json (Chrome
+    trace) and timeline.json (the summary the report draws) into out_dir."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    import ddtree_lab as dl
+
+    pair = pair if pair is not None else load_run_pair(params)
+    prompt = load_prompts(params.prompt_set, 1)[0]["prompt"]
+    kw = {**gen_kwargs(params), "max_new_tokens": max_new_tokens or min(params.max_new_tokens, 32)}
+    dl.generate(pair, prompt, **{**kw, "max_new_tokens": 8}, seed=params.seed, trace=False)  # warm-up
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                     and str(getattr(pair, "device", "cpu")).startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        with record_function("ddtree_lab.generate"):
+            res = dl.generate(pair, prompt, seed=params.seed, trace=True, profile=True, **kw)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / ".trace.json.tmp"
+    prof.export_chrome_trace(str(tmp))
+    os.replace(tmp, out_dir / "trace.json")
+    trace = json.loads((out_dir / "trace.json").read_text())
+    tl = summarize_chrome_trace(trace, [round_to_json(r) for r in res.rounds], res.stage_seconds)
+    tl.update(run=params.run_name, method=params.method, budget=params.budget, trace_file="trace.json",
+              device=str(getattr(pair, "device", params.device)), stage_seconds=res.stage_seconds,
+              acceptance_lengths=res.acceptance_lengths, new_tokens=len(res.tokens))
+    atomic_write_json(out_dir / "timeline.json", tl)
+    return tl
+
+
+def verify_microbench(params: RunParams, pair: Any = None, budgets: list[int] | None = None,
+                      max_new_tokens: int = 24, out_dir: str | os.PathLike | None = None) -> dict:
+    """Verify time per round against the budget, and the bandwidth that implies: a verify forward
+    reads every target weight once plus the KV cache, so bytes / time is the achieved bandwidth
+    (compared with the GPU's datasheet peak, the memory roofline)."""
+    import ddtree_lab as dl
+    pair = pair if pair is not None else load_run_pair(params)
+    prompt = load_prompts(params.prompt_set, 1)[0]["prompt"]
+    target = getattr(pair, "target", None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters()) if target is not None else 0
+    cfg = getattr(target, "cfg", None)
+    kv_per_pos = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                  * next(target.parameters()).element_size()) if cfg is not None else 0
+    budgets = budgets or params.budgets or [params.budget]
+    dl.generate(pair, prompt, method="ddtree", budget=budgets[0], max_new_tokens=8, trace=False)
+    points = []
+    for b in budgets:
+        res = dl.generate(pair, prompt, method="ddtree", budget=b, max_new_tokens=max_new_tokens,
+                          temperature=params.temperature, seed=params.seed, trace=True)
+        rounds = res.rounds or []
+        if not rounds:
+            continue
+        verify = sum(r.stage_seconds.get("verify", 0.0) for r in rounds) / len(rounds)
+        pos = sum(r.position for r in rounds) / len(rounds)
+        nbytes = weight_bytes + kv_per_pos * pos
+        points.append({"budget": b, "rounds": len(rounds), "verify_ms": verify * 1e3,
+                       "draft_ms": 1e3 * sum(r.stage_seconds.get("draft", 0.0) for r in rounds) / len(rounds),
+                       "mean_tau": sum(res.acceptance_lengths) / len(res.acceptance_lengths),
+                       "bytes": nbytes, "achieved_gbps": nbytes / verify / 1e9 if verify > 0 else None})
+    dev = device_info(getattr(pair, "device", params.device))
+    out = {"points": points, "gpu": dev.get("gpu"), "peak_gbps": peak_bandwidth_gbps(dev.get("gpu")),
+           "weight_bytes": weight_bytes, "device": dev.get("device"),
+           "note": "bytes = target weights + KV cache at the mean position; the roofline is the datasheet "
+                   "memory bandwidth (none on a CPU)."}
+    if out_dir is not None:
+        atomic_write_json(Path(out_dir) / "microbench.json", out)
+    return out
