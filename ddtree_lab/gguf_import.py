@@ -143,9 +143,15 @@ def _dense_state(model, dtype) -> dict:
     return state
 
 
+_CONFIG_NOISE = ("id2label", "label2id", "output_hidden_states", "output_attentions", "return_dict",
+                 "chunk_size_feed_forward", "is_encoder_decoder", "problem_type")
+
+
 def _hf_config(model, dtype_name: str) -> dict:
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)  # the weights we write are plain tensors
+    for key in [k for k in cfg if k.startswith("_") or k in _CONFIG_NOISE]:
+        cfg.pop(key)  # generic PretrainedConfig fields that say nothing about this model
     cfg["architectures"] = [type(model).__name__]
     cfg["torch_dtype"] = cfg["dtype"] = dtype_name
     rope = cfg.get("rope_parameters") or {}
@@ -266,6 +272,105 @@ def read_provenance(directory) -> dict | None:
         return None
 
 
+# ----------------------------------------------------------------------------- export (round-trip tests)
+
+def _llama_cpp_permute(w, n_head: int):
+    """The q/k row order llama.cpp's converter writes: per head, the two RoPE halves interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_llama_gguf(hf_dir, gguf_path, qtype: str = "F32") -> Path:
+    """Write an HF Llama directory (config, safetensors, tokenizer.json) as a GGUF file, laid out
+    the way llama.cpp's converter does (tensor names, q/k permutation, byte-level BPE vocabulary).
+
+    Small and dependency-light, for round-trip tests: qtype F32, F16 or Q8_0 (2-D weights only).
+    """
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf.quants import quantize
+    from safetensors.numpy import load_file
+
+    from .config import read_json
+
+    hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)
+    cfg = read_json(hf_dir / "config.json")
+    if "LlamaForCausalLM" not in (cfg.get("architectures") or []):
+        raise GGUFImportError(f"{hf_dir}/config.json: only LlamaForCausalLM can be exported")
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+
+    w = GGUFWriter(str(gguf_path), "llama")
+    w.add_name(hf_dir.name)
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    w.add_vocab_size(cfg["vocab_size"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tcfg_path = hf_dir / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    vocab = dict(tok["model"]["vocab"])
+    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    for a in tok.get("added_tokens", []):
+        vocab[a["content"]] = a["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise GGUFImportError(f"{hf_dir}/tokenizer.json: token ids are not 0..{len(tokens) - 1}")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id)):
+        text = tcfg.get(key)
+        text = text.get("content") if isinstance(text, dict) else text
+        if text in vocab:
+            add(vocab[text])
+    w.add_add_bos_token(False)
+    if tcfg.get("chat_template"):
+        w.add_chat_template(tcfg["chat_template"])
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    qt = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16,
+          "Q8_0": GGMLQuantizationType.Q8_0}[qtype]
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    for name, t in tensors.items():
+        if name in names:
+            gname = names[name]
+        else:
+            i, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            gname = f"blk.{i}.{parts[rest]}.weight"
+        t = t.astype(np.float32)
+        if gname.endswith("attn_q.weight"):
+            t = _llama_cpp_permute(t, heads)
+        elif gname.endswith("attn_k.weight"):
+            t = _llama_cpp_permute(t, kv_heads)
+        if t.ndim == 1 or qt == GGMLQuantizationType.F32:
+            w.add_tensor(gname, t)  # norms stay F32, as llama.cpp writes them
+        elif qt == GGMLQuantizationType.F16:
+            w.add_tensor(gname, t.astype(np.float16))
+        else:
+            w.add_tensor(gname, quantize(t, qt), raw_dtype=qt)  # bytes [rows, blocks*34]; the writer infers the shape
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_path
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def add_import_gguf_args(p) -> None:
@@ -288,5 +393,5 @@ def run_import_gguf_cli(args) -> int:
     return 0
 
 
-__all__ = ["import_gguf", "verify_hash", "sha256_file", "require_extra", "GGUFImportError",
+__all__ = ["import_gguf", "export_llama_gguf", "verify_hash", "sha256_file", "require_extra", "GGUFImportError",
            "HashMismatchError", "KNOWN_SHA256", "add_import_gguf_args", "run_import_gguf_cli"]
