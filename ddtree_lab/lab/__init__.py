@@ -1,0 +1,1 @@
+"""Building the embedded lab pair: corpus, tokenizer, prompt sets, training and evaluation."""

@@ -1,0 +1,142 @@
+"""Measuring the lab pair: held-out loss, and acceptance τ for DFlash and DDTree at T = 0.
+
+Two ways to get τ:
+- `fast_tau` (used while training, batched on the GPU): at T = 0 the committed sequence is always
+  the target's greedy sequence, so every round's drafter input is known up front. One batched
+  drafter pass drafts a block at every position of the greedy continuation; a round at position n
+  accepts the longest path of the tree (built by the engine's `build_tree`) that spells the greedy
+  tokens n+1, n+2, …; the next round starts at n + τ. This is the engine's loop minus the KV cache.
+- `engine_tau` (used for the model card): `ddtree_lab.generate` itself, which also checks that
+  DFlash and DDTree emit exactly the AR tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .dflash import block_logits, greedy_extend
+
+
+@torch.no_grad()
+def heldout_loss(target, ids: np.ndarray, seq_len: int, device, max_windows: int = 256,
+                 batch: int = 32) -> float:
+    """Mean next-token loss over non-overlapping held-out windows of seq_len + 1 tokens."""
+    n = min((len(ids) - 1) // seq_len, max_windows)
+    arr = torch.from_numpy(ids[: n * seq_len + 1].astype(np.int64))
+    tot, cnt = 0.0, 0
+    for i in range(0, n, batch):
+        rows = range(i, min(i + batch, n))
+        x = torch.stack([arr[r * seq_len: r * seq_len + seq_len] for r in rows]).to(device)
+        y = torch.stack([arr[r * seq_len + 1: r * seq_len + seq_len + 1] for r in rows]).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits, _ = target.forward_train(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        tot, cnt = tot + float(loss), cnt + y.numel()
+    return tot / max(cnt, 1)
+
+
+def _walk(tree, truth: list[int]) -> int:
+    """Accepted nodes (root included) when the target's choices are `truth` (depths 1..L)."""
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    children: dict[int, dict[int, int]] = {}
+    for i, (p, t) in enumerate(zip(parents, tokens)):
+        children.setdefault(p, {})[t] = i + 1
+    node, a = 0, 1
+    for t in truth:
+        node = children.get(node, {}).get(t)
+        if node is None:
+            break
+        a += 1
+    return a
+
+
+@dataclass
+class TauResult:
+    per_method: dict = field(default_factory=dict)   # method -> list of τ (all rounds, all prompts)
+    per_prompt: dict = field(default_factory=dict)   # method -> list of per-prompt mean τ
+
+    def mean(self, method: str) -> float:
+        xs = self.per_method.get(method, [])
+        return float(np.mean(xs)) if xs else float("nan")
+
+    def summary(self) -> dict:
+        return {m: round(self.mean(m), 3) for m in self.per_method}
+
+
+@torch.no_grad()
+def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets=(16, 64, 256),
+             eos_id: int | None = None, device=None) -> TauResult:
+    """τ of DFlash and DDTree(budget) per round at T = 0, simulated on the greedy sequence."""
+    from ..tree import build_tree
+
+    device = device or target.embed_tokens.weight.device
+    bs = drafter.cfg.block_size
+    L = bs - 1
+    mask_id = drafter.cfg.mask_token_id
+    layers = list(drafter.cfg.target_layer_ids)
+    methods = ["dflash"] + [f"ddtree{b}" for b in budgets]
+    res = TauResult({m: [] for m in methods}, {m: [] for m in methods})
+    for ids in prompts:
+        P = len(ids)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            seq = greedy_extend(target, torch.tensor([ids], device=device), n_new + bs)  # [1, S]
+            _, hid = target.forward_train(seq, hidden_layers=layers)
+            anchors = torch.arange(P, P + n_new, device=device)[None]  # a round can start anywhere here
+            logits, _ = block_logits(target, drafter, seq, hid, anchors, mask_id)  # [1, A, L, V]
+        logits = logits[0].float().cpu()
+        toks = seq[0].tolist()
+        n_out = n_new
+        if eos_id is not None and eos_id in toks[P:P + n_new]:
+            n_out = toks[P:P + n_new].index(eos_id) + 1  # the engine stops after emitting EOS
+        for m in methods:
+            taus, n = [], P  # n = position of the bonus token; the prefill emitted toks[P]
+            while n - P + 1 < n_out:
+                truth = toks[n + 1: n + 1 + L]
+                q = logits[n - P]
+                if m == "dflash":
+                    hits = (q.argmax(-1) == torch.tensor(truth)).int()
+                    a = 1 + int(torch.cumprod(hits, 0).sum())
+                else:
+                    a = _walk(build_tree(q, int(m[6:])), truth)
+                taus.append(a)
+                n += a
+            res.per_method[m].extend(taus)
+            res.per_prompt[m].append(float(np.mean(taus)) if taus else float("nan"))
+    return res
+
+
+def engine_tau(pair, prompt_rows: list[dict], n_new: int = 96, budgets=(16, 64, 256), log=print) -> dict:
+    """Run ddtree_lab.generate for AR, DFlash and DDTree(budgets) on every prompt; check losslessness."""
+    import ddtree_lab as dl
+
+    methods = [("ar", {}), ("dflash", {})] + [(f"ddtree{b}", {"budget": b}) for b in budgets]
+    taus = {m: [] for m, _ in methods}
+    secs = {m: 0.0 for m, _ in methods}
+    toks = {m: 0 for m, _ in methods}
+    mismatches, samples = [], []
+    for i, row in enumerate(prompt_rows):
+        outs = {}
+        for m, kw in methods:
+            t0 = time.perf_counter()
+            r = dl.generate(pair, row["prompt"], method="ddtree" if m.startswith("ddtree") else m,
+                            max_new_tokens=n_new, temperature=0.0, trace=False, **kw)
+            secs[m] += time.perf_counter() - t0
+            toks[m] += len(r.tokens)
+            outs[m] = r
+            taus[m].extend(r.acceptance_lengths)
+        for m, _ in methods[1:]:
+            if outs[m].tokens != outs["ar"].tokens:
+                mismatches.append({"id": row["id"], "method": m})
+        if i < 3:
+            samples.append({"id": row["id"], "source": row["source"], "prompt": row["prompt"],
+                            "output": outs["ar"].text})
+        if log and (i + 1) % 8 == 0:
+            log(f"  engine eval {i + 1}/{len(prompt_rows)}: " +
+                ", ".join(f"{m} {np.mean(taus[m]):.2f}" for m, _ in methods[1:]))
+    return {"tau": {m: float(np.mean(v)) for m, v in taus.items()},
+            "rounds": {m: len(v) for m, v in taus.items()},
+            "tokens_per_s": {m: toks[m] / max(secs[m], 1e-9) for m in secs},
+            "mismatches": mismatches, "samples": samples, "n_prompts": len(prompt_rows)}
