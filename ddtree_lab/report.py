@@ -223,7 +223,8 @@ nav a{margin-right:12px;font-size:14px}
 ERROR_HOOK = ("<script>window.__reportErrors=[];window.addEventListener('error',function(e){"
               "window.__reportErrors.push(String(e.message||e));});</script>")
 STATUS_HOOK = """<script>window.addEventListener('load',function(){setTimeout(function(){
-var n=document.querySelectorAll('.js-plotly-plot .main-svg').length;
+var n=Array.prototype.filter.call(document.querySelectorAll('.js-plotly-plot'),
+  function(d){return d.querySelector('.main-svg')!==null;}).length;
 var s=document.getElementById('render-status');
 s.setAttribute('data-plots',String(n));s.setAttribute('data-errors',String(window.__reportErrors.length));
 s.textContent='figures rendered: '+n+(window.__reportErrors.length?' · errors: '+window.__reportErrors.join(' | '):'');
@@ -372,10 +373,15 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     best = recommend_budget(rows)
     page.section("budget", "Acceptance and speedup vs budget")
-    if best:
+    if best and best["speedup"] >= 1:
         page.add(f"<div class='callout'><b>Recommended budget: {best['budget']}</b> "
                  f"(topk {best['topk'] or '= budget'}, T {best['temperature']:g}): "
                  f"{best['speedup']:.2f}× over AR, mean τ {_num(best['mean_tau'])} — run {_e(best['run'])}.</div>")
+    elif best:
+        page.add(f"<div class='callout'><b>No budget beat AR here.</b> The best DDTree run, budget "
+                 f"{best['budget']} ({_e(best['run'])}), reached {best['speedup']:.2f}× with mean τ "
+                 f"{_num(best['mean_tau'])}: the drafter is not accepted often enough to pay for drafting "
+                 "and a wider verify on this hardware.</div>")
     else:
         page.add("<p class='na'>No recommendation: it needs an AR run and at least one complete DDTree run.</p>")
     if ok:

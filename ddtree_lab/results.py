@@ -290,9 +290,13 @@ def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any =
     import ddtree_lab as dl
     from .study import run_name
     out: dict[int, list[dict]] = {}
-    own = load_traces(params.run_dir) if params.method == "ddtree" else []
-    if own:
-        out[params.budget] = own
+    if params.method == "ar":
+        return out  # AR rounds have no trees
+    own = [r for r in load_traces(params.run_dir) if r.get("tree")]
+    if own:  # DFlash: a single path of L nodes
+        out[params.budget if params.method == "ddtree" else len(own[0]["tree"]["tokens"])] = own
+        if params.method == "dflash":
+            return out
     prompts = None
     for b in budgets or []:
         if b in out:
