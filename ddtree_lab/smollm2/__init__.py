@@ -17,7 +17,7 @@ TARGET_DIRNAME = "smollm2-135m-instruct"
 PACKAGE_DIR = Path(__file__).resolve().parent
 DRAFTER_DIR = PACKAGE_DIR / "drafter"
 PROMPTS_DIR = PACKAGE_DIR / "prompts"
-PROMPT_SETS = ("chat", "code", "math")
+PROMPT_SETS = ("chat", "code", "math")  # plus "all": the three interleaved (chat-00, code-00, math-00, …)
 
 
 def target_dir() -> Path:
@@ -39,8 +39,8 @@ def resolve() -> tuple[Path, Path]:
 
 
 def prompt_path(name: str) -> Path:
-    if name not in PROMPT_SETS:
-        raise ValueError(f"prompt set {name!r} is not one of {', '.join(PROMPT_SETS)}")
+    if name not in (*PROMPT_SETS, "all"):
+        raise ValueError(f"prompt set {name!r} is not one of {', '.join(PROMPT_SETS)}, all")
     return PROMPTS_DIR / f"{name}.jsonl"
 
 
