@@ -191,7 +191,7 @@ def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
     reader = _TensorReader(directory)
     _fill(model, reader, target_mapping(cfg))
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def load_drafter(directory, device="cpu", dtype=torch.float32) -> Drafter:
@@ -207,7 +207,7 @@ def load_drafter(directory, device="cpu", dtype=torch.float32) -> Drafter:
         reader = _TensorReader(directory, strip_prefix="model.")
     _fill(model, reader, drafter_mapping(cfg))
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def load_tokenizer(directory: Path):

@@ -1,0 +1,36 @@
+"""Shared fixtures: random tiny checkpoints written in the real on-disk formats."""
+import os
+
+import pytest
+import torch
+
+import ddtree_lab as dl
+from ddtree_lab.testing import make_tiny_pair
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_dirs):
+    t, d = tiny_dirs
+    return dl.load_pair(target=t, drafter=d)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_pair(tmp_path_factory):
+    t, d = make_tiny_pair(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=3)
+    return dl.load_pair(target=t, drafter=d)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    """Vocabulary of 8: trees of budget ≥ 72 hold every 2-token continuation, so rounds accept deep
+    paths and the walk, KV compaction and drafter context are exercised at length."""
+    t, d = make_tiny_pair(tmp_path_factory.mktemp("tiny_v8"), arch="qwen3", vocab_size=8, seed=5,
+                          tokenizer=False)
+    return dl.load_pair(target=t, drafter=d)
