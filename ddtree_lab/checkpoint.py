@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from .config import (ConfigError, DrafterConfig, TargetConfig, check_pair, drafter_config_from_hf,
                      read_json, target_config_from_hf)
+from .attention import check_backend
 from .drafter import Drafter
 from .model import Target
 
@@ -242,16 +243,17 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
               attention: str = "sdpa") -> Pair:
     """Load a target + DFlash drafter pair: `load_pair("lab")` or `load_pair(target=DIR, drafter=DIR)`."""
     start = time.perf_counter()
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    check_backend(attention)
     if name is not None:
         if target is not None:
             raise ValueError("give either a pair name or target=/drafter= directories, not both")
         target, drafter = resolve_named_pair(name)
     if target is None:
         raise ValueError("load_pair needs a pair name or target=DIR")
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
     device = torch.device(device)
     target_dir = Path(target)
     tmodel = load_target(target_dir, device, dtype)
