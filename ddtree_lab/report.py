@@ -52,6 +52,20 @@ def _series_key(cfg: dict) -> str:
     return f"topk {k if k else '= budget'}, T {cfg.get('temperature', 0):g}"
 
 
+def busy_runs(runs: list[dict], limit: int = 8) -> set[str]:
+    """With many runs, which start hidden in per-run figures: keep DFlash and up to `limit` DDTree
+    runs spread over the budgets of the first (topk, temperature) series."""
+    if len(runs) <= limit:
+        return set()
+    ddt = [r for r in runs if _cfg(r).get("method") == "ddtree"]
+    first = _series_key(_cfg(ddt[0])) if ddt else None
+    ddt = [r for r in ddt if _series_key(_cfg(r)) == first]
+    keep = {r["name"] for r in runs if _cfg(r).get("method") == "dflash" and _cfg(r).get("temperature", 0) == 0}
+    step = max(1, math.ceil(len(ddt) / (limit - len(keep) or 1)))
+    keep |= {r["name"] for r in ddt[::step]}
+    return {r["name"] for r in runs} - keep
+
+
 def recommend_budget(rows: list[dict]) -> dict | None:
     """The DDTree run with the highest speedup among complete runs not found lossy."""
     best = None
@@ -390,12 +404,19 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
         page.figure(sweep_figure(rows, "tokens_per_second"))
 
     spec = [r for r in ok if _cfg(r).get("method") != "ar"]
+    hidden = busy_runs(spec)
+    note = (f"<p class='sub'>{len(hidden)} of {len(spec)} runs start hidden; click a legend entry to show it.</p>"
+            if hidden else "")
     page.section("tau", "τ histograms")
     if spec:
-        page.figure(viz.tau_histogram_figure({r["name"]: _summary(r).get("tau_histogram", {}) for r in spec}))
+        page.add(note)
+        page.figure(viz.tau_histogram_figure({r["name"]: _summary(r).get("tau_histogram", {}) for r in spec},
+                                             hidden=hidden))
     page.section("depth", "Acceptance by depth")
     if spec:
-        page.figure(viz.acceptance_depth_figure({r["name"]: _summary(r).get("acceptance_by_depth", {}) for r in spec}))
+        page.add(note)
+        page.figure(viz.acceptance_depth_figure({r["name"]: _summary(r).get("acceptance_by_depth", {}) for r in spec},
+                                                hidden=hidden))
     page.section("stages", "Stage breakdown")
     if ok:
         page.figure(stage_figure(rows))

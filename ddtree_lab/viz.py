@@ -91,7 +91,9 @@ def make_decoder(tok: Any = None) -> Callable[[int], str]:
     """Token id -> display text, from a Pair, a tokenizers.Tokenizer, a callable or nothing."""
     if tok is None:
         return lambda i: f"#{i}"
+    tok = getattr(tok, "tokenizer", None) or tok  # a Pair carries its tokenizers.Tokenizer
     fn = tok if callable(tok) and not hasattr(tok, "decode") else tok.decode
+    piece = getattr(tok, "id_to_token", None)
 
     def decode(i: int) -> str:
         if i is None or i < 0:
@@ -100,7 +102,10 @@ def make_decoder(tok: Any = None) -> Callable[[int], str]:
             s = fn([int(i)])
         except Exception:  # noqa: BLE001 - an odd id must not break a figure
             return f"#{i}"
-        return s if isinstance(s, str) else str(s)
+        s = s if isinstance(s, str) else str(s)
+        if "\ufffd" in s and piece is not None:  # part of a multi-byte character: show the raw piece
+            s = piece(int(i)) or s
+        return s
     return decode
 
 
@@ -383,29 +388,33 @@ def _fig(title: str, height: int = 380, **kw) -> go.Figure:
     return fig
 
 
-def tau_histogram_figure(runs: dict[str, dict], title: str = "τ histogram (share of rounds)") -> go.Figure:
-    """runs: {label: tau_histogram dict {"values", "counts"}}."""
+def tau_histogram_figure(runs: dict[str, dict], title: str = "τ histogram (share of rounds)",
+                         hidden: Sequence[str] = ()) -> go.Figure:
+    """runs: {label: tau_histogram dict {"values", "counts"}}; `hidden` labels start legend-only."""
     fig = _fig(title, barmode="group", xaxis=dict(title=dict(text="τ (accepted tokens per round)"), dtick=1),
                yaxis=dict(title=dict(text="share of rounds"), tickformat=".0%"))
     for label, h in runs.items():
         total = sum(h.get("counts", [])) or 1
         fig.add_bar(name=label, x=h.get("values", []), y=[c / total for c in h.get("counts", [])],
+                    visible="legendonly" if label in hidden else True,
                     hovertemplate="τ=%{x}: %{y:.1%}<extra>" + label + "</extra>")
     return fig
 
 
-def acceptance_depth_figure(runs: dict[str, dict], title: str = "acceptance by depth") -> go.Figure:
+def acceptance_depth_figure(runs: dict[str, dict], title: str = "acceptance by depth",
+                            hidden: Sequence[str] = ()) -> go.Figure:
     """runs: {label: acceptance_by_depth dict}. Left: share of rounds reaching depth >= d;
-    right: P(reach d | reach d-1)."""
+    right: P(reach d | reach d-1). `hidden` labels start legend-only (click to show)."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("share of rounds reaching depth ≥ d",
                                                         "P(reach d | reach d−1)"))
     palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
     for i, (label, a) in enumerate(runs.items()):
         color = palette[i % len(palette)]
+        vis = "legendonly" if label in hidden else True
         fig.add_scatter(x=a.get("depth", []), y=a.get("survival", []), name=label, legendgroup=label,
-                        mode="lines+markers", line=dict(color=color), row=1, col=1)
+                        mode="lines+markers", line=dict(color=color), visible=vis, row=1, col=1)
         fig.add_scatter(x=a.get("depth", []), y=a.get("conditional", []), name=label, legendgroup=label,
-                        showlegend=False, mode="lines+markers", line=dict(color=color), row=1, col=2)
+                        showlegend=False, mode="lines+markers", line=dict(color=color), visible=vis, row=1, col=2)
     fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
                       margin=dict(l=50, r=20, t=80, b=45))
     fig.update_xaxes(title_text="depth d", dtick=1)

@@ -195,3 +195,16 @@ def test_report_renders_in_headless_chromium(study_dir, tmp_path):
     common = max(set(pixels), key=pixels.count)
     assert sum(p != common for p in pixels) / len(pixels) > 0.05  # not a blank page
     assert len(set(pixels)) > 50                                    # text, lines, colours
+
+
+def test_many_runs_start_partly_hidden():
+    rows = [{"name": f"ddtree-b{b}-k{k}-t{t}", "kind": "run", "status": "complete",
+             "results": {"config": {"method": "ddtree", "budget": b, "topk": k, "temperature": t}}}
+            for t in (0, 1) for k in (0, 8) for b in (1, 4, 16, 64, 256, 1024)]
+    rows.append({"name": "dflash-t0", "kind": "run", "status": "complete",
+                 "results": {"config": {"method": "dflash", "temperature": 0}}})
+    runs = report.grid_rows(rows)
+    shown = {r["name"] for r in runs} - report.busy_runs(runs)
+    assert "dflash-t0" in shown and "ddtree-b1-k0-t0" in shown and len(shown) <= 8
+    assert all(n.endswith("-k0-t0") for n in shown - {"dflash-t0"})
+    assert report.busy_runs(runs[:5]) == set()
