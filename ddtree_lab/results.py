@@ -182,8 +182,10 @@ def trace_rows(prompt: dict, res: Any) -> list[dict]:
 def load_run_pair(params: RunParams):
     """The pair a run names (`lab`, `random:<shape>` or target/drafter dirs)."""
     import ddtree_lab as dl
+    from .study import register_pair_module
     kw = dict(device=params.device, dtype=params.dtype, attention=params.attention)
     if params.pair:
+        register_pair_module(params.pair)
         return dl.load_pair(params.pair, **kw)
     return dl.load_pair(target=params.target_dir, drafter=params.drafter_dir, **kw)
 

@@ -36,6 +36,7 @@ DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTIONS = ("sdpa", "triton", "flex")
 PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
+SHIPPED_SET = re.compile(r"^([A-Za-z0-9_]+):([A-Za-z0-9_.\-]+)$")  # <pair>:<set>, e.g. lab:code
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 BUDGET_RANGE = (1, 1024)
 KERNEL = "python3"
@@ -193,26 +194,38 @@ def find_notebook(name: str, base: Path | None = None) -> Path | None:
     return None
 
 
-def lab_prompt_dir() -> Path:
-    return PACKAGE_DIR / "lab_pair" / "prompts"
+def prompt_dir(pair_name: str) -> Path:
+    """Prompt sets shipped with a pair: ddtree_lab/lab_pair/prompts, ddtree_lab/<name>/prompts."""
+    return PACKAGE_DIR / ("lab_pair" if pair_name == "lab" else pair_name) / "prompts"
 
 
 def resolve_prompt_set(spec: str, base: Path | None = None) -> Path | None:
-    """`lab:code` -> ddtree_lab/lab_pair/prompts/code.jsonl; anything else is a .jsonl path."""
-    if spec.startswith("lab:"):
-        p = lab_prompt_dir() / f"{spec[4:]}.jsonl"
+    """`lab:code` -> ddtree_lab/lab_pair/prompts/code.jsonl (likewise `<pair>:<set>` for other
+    shipped pairs); anything else is a .jsonl path (relative to the study file or the cwd)."""
+    m = SHIPPED_SET.match(spec)
+    if m:
+        p = prompt_dir(m.group(1)) / f"{m.group(2)}.jsonl"
         return p if p.is_file() else None
     p = _resolve_path(spec, base)
     return p if p.is_file() else None
 
 
 def available_prompt_sets() -> list[str]:
-    d = lab_prompt_dir()
-    return sorted(f"lab:{p.stem}" for p in d.glob("*.jsonl")) if d.is_dir() else []
+    out = []
+    for d in sorted(PACKAGE_DIR.glob("*/prompts")):
+        name = "lab" if d.parent.name == "lab_pair" else d.parent.name
+        out += [f"{name}:{p.stem}" for p in sorted(d.glob("*.jsonl"))]
+    return out
+
+
+def _is_chat(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "content" in m for m in x)
 
 
 def load_prompts(spec: str, n_prompts: int | None = None, base: Path | None = None) -> list[dict]:
-    """Read a prompt set: a list of {"id", "prompt"} (ids default to the line number)."""
+    """Read a prompt set: a list of {"id", "prompt"}. A line holds "prompt" (text) or "messages"
+    (chat messages, rendered by the engine with the checkpoint's chat template); ids default to
+    the line number."""
     path = resolve_prompt_set(spec, base)
     if path is None:
         raise FileNotFoundError(f"prompt set not found: {spec}")
@@ -222,10 +235,28 @@ def load_prompts(spec: str, n_prompts: int | None = None, base: Path | None = No
             if not line.strip():
                 continue
             row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{i + 1}: each line must be an object with a string 'prompt'")
-            rows.append({"id": str(row.get("id", len(rows))), "prompt": row["prompt"]})
+            row = row if isinstance(row, dict) else {}
+            prompt = row.get("prompt", row.get("messages"))
+            if not (_is_chat(prompt) or (isinstance(prompt, str) and "prompt" in row)):
+                raise ValueError(f"{path}:{i + 1}: each line must be an object with a string 'prompt' "
+                                 "or a list of chat 'messages'")
+            rows.append({"id": str(row.get("id", len(rows))), "prompt": prompt})
     return rows[:n_prompts] if n_prompts else rows
+
+
+def prompt_text(prompt) -> str:
+    """Display text of a prompt: the text, or the last chat message's content."""
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
+
+
+def register_pair_module(name: str) -> None:
+    """Named pairs register themselves when their module (ddtree_lab.<name>) is imported."""
+    import importlib
+    if re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name) and name not in ("lab", "random"):
+        try:
+            importlib.import_module(f"{__package__}.{name}")
+        except ImportError:
+            pass
 
 
 def _lab_pair_present() -> bool:
@@ -237,6 +268,7 @@ def _lab_pair_present() -> bool:
 def _check_named_pair(name: str, src: str | None) -> None:
     try:
         from . import registry  # pulled checkpoints registered by name (imports torch)
+        register_pair_module(name)
         registry.resolve(name)
     except ImportError:
         return
@@ -308,7 +340,7 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
             raise StudyError("prompts.set", f"unreadable prompt file: {e}", src) from None
         if len(rows) < prompts.n_prompts:
             raise StudyError("prompts.n_prompts", f"{prompts.n_prompts} requested but {prompts.set} has {len(rows)}", src)
-        if not prompts.set.startswith("lab:"):
+        if not SHIPPED_SET.match(prompts.set):
             prompts.set = str(resolved)  # notebooks run in another cwd: pass an absolute path
 
     methods = _as_list("methods", data["methods"], str, src)

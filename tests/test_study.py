@@ -169,3 +169,18 @@ def test_atomic_writes_and_dirs(tmp_path):
     os.makedirs(tmp_path / ".run.tmp-stale")
     atomic.clean_stale_temps(tmp_path)
     assert not (tmp_path / ".run.tmp-stale").exists()
+
+
+def test_chat_prompts_and_shipped_sets(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"id": "c0", "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                 + json.dumps({"id": "c1", "prompt": [{"role": "user", "content": "yo"}]}) + "\n")
+    rows = S.load_prompts(str(f))
+    assert rows[0]["prompt"] == [{"role": "user", "content": "hi"}] and S.prompt_text(rows[1]["prompt"]) == "yo"
+    f.write_text('{"id": "bad", "messages": "not a list"}\n')
+    with pytest.raises(ValueError, match="chat 'messages'"):
+        S.load_prompts(str(f))
+    # <pair>:<set> names a set shipped in ddtree_lab/<pair>/prompts (lab -> lab_pair)
+    assert S.prompt_dir("lab") == S.PACKAGE_DIR / "lab_pair" / "prompts"
+    for name in S.available_prompt_sets():
+        assert S.resolve_prompt_set(name) is not None and S.load_prompts(name, 1)
