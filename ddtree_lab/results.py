@@ -134,6 +134,7 @@ def prompt_record(prompt: dict, res: Any, n_prompt_tokens: int | None = None) ->
         "acceptance_lengths": taus, "rounds": len(taus),
         "mean_tau": sum(taus) / len(taus) if taus else None,
         "wall_seconds": float(getattr(res, "wall_seconds", 0.0) or 0.0),
+        "prefill_seconds": getattr(res, "prefill_seconds", None),
         "tokens_per_second": getattr(res, "tokens_per_second", None),
         "stage_seconds": {k: float(v) for k, v in (getattr(res, "stage_seconds", None) or {}).items()},
     }
@@ -441,7 +442,7 @@ def _top_level(events: list[dict]) -> list[dict]:
 
 def summarize_chrome_trace(trace: dict | list, rounds: list[dict] | None = None,
                            totals: dict | None = None, span: str = "ddtree_lab.generate",
-                           max_events: int = 4000) -> dict:
+                           max_events: int = 4000, prefill_seconds: float | None = None) -> dict:
     """A torch.profiler Chrome trace -> {stages, kernels, top_kernels} on one time axis (µs).
 
     Stages come from `record_function` annotations named after a stage if the engine emits them,
@@ -466,7 +467,9 @@ def summarize_chrome_trace(trace: dict | list, rounds: list[dict] | None = None,
     elif rounds:
         source, t = "stage clocks of each round", t0
         in_rounds = {s: sum((r.get("stage_seconds") or {}).get(s, 0.0) for r in rounds) for s in STAGES}
-        prefill = max(0.0, (totals or {}).get("verify", 0.0) - in_rounds["verify"])
+        prefill = prefill_seconds  # the prompt's forward; older engines counted it as verify
+        if prefill is None:
+            prefill = max(0.0, (totals or {}).get("verify", 0.0) - in_rounds["verify"])
         if prefill:
             stages.append({"name": "prefill", "start_us": t, "dur_us": prefill * 1e6})
             t += prefill * 1e6
@@ -518,7 +521,8 @@ def profile_run(params: RunParams, pair: Any = None, out_dir: str | os.PathLike 
     prof.export_chrome_trace(str(tmp))
     os.replace(tmp, out_dir / "trace.json")
     trace = json.loads((out_dir / "trace.json").read_text())
-    tl = summarize_chrome_trace(trace, [round_to_json(r) for r in res.rounds], res.stage_seconds)
+    tl = summarize_chrome_trace(trace, [round_to_json(r) for r in res.rounds], res.stage_seconds,
+                                prefill_seconds=getattr(res, "prefill_seconds", None))
     tl.update(run=params.run_name, method=params.method, budget=params.budget, trace_file="trace.json",
               device=str(getattr(pair, "device", params.device)), stage_seconds=res.stage_seconds,
               acceptance_lengths=res.acceptance_lengths, new_tokens=len(res.tokens))
