@@ -376,11 +376,17 @@ def collect_study(study_dir: str | os.PathLike) -> list[dict]:
     """Every run directory of a study as a row: status (run.json), results, fresh comparison."""
     from .study import read_run_status
     study_dir = Path(study_dir)
+    try:  # runs of grid points since dropped from the study file are left out
+        listed = set(json.loads((study_dir / "study.json").read_text()).get("runs") or [])
+    except (OSError, ValueError):
+        listed = set()
     rows = []
     for d in sorted(p for p in study_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         status = read_run_status(d)
         res = load_results(d)
         if status is None and res is None:
+            continue
+        if listed and d.name not in listed and (status or {}).get("kind", "run" if res else "study") == "run":
             continue
         kind = (status or {}).get("kind", "run" if res is not None else "study")
         rows.append({"name": d.name, "dir": d, "kind": kind, "results": res, "run": status or {},

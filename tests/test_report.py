@@ -30,7 +30,10 @@ def study_dir(tmp_path_factory, tiny_dirs, tiny_pair):
     R.quick_sweep(p, [2, 4, 8], tiny_pair)
     atomic_write_json(sd / "study.json", {"study": {"name": "rep", "methods": ["ar", "ddtree"],
                                                     "prompts": {"set": str(prompts), "n_prompts": 2}},
-                                          "runs": ["ar-t0", "ddtree-b2-k0-t0", "ddtree-b4-k0-t0", "ddtree-b8-k0-t0"]})
+                                          "runs": ["ar-t0", "ddtree-b2-k0-t0", "ddtree-b4-k0-t0",
+                                                   "ddtree-b8-k0-t0", "ddtree-b16-k0-t0"]})
+    # A run left over from an earlier version of the study file: not in study.json, left out.
+    shutil.copytree(sd / "ddtree-b4-k0-t0", sd / "ddtree-b99-k0-t0")
     # A lossy run: tokens that differ from AR must be flagged.
     res = json.loads((sd / "ddtree-b8-k0-t0" / "results.json").read_text())
     res["prompts"][0]["tokens"][3] += 1
@@ -74,6 +77,7 @@ def test_collect_and_compare(study_dir):
     assert rows["ddtree-b8-k0-t0"]["comparison"]["verdict"] == "mismatch"
     assert "p0 diverges at token 3" in rows["ddtree-b8-k0-t0"]["comparison"]["detail"]
     assert rows["ddtree-b16-k0-t0"]["status"] == "failed"
+    assert "ddtree-b99-k0-t0" not in rows
     assert R.suspect_reason(rows["ddtree-b16-k0-t0"]).startswith("failed: RuntimeError")
     assert R.suspect_reason(rows["ddtree-b8-k0-t0"]).startswith("mismatch")
     assert R.suspect_reason(rows["ddtree-b2-k0-t0"]) is None
