@@ -17,14 +17,20 @@ BACKENDS = ("sdpa", "triton", "flex")
 
 @dataclass
 class TreeMask:
-    """Who sees whom among the T new tokens. Derived forms are computed once per forward, not per layer."""
+    """Who sees whom among the T new tokens. Derived forms are built once per forward, not per layer."""
 
     anc: torch.Tensor  # [T, T] bool
     _bits: torch.Tensor | None = field(default=None, repr=False)
+    _dense: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def causal(cls, T: int, device) -> "TreeMask":
         return cls(torch.ones(T, T, dtype=torch.bool, device=device).tril())
+
+    @classmethod
+    def full(cls, T: int, device) -> "TreeMask":
+        """Every new token sees every other (the drafter's non-causal block)."""
+        return cls(torch.ones(T, T, dtype=torch.bool, device=device))
 
     @property
     def bits(self) -> torch.Tensor:
@@ -35,6 +41,19 @@ class TreeMask:
             self._bits = pack_mask(self.anc)
         return self._bits
 
+    def dense(self, past_len, kv_len: int, window: int | None) -> torch.Tensor:
+        """bool [T, kv_len]: visible cache slots. past_len may be a device tensor (fixed shapes)."""
+        key = (kv_len, window)
+        if key not in self._dense:
+            T = self.anc.shape[0]
+            rel = torch.arange(kv_len, device=self.anc.device) - past_len  # slot - past_len
+            past = rel < 0
+            if window is not None:
+                past = past & (rel >= -window)
+            tree = (rel >= 0) & (rel < T)
+            self._dense[key] = past[None, :] | (tree[None, :] & self.anc[:, rel.clamp(0, T - 1)])
+        return self._dense[key]
+
 
 def check_backend(name: str) -> str:
     if name not in BACKENDS:
@@ -42,24 +61,38 @@ def check_backend(name: str) -> str:
     return name
 
 
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len: int,
-                   mask: TreeMask, backend: str = "sdpa") -> torch.Tensor:
-    """q [Hq, T, D], k_cache/v_cache [Hkv, S, D] -> [Hq, T, D]."""
-    if backend == "triton":
+def write_slots(cache: torch.Tensor, past_len, new: torch.Tensor) -> None:
+    """cache [H, S, D] <- new [H, T, D] at slots past_len … past_len+T-1 (past_len: int or tensor)."""
+    T = new.shape[1]
+    if isinstance(past_len, torch.Tensor):
+        cache.index_copy_(1, past_len + torch.arange(T, device=cache.device), new)
+    else:
+        cache[:, past_len: past_len + T] = new
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len,
+                   mask: TreeMask, backend: str = "sdpa", window: int | None = None) -> torch.Tensor:
+    """q [Hq, T, D], k_cache/v_cache [Hkv, S, D] -> [Hq, T, D].
+
+    past_len is an int (eager) or a one-element device tensor (fixed shapes, CUDA graphs).
+    `window` limits the committed slots seen to the last `window` (the drafter's draft_window).
+    """
+    if backend == "triton" and window is None:
         from .kernels.tree_attention import tree_attention as triton_tree_attention
 
         return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits)
-    if backend == "flex":
+    if backend == "flex" and window is None and not isinstance(past_len, torch.Tensor):
         return _flex_attention(q, k_cache, v_cache, past_len, mask.anc)
-    return _sdpa_attention(q, k_cache, v_cache, past_len, mask.anc)
+    return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window)
 
 
-def _sdpa_attention(q, k_cache, v_cache, past_len, anc):
+def _sdpa_attention(q, k_cache, v_cache, past_len, mask: TreeMask, window):
     T = q.shape[1]
-    k, v = k_cache[:, : past_len + T], v_cache[:, : past_len + T]
-    dense = torch.cat([anc.new_ones(T, past_len), anc], dim=1)  # [T, past_len + T]
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=dense,
-                                         enable_gqa=q.shape[0] != k.shape[0])
+    # eager: only the used slots; fixed shapes: the whole cache, masked
+    kv_len = k_cache.shape[1] if isinstance(past_len, torch.Tensor) else past_len + T
+    dense = mask.dense(past_len, kv_len, window)  # [T, kv_len]
+    out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :kv_len], v_cache[None, :, :kv_len],
+                                         attn_mask=dense, enable_gqa=q.shape[0] != k_cache.shape[0])
     return out[0]
 
 

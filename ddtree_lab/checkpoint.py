@@ -58,7 +58,7 @@ class Pair:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def describe(self) -> dict:
         return {"name": self.name, "target": self.target_id, "drafter": self.drafter_id,
@@ -220,6 +220,9 @@ def load_tokenizer(directory: Path):
     tok = Tokenizer.from_file(str(path))
     tcfg_path = directory / "tokenizer_config.json"
     tcfg = read_json(tcfg_path) if tcfg_path.is_file() else {}
+    template_file = directory / "chat_template.jinja"  # where newer transformers save the template
+    if not tcfg.get("chat_template") and template_file.is_file():
+        tcfg["chat_template"] = template_file.read_text()
     return tok, tcfg
 
 

@@ -1,10 +1,13 @@
-"""Lossless decoding: AR, DFlash (single path) and DDTree, in one readable loop (DESIGN §1).
+"""Lossless decoding: AR, DFlash (single path) and DDTree, as one round program (DESIGN §1).
 
-State between rounds: `n` committed tokens in the target's KV cache, the drafter's context features
-for those n positions, and the bonus token b (the target's choice for position n, not yet cached).
-A round drafts a block from b, builds a tree, verifies it in one target forward, walks the target's
-choices down the tree, and commits the accepted path. DFlash is the same loop with topk=1 and
-budget = block_size-1; AR is the target alone.
+State between rounds lives on the device: `n` committed tokens in the target's KV cache, the
+drafter's context for those n positions (its own `ctx_len`), and the bonus token b (the target's
+choice for position n, not yet cached). A round is four fixed-shape stages over static buffers —
+draft, tree_build, verify, commit — with no host synchronisation inside, so the same code runs
+eagerly (CPU, or GPU without graphs) and as captured CUDA graphs (one per stage, replayed; CUDA
+events between the stages time them without a sync). The host reads the new tokens after a round
+to stream text and stop at EOS. DFlash is the same round with topk=1 and budget = block_size-1;
+AR is a one-stage round of the target alone.
 """
 from __future__ import annotations
 
@@ -16,24 +19,173 @@ from .attention import TreeMask
 from .checkpoint import Pair
 from .prompts import encode_prompt
 from .trace import STAGES, GenerationResult, RoundTrace, StageClock
-from .tree import DraftTree, ancestor_matrix, build_tree, check_budget
+from .tree import DraftTree, ancestor_matrix, build_tree, check_budget, tree_size
 
 METHODS = ("ar", "dflash", "ddtree")
 
 
 class Chooser:
-    """The target's choice at each row of logits: argmax at T = 0, else a seeded sample."""
+    """The target's choice per row of logits: argmax at T = 0, else an exact sample by the
+    Gumbel-max trick (uniform noise from a seeded generator; capturable in a CUDA graph)."""
 
-    def __init__(self, temperature: float, seed: int, device: torch.device):
+    def __init__(self, temperature: float, device: torch.device):
         self.temperature = temperature
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         # logits [T, V] -> [T]
         if self.temperature == 0:
             return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        u = torch.rand(logits.shape, generator=self.generator, device=logits.device)
+        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
+        return (logits.float() / self.temperature + gumbel).argmax(-1)
+
+
+class RoundProgram:
+    """One speculative round on static buffers. Stages read and write attributes of `self`."""
+
+    def __init__(self, pair: Pair, method: str, budget: int, topk: int | None, temperature: float,
+                 out_capacity: int, max_rounds: int):
+        self.pair, self.method = pair, method
+        self.target, self.drafter = pair.target, pair.drafter
+        device = self.device = pair.device
+        self.L = self.drafter.cfg.block_size - 1 if method != "ar" else 0
+        self.budget, self.topk = budget, topk
+        self.layers = self.drafter.cfg.target_layer_ids if method != "ar" else []
+        self.mask_id = self.drafter.cfg.mask_token_id if method != "ar" else 0
+        self.choose = Chooser(temperature, device)
+        long = dict(dtype=torch.long, device=device)
+        self.n = torch.zeros(1, **long)              # committed tokens in the target cache
+        self.bonus = torch.zeros(1, **long)          # the target's choice for position n
+        self.out = torch.zeros(out_capacity, **long)  # emitted tokens (the first from prefill)
+        self.out_len = torch.zeros(1, **long)
+        self.taus = torch.zeros(max_rounds, **long)  # acceptance length per round
+        self.round_idx = torch.zeros(1, **long)
+        self.a = torch.ones(1, **long)
+        span = self.L + 1
+        self.block_offsets = torch.arange(span, **long)
+        if method != "ar":
+            self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
+            self.path_width = max(self.T, span)  # the walk's path buffer, padded to a fixed width
+        self.stages = [("verify", self.ar_step)] if method == "ar" else [
+            ("draft", self.draft), ("tree_build", self.tree_build), ("verify", self.verify),
+            ("commit", self.commit)]
+
+    # ------------------------------------------------------------------ state
+    def reset(self, n: int, bonus: torch.Tensor) -> None:
+        self.n.fill_(n)
+        self.bonus.copy_(bonus.view(1))
+        self.out[:1].copy_(bonus.view(1))
+        self.out_len.fill_(1)
+        self.round_idx.zero_()
+
+    def _emit(self, tokens: torch.Tensor, a) -> None:
+        """Append tokens[:a] (a fixed-width buffer) to `out`; the rest is overwritten later."""
+        self.out.index_copy_(0, self.out_len + torch.arange(tokens.shape[0], device=self.device), tokens)
+        self.out_len += a
+        self.taus.index_copy_(0, self.round_idx, a.view(1) if torch.is_tensor(a) else self.a.fill_(a))
+        self.round_idx += 1
+
+    # ------------------------------------------------------------------ AR: one target step
+    def ar_step(self) -> None:
+        logits, _ = self.target(self.bonus, self.n, self.n, TreeMask.causal(1, self.device))
+        self.bonus.copy_(self.choose(logits))
+        self.n += 1
+        self._emit(self.bonus, 1)
+
+    # ------------------------------------------------------------------ DDTree / DFlash stages
+    def draft(self) -> None:
+        # [b, MASK × L] at positions n … n+L -> per-depth logits q_1 … q_L  [L, V]
+        block = torch.where(self.block_offsets == 0, self.bonus, self.mask_id)
+        h = self.drafter.draft(self.target.embed(block), self.n + self.block_offsets)
+        self.draft_logits = self.target.lm_head_logits(h[1:])
+
+    def tree_build(self) -> None:
+        self.tree = build_tree(self.draft_logits, self.budget, self.topk)
+        self.tokens = torch.cat([self.bonus, self.tree.tokens])                   # [T], root first
+        self.parents = torch.cat([self.tree.parents.new_zeros(1), self.tree.parents])
+        self.depths = torch.cat([self.tree.depths.new_zeros(1), self.tree.depths])
+        self.anc = ancestor_matrix(self.parents, self.L)                          # [T, T]
+
+    def verify(self) -> None:
+        # one target forward over the tree at positions n + depth, ancestor-only attention
+        self.logits, self.hidden = self.target(self.tokens, self.n + self.depths, self.n,
+                                               TreeMask(self.anc), self.layers)
+
+    def commit(self) -> None:
+        # Walk: a node is accepted iff every node on its root path carries its parent's target choice.
+        T, device = self.T, self.device
+        choice = self.choose(self.logits)                                         # [T]
+        matched = self.tokens == choice[self.parents]
+        matched[0] = True
+        accepted = ~(self.anc & ~matched[None, :]).any(dim=1)                     # [T]
+        deepest = torch.where(accepted, self.depths, -1).argmax()
+        order = torch.where(self.anc[deepest], torch.arange(T, device=device), T)
+        if self.path_width > T:
+            order = torch.cat([order, order.new_full((self.path_width - T,), T)])
+        self.path = order.sort().values[: self.L + 1].clamp(max=T - 1)           # [L+1], first a valid
+        self.a = self.depths[deepest] + 1
+        # Commit: accepted KV to positions n … n+a-1, their features to the drafter.
+        self.target.compact_cache(self.n, self.path)
+        self.drafter.append_context(self.hidden[self.path], self.n + self.block_offsets, self.a)
+        # Emit the matched chain, then the next bonus (the target's choice at the deepest node).
+        self.bonus.copy_(choice[deepest].view(1))
+        chain = self.tokens[self.path[1:]]                                        # [L]
+        emit = torch.cat([chain, chain.new_zeros(1)])
+        emit = torch.where(self.block_offsets == self.a - 1, self.bonus, emit)    # [L+1]
+        self.n += self.a
+        self._emit(emit, self.a)
+
+    def trace_round(self, index: int, position: int, root: int) -> RoundTrace:
+        a = int(self.a)
+        path = self.path[:a].tolist()
+        tree = DraftTree(*(getattr(self.tree, f).to("cpu") for f in DraftTree.__dataclass_fields__))
+        accepted_tokens = self.tokens[self.path[1:a]].tolist()
+        return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus))
+
+
+class GraphRunner:
+    """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
+
+    def __init__(self, program: RoundProgram):
+        self.program = program
+        self.graphs: list[tuple[str, torch.cuda.CUDAGraph]] = []
+        self.pool = None
+
+    def capture(self) -> None:
+        p = self.program
+        saved = [t.clone() for t in self._scalars()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) off the graph
+            for _ in range(2):
+                for _, fn in p.stages:
+                    fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self._restore(saved)
+        for name, fn in p.stages:
+            g = torch.cuda.CUDAGraph()
+            if p.choose.temperature > 0:
+                g.register_generator_state(p.choose.generator)
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+            self.pool = self.pool or g.pool()
+            self.graphs.append((name, g))
+        self._restore(saved)
+
+    def _scalars(self):
+        p = self.program
+        out = [p.n, p.bonus, p.out_len, p.round_idx]
+        if p.drafter is not None and p.method != "ar":
+            out.append(p.drafter.ctx_len)
+        return out
+
+    def _restore(self, saved) -> None:
+        for t, s in zip(self._scalars(), saved):
+            t.copy_(s)
+
+    def stages(self):
+        return [(name, g.replay) for name, g in self.graphs]
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len):
@@ -54,102 +206,90 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
         raise ValueError(f"method={method!r} needs a drafter; this pair has none")
 
 
+def _program_for(pair: Pair, method, budget, topk, temperature, cache_len, out_capacity, max_rounds,
+                 graphs: bool):
+    """Programs (and their graphs) are kept on the pair and reused while the caches stay the same."""
+    key = (method, budget, topk, temperature > 0, cache_len, out_capacity, max_rounds, graphs,
+           pair.target.attention)
+    cache = pair.__dict__.setdefault("_programs", {})
+    if key not in cache:
+        if len(cache) > 16:
+            cache.clear()
+        program = RoundProgram(pair, method, budget, topk, temperature, out_capacity, max_rounds)
+        cache[key] = (program, GraphRunner(program) if graphs else None)
+    return cache[key]
+
+
 @torch.inference_mode()
 def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk: int | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, trace: bool = True,
-             stop: list[int] | None = None, draft_window: int | None = None,
-             profile: bool = False) -> GenerationResult:
-    """Generate up to `max_new_tokens` new tokens from `prompt` (text, chat messages or token ids)."""
+             stop: list[int] | None = None, draft_window: int | None = None, profile: bool = False,
+             cuda_graphs: bool | None = None, sync_every: int = 1) -> GenerationResult:
+    """Generate up to `max_new_tokens` new tokens from `prompt` (text, chat messages or token ids).
+
+    cuda_graphs: replay each round's stages as CUDA graphs (default: on for CUDA devices).
+    sync_every: rounds run between host reads of the new tokens (more = fewer syncs, later EOS stop).
+    """
     prompt_ids = encode_prompt(pair, prompt)
     _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids))
     target, drafter, device = pair.target, pair.drafter, pair.device
+    graphs = (device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+    if graphs and device.type != "cuda":
+        raise ValueError("cuda_graphs=True needs a CUDA device")
+    sync_every = 1 if trace else max(1, int(sync_every))
     stop_ids = set(pair.eos_token_ids if stop is None else stop)
     L = drafter.cfg.block_size - 1 if drafter is not None else 0
     if method == "dflash":
         budget, topk = L, 1
-    max_tree = {"ar": 1, "dflash": L + 1, "ddtree": budget + 1}[method]
-    cache_len = len(prompt_ids) + max_new_tokens + max_tree + 1
+    span = L + 1 if method != "ar" else 1
+    max_tree = budget + 1 if method == "ddtree" else span
+    # Room for the last host read's overshoot (sync_every rounds of up to L+1 tokens) and a tree.
+    slack = sync_every * span + max_tree + span + 1
+    cache_len = -(-(len(prompt_ids) + max_new_tokens + slack) // 256) * 256
+    out_capacity = max_new_tokens + sync_every * span + span
+    max_rounds = max_new_tokens + sync_every + 1
     target.setup_cache(cache_len)
-    layers = drafter.cfg.target_layer_ids if method != "ar" else []
     if drafter is not None:
         drafter.setup_cache(cache_len)
         drafter.window = draft_window
-    choose = Chooser(temperature, seed, device)
+    program, runner = _program_for(pair, method, budget, topk, temperature, cache_len, out_capacity,
+                                   max_rounds, graphs)
+    program.choose.generator.manual_seed(seed)
     clock = StageClock(device, sync=profile)
     start = time.perf_counter()
 
     # Prefill: the prompt's KV, the drafter's context, and the first new token.
     n = len(prompt_ids)
-    prompt_t = torch.tensor(prompt_ids, device=device)
     positions = torch.arange(n, device=device)
-    logits, hidden = target(prompt_t, positions, 0, TreeMask.causal(n, device), layers,
+    logits, hidden = target(torch.tensor(prompt_ids, device=device), positions, 0,
+                            TreeMask.causal(n, device), program.layers,
                             logits_rows=torch.tensor([n - 1], device=device))
-    bonus = choose(logits)[0]
     if method != "ar":
         drafter.append_context(hidden, positions)
-    clock.mark("verify")
-    out = [int(bonus)]
-    acceptance, rounds = [], []
-    mask_id = drafter.cfg.mask_token_id if drafter is not None else 0
+    program.reset(n, program.choose(logits)[0])
+    clock.mark("other")
+    prefill_seconds = time.perf_counter() - start
+    if runner is not None and not runner.graphs:
+        runner.capture()
+        clock.mark("other")
+    stages = runner.stages() if runner is not None else program.stages
 
-    while len(out) < max_new_tokens and out[-1] not in stop_ids:
-        clock.round = len(acceptance)
-        if method == "ar":
-            logits, _ = target(bonus[None], positions.new_tensor([n]), n, TreeMask.causal(1, device))
-            bonus = choose(logits)[0]
-            clock.mark("verify")
-            n += 1
-            out.append(int(bonus))
-            acceptance.append(1)
+    tokens: list[int] = [int(program.out[0])]
+    rounds: list[RoundTrace] = []
+    n_rounds = 0
+    while len(tokens) < max_new_tokens and not stop_ids.intersection(tokens):
+        for _ in range(sync_every):
+            clock.round = n_rounds
+            position, root = (int(program.n), int(program.bonus)) if trace else (0, 0)
+            for name, fn in stages:
+                fn()
+                clock.mark(name)
             if trace:
-                rounds.append(RoundTrace(len(rounds), n - 1, out[-2], None, [0], [], out[-1]))
-            clock.mark("other")
-            continue
-
-        # 1. Draft: [b, MASK × L] at positions n … n+L -> per-depth logits q_1 … q_L.
-        block = torch.full((L + 1,), mask_id, device=device)
-        block[0] = bonus
-        h = drafter.draft(target.embed(block), n + torch.arange(L + 1, device=device))
-        draft_logits = target.lm_head_logits(h[1:])  # [L, V]
-        clock.mark("draft")
-
-        # 2. Tree: the `budget` most likely rank prefixes; the root (index 0) is b at depth 0.
-        tree = build_tree(draft_logits, budget, topk)
-        tokens = torch.cat([bonus[None], tree.tokens])            # [T]
-        parents = torch.cat([tree.parents.new_zeros(1), tree.parents])
-        depths = torch.cat([tree.depths.new_zeros(1), tree.depths])
-        anc = ancestor_matrix(parents, L)                          # [T, T]
-        clock.mark("tree_build")
-
-        # 3. Verify: one target forward over the tree at positions n + depth.
-        logits, hidden = target(tokens, n + depths, n, TreeMask(anc), layers)
-        clock.mark("verify")
-
-        # 4. Walk: a node is accepted iff every node on its path carries its parent's target choice.
-        choice = choose(logits)                                     # [T]
-        matched = tokens == choice[parents]
-        matched[0] = True
-        accepted = ~(anc & ~matched[None, :]).any(dim=1)           # [T]
-        deepest = torch.where(accepted, depths, -1).argmax()
-        T = tokens.shape[0]
-        path = torch.where(anc[deepest], torch.arange(T, device=device), T).sort().values[: L + 1]
-        path = path.clamp(max=T - 1)                                # [L+1], first a entries valid
-        bonus = choice[deepest]
-
-        # 5. Commit: accepted KV to positions n … n+a-1, their features to the drafter.
-        target.compact_cache(n, path)
-        a = int(depths[deepest]) + 1                                # the round's one host sync
-        drafter.append_context(hidden[path[:a]], n + torch.arange(a, device=device))
-        clock.mark("commit")
-
-        path_list = path[:a].tolist()
-        new_tokens = tokens[path[1:a]].tolist() + [int(bonus)]
-        out.extend(new_tokens)
-        acceptance.append(a)
-        if trace:
-            rounds.append(RoundTrace(len(rounds), n, int(tokens[0]), tree.to("cpu"), path_list,
-                                     new_tokens[:-1], new_tokens[-1]))
-        n += a
+                rounds.append(program.trace_round(n_rounds, position, root) if method != "ar" else
+                              RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus)))
+            n_rounds += 1
+        out_len = int(program.out_len)  # the host read: one sync per `sync_every` rounds
+        tokens = program.out[:out_len].tolist()
         clock.mark("other")
 
     wall = time.perf_counter() - start
@@ -157,8 +297,9 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     for r in rounds:
         r.stage_seconds = per_round.get(r.index, {})
     totals["other"] += max(0.0, wall - sum(totals.values()))
-    produced = len(out)
-    out, stop_reason = _trim(out, max_new_tokens, stop_ids)
+    acceptance = program.taus[:n_rounds].tolist()
+    produced = len(tokens)
+    out, stop_reason = _trim(tokens, max_new_tokens, stop_ids)
     return GenerationResult(
         method=method, prompt_tokens=prompt_ids, tokens=out, text=pair.decode(out),
         acceptance_lengths=acceptance, stage_seconds={s: totals.get(s, 0.0) for s in STAGES},
@@ -166,8 +307,9 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         settings={"method": method, "budget": budget if method != "ar" else None,
                   "topk": topk, "max_new_tokens": max_new_tokens, "temperature": temperature,
                   "seed": seed, "draft_window": draft_window, "attention": target.attention,
-                  "device": str(device), "dtype": str(pair.dtype).replace("torch.", "")},
-        rounds=rounds,
+                  "device": str(device), "dtype": str(pair.dtype).replace("torch.", ""),
+                  "cuda_graphs": graphs, "sync_every": sync_every},
+        rounds=rounds, prefill_seconds=prefill_seconds,
     )
 
 
@@ -178,4 +320,4 @@ def _trim(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[l
     return tokens[:max_new_tokens], "max_new_tokens"
 
 
-__all__ = ["generate", "METHODS", "DraftTree"]
+__all__ = ["generate", "METHODS", "RoundProgram", "GraphRunner"]

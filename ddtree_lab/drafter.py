@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import TreeMask, tree_attention, write_slots
 from .config import DrafterConfig
 from .layers import QKV, GatedMLP, RMSNorm, Rotary
 
@@ -39,6 +40,21 @@ class DrafterLayer(nn.Module):
         k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                              enable_gqa=q.shape[1] != k.shape[1])
+        return self._finish(x, att)
+
+    def block_cached(self, x, cos, sin, k_cache, v_cache, ctx_len, mask: TreeMask, window):
+        """Decoding: x [1, Tq, H]; the block's K/V go to scratch slots ctx_len… of the context cache
+        [Hkv, S, D], so one tree-attention call sees committed context and the block alike."""
+        q, k, v = self.qkv.project(self.input_layernorm(x))
+        q, k = self.qkv.norm_rope_q(q, cos, sin), self.qkv.norm_rope_k(k, cos, sin)
+        write_slots(k_cache, ctx_len, k[0])
+        write_slots(v_cache, ctx_len, v[0])
+        att = tree_attention(q[0], k_cache, v_cache, ctx_len, mask, "sdpa", window)  # [Hq, Tq, D]
+        return self._finish(x, att[None])
+
+    def _finish(self, x, att):
+        # att [B, Hq, Tq, D] -> residual, then the MLP
+        B, Tq = x.shape[:2]
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, Tq, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -54,7 +70,7 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
         self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
-        self.ctx_len = 0
+        self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -72,33 +88,32 @@ class Drafter(nn.Module):
         return self.norm(x)
 
     # ------------------------------------------------------------------ cached decoding
+    # ctx_len lives on the device as a one-element tensor, so a round needs no host sync and
+    # replays under a CUDA graph; slots at and beyond ctx_len are scratch.
     def setup_cache(self, max_len: int, device=None, dtype=None) -> None:
         c, p = self.cfg, self.fc.weight
-        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim)
-        if self.kv is None or self.kv.shape != shape or self.kv.device != (device or p.device):
-            self.kv = torch.zeros(shape, device=device or p.device, dtype=dtype or p.dtype)
-        self.ctx_len = 0
+        device = device or p.device
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len + c.block_size, c.head_dim)
+        if self.kv is None or self.kv.shape != shape or self.kv.device != torch.device(device):
+            self.kv = torch.zeros(shape, device=device, dtype=dtype or p.dtype)
+        self.ctx_len = torch.zeros(1, dtype=torch.long, device=device)
 
-    def append_context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        """Commit context for `positions` [Tc]: target_hidden [Tc, k*H] -> cached K/V of every layer."""
-        Tc = positions.shape[0]
-        if self.ctx_len + Tc > self.kv.shape[3]:
-            raise ValueError(f"drafter context of {self.ctx_len + Tc} exceeds its cache of {self.kv.shape[3]}")
-        ctx = self.project_context(target_hidden)[None]  # [1, Tc, H]
+    def append_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, count=None) -> None:
+        """Commit context: target_hidden [M, k*H] at `positions` [M]; the first `count` rows (int or
+        device tensor; default all) become committed, the rest stay scratch."""
+        ctx = self.project_context(target_hidden)[None]  # [1, M, H]
         cos, sin = self.rotary(positions, ctx.dtype)
         for li, layer in enumerate(self.layers):
-            k, v = layer.context_kv(ctx, cos, sin)  # [1, Hkv, Tc, D]
-            self.kv[li, 0, :, self.ctx_len: self.ctx_len + Tc] = k[0]
-            self.kv[li, 1, :, self.ctx_len: self.ctx_len + Tc] = v[0]
-        self.ctx_len += Tc
+            k, v = layer.context_kv(ctx, cos, sin)  # [1, Hkv, M, D]
+            write_slots(self.kv[li, 0], self.ctx_len, k[0])
+            write_slots(self.kv[li, 1], self.ctx_len, v[0])
+        self.ctx_len += positions.shape[0] if count is None else count
 
     def draft(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [Tq, H] block input embeddings at `positions` [Tq] -> hidden [Tq, H] (final-normed)."""
-        lo = 0 if self.window is None else max(0, self.ctx_len - self.window)
         cos, sin = self.rotary(positions, x.dtype)
+        mask = TreeMask.full(x.shape[0], x.device)
         h = x[None]
         for li, layer in enumerate(self.layers):
-            k_ctx = self.kv[li, 0, :, lo: self.ctx_len][None]
-            v_ctx = self.kv[li, 1, :, lo: self.ctx_len][None]
-            h = layer.block(h, cos, sin, k_ctx, v_ctx)
+            h = layer.block_cached(h, cos, sin, self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.window)
         return self.norm(h)[0]

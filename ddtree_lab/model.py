@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, check_backend, tree_attention
+from .attention import TreeMask, check_backend, tree_attention, write_slots
 from .config import TargetConfig
 from .layers import QKV, GatedMLP, RMSNorm, Rotary
 
@@ -66,10 +66,12 @@ class Target(nn.Module):
                 hidden_layers: list[int] = (), logits_rows: torch.Tensor | None = None):
         """tokens, positions [T]; the new K/V go to cache slots past_len … past_len+T-1.
 
+        past_len is an int, or a one-element device tensor for fixed-shape (CUDA graph) rounds.
+
         Returns logits [T or len(logits_rows), V] and hidden [T, len(hidden_layers)*H].
         """
         T = tokens.shape[0]
-        if past_len + T > self.cache_len:
+        if not isinstance(past_len, torch.Tensor) and past_len + T > self.cache_len:
             raise ValueError(f"context of {past_len + T} tokens exceeds the KV cache of {self.cache_len}")
         x = self.embed_tokens(tokens)[None]  # [1, T, H]
         cos, sin = self.rotary(positions, x.dtype)  # [T, D]
@@ -81,8 +83,8 @@ class Target(nn.Module):
             q = blk.qkv.norm_rope_q(q, cos, sin)[0]
             k = blk.qkv.norm_rope_k(k, cos, sin)[0]
             k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [Hkv, S, D]
-            k_cache[:, past_len: past_len + T] = k
-            v_cache[:, past_len: past_len + T] = v[0]
+            write_slots(k_cache, past_len, k)
+            write_slots(v_cache, past_len, v[0])
             att = tree_attention(q, k_cache, v_cache, past_len, mask, self.attention)  # [Hq, T, D]
             x = x + blk.o_proj(att.transpose(0, 1).reshape(1, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
@@ -114,7 +116,9 @@ class Target(nn.Module):
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(B, T, 0)
         return self.lm_head_logits(self.norm(x)), hidden
 
-    def compact_cache(self, past_len: int, src: torch.Tensor) -> None:
-        """Move cache slots past_len + src[i] to past_len + i (src ascending, src[i] >= i), all layers."""
-        n = src.shape[0]
-        self.kv[:, :, :, past_len: past_len + n] = self.kv[:, :, :, past_len + src]
+    def compact_cache(self, past_len, src: torch.Tensor) -> None:
+        """Move cache slots past_len + src[i] to past_len + i (src ascending, src[i] >= i), all layers.
+
+        The gather copies before the scatter writes, so overlapping moves are safe."""
+        dst = past_len + torch.arange(src.shape[0], device=src.device)
+        self.kv.index_copy_(3, dst, self.kv.index_select(3, past_len + src))

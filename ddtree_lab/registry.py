@@ -21,3 +21,6 @@ def resolve(name: str) -> tuple[Path, Path]:
         known = ", ".join(["lab", *NAMED]) or "lab"
         raise CheckpointError(f"unknown pair name {name!r}; known: {known}")
     return NAMED[name]()
+
+
+from . import smollm2  # noqa: E402,F401  registers "smollm2" (target pulled by `ddtree-lab pull smollm2`)

@@ -62,6 +62,7 @@ class GenerationResult:
     stop_reason: str               # "max_new_tokens" | "stop_token"
     settings: dict
     rounds: list[RoundTrace] = field(default_factory=list)
+    prefill_seconds: float = 0.0   # the prompt's forward (counted in stage "other")
 
     @property
     def mean_acceptance(self) -> float:
@@ -83,6 +84,7 @@ class GenerationResult:
             "mean_acceptance": self.mean_acceptance, "stage_seconds": self.stage_seconds,
             "wall_seconds": self.wall_seconds, "tokens_per_second": self.tokens_per_second,
             "trimmed": self.trimmed, "stop_reason": self.stop_reason,
+            "prefill_seconds": self.prefill_seconds,
         }
         if with_rounds:
             d["rounds"] = [r.to_json() for r in self.rounds]

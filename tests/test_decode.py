@@ -113,9 +113,10 @@ def test_cached_drafter_equals_recomputed(small_vocab_pair, window):
     features, checked = [], []
     append, draft = drafter.append_context, drafter.draft
 
-    def append_spy(hidden, positions):
-        features.append((hidden.clone(), positions.clone()))
-        return append(hidden, positions)
+    def append_spy(hidden, positions, count=None):
+        keep = positions.shape[0] if count is None else int(count)
+        features.append((hidden[:keep].clone(), positions[:keep].clone()))
+        return append(hidden, positions, count)
 
     def draft_spy(x, positions):
         got = draft(x, positions)
