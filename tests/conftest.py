@@ -4,6 +4,10 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run under the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import ddtree_lab as dl
 from ddtree_lab.testing import make_tiny_pair
 

