@@ -119,10 +119,9 @@ def _attend(acc, l_i, m_i, q, k_ptr, v_ptr, s_ks, s_vs, lo, hi, n_valid,
             valid = cols < n_valid
             k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
         if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN] fp32
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BM, BN] fp32, unscaled
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = qk * qk_scale
         if MODE == 1:
             qk = tl.where(valid[None, :], qk, float("-inf"))
         if MODE == 2:
@@ -135,9 +134,10 @@ def _attend(acc, l_i, m_i, q, k_ptr, v_ptr, s_ks, s_vs, lo, hi, n_valid,
                 in_word = (offs_n // 32) == w  # [BN]
                 bit = tl.where(in_word[None, :], (word[:, None] >> (offs_n % 32)[None, :]) & 1, bit)
             qk = tl.where(bit != 0, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # stays >= -1e30, finite
+        # scale folded into one multiply-add per score (qk_scale > 0 keeps the max in place)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # stays >= -1e30, finite
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])  # [BM, BN]
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # [BM, BN]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MODE == 0:
@@ -259,7 +259,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: torch.device,
-                  overrides: dict | None = None) -> dict:
+                  overrides: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Static tile sizes and split count, from an upper bound of past_len (so graph-safe).
 
     Keys: block_m (rows = tree queries x packed heads), block_n (key slots per step; a multiple
@@ -277,6 +277,13 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
         cfg = dict(block_m=bm, block_n=64, num_warps=8 if bm == 128 else 4,
                    num_stages=3 if (bm == 128 and D >= 128) else 4, waves=2.0, min_chunk=512)
     cfg.update({k: v for k, v in o.items() if k != "num_splits"})
+    # shared memory: q tile + num_stages buffered K and V tiles (+ mask words); stay under the
+    # 227 KiB a Hopper block may use
+    elt = 4 if dtype == torch.float32 else 2
+    def smem(st):
+        return elt * D * (cfg["block_m"] + 2 * cfg["block_n"] * st) + 8 * cfg["block_m"] * st
+    while cfg["num_stages"] > 1 and smem(cfg["num_stages"]) > 216 * 1024:
+        cfg["num_stages"] -= 1
     n_m = triton.cdiv(M, cfg["block_m"])
     base = n_m * Hkv  # programs per split
     sm = _sm_count(device)
@@ -312,6 +319,7 @@ def tree_attention(q, k_cache, v_cache, past_len, mask_bits, scale=None, *,
     assert mask_bits.shape[1] >= (T + 31) // 32
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
+    assert scale > 0, "scale must be positive"
     mask_bits = mask_bits.contiguous()
 
     if isinstance(past_len, torch.Tensor):
@@ -323,7 +331,7 @@ def tree_attention(q, k_cache, v_cache, past_len, mask_bits, scale=None, *,
         bound = past_val
         assert past_val + T <= S_max, "cache too small for past_len + T"
 
-    cfg = launch_config(T, G, D, bound, Hkv, q.device, config)
+    cfg = launch_config(T, G, D, bound, Hkv, q.device, config, q.dtype)
     assert cfg["block_n"] % 32 == 0, "block_n must be a multiple of 32 (one mask word)"
     S = cfg["num_splits"]
 
