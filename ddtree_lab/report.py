@@ -191,7 +191,10 @@ def microbench_figure(mb: dict) -> go.Figure:
                     name="achieved GB/s", row=1, col=2)
     if mb.get("peak_gbps"):
         fig.add_hline(y=mb["peak_gbps"], line=dict(dash="dash", color="#c44e52"), row=1, col=2,
-                      annotation_text=f"roofline {mb['peak_gbps']:.0f} GB/s ({mb.get('gpu', '')})")
+                      annotation_text=f"datasheet {mb['peak_gbps']:.0f} GB/s ({mb.get('gpu', '')})")
+    if mb.get("copy_gbps"):
+        fig.add_hline(y=mb["copy_gbps"], line=dict(dash="dot", color="#8172b3"), row=1, col=2,
+                      annotation_text=f"measured copy {mb['copy_gbps']:.0f} GB/s", annotation_position="bottom right")
     fig.update_xaxes(type="log", dtick=math.log10(2), title_text="budget")
     fig.update_yaxes(title_text="ms", row=1, col=1)
     fig.update_yaxes(title_text="GB/s", row=1, col=2)

@@ -185,10 +185,24 @@ def load_run_pair(params: RunParams):
     import ddtree_lab as dl
     from .study import register_pair_module
     kw = dict(device=params.device, dtype=params.dtype, attention=params.attention)
+    if params.pair.startswith("random:"):  # real-size shapes, random weights, no tokenizer
+        from .bench import random_pair
+        from .checkpoint import DTYPES
+        return random_pair(params.pair.split(":", 1)[1], device=params.device, dtype=DTYPES[params.dtype],
+                           attention=params.attention, seed=params.seed)
     if params.pair:
         register_pair_module(params.pair)
         return dl.load_pair(params.pair, **kw)
     return dl.load_pair(target=params.target_dir, drafter=params.drafter_dir, **kw)
+
+
+def prompt_input(pair: Any, prompt):
+    """What generate gets: the prompt itself, or for a pair without a tokenizer (random weights)
+    its UTF-8 bytes as token ids, which keeps prompt lengths realistic and runs deterministic."""
+    if getattr(pair, "tokenizer", True) is None:
+        from .study import prompt_text
+        return list(prompt_text(prompt).encode("utf-8"))
+    return prompt
 
 
 def gen_kwargs(params: RunParams) -> dict:
@@ -206,11 +220,12 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
     prompts = load_prompts(params.prompt_set, params.n_prompts)
     kw = gen_kwargs(params)
     if params.warmup:  # first calls pay for allocations / kernel compilation: keep them untimed
-        dl.generate(pair, prompts[0]["prompt"], **{**kw, "max_new_tokens": min(8, params.max_new_tokens)},
+        dl.generate(pair, prompt_input(pair, prompts[0]["prompt"]),
+                    **{**kw, "max_new_tokens": min(8, params.max_new_tokens)},
                     seed=params.seed, trace=False)
     results, rows, ntok = [], [], []
     for i, p in enumerate(prompts):
-        res = dl.generate(pair, p["prompt"], seed=params.seed + i, trace=True, **kw)
+        res = dl.generate(pair, prompt_input(pair, p["prompt"]), seed=params.seed + i, trace=True, **kw)
         results.append(res)
         rows.extend(trace_rows(p, res))
         ntok.append(len(getattr(res, "prompt_tokens", None) or []) or None)
@@ -311,7 +326,8 @@ def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any =
             prompts = prompts or load_prompts(params.prompt_set, params.n_prompts)
             kw = {**gen_kwargs(params), "method": "ddtree", "budget": b, "topk": params.topk or None}
             for i, p in enumerate(prompts):
-                rows += trace_rows(p, dl.generate(pair, p["prompt"], seed=params.seed + i, trace=True, **kw))
+                rows += trace_rows(p, dl.generate(pair, prompt_input(pair, p["prompt"]), seed=params.seed + i,
+                                                  trace=True, **kw))
         out[b] = rows
     return out
 
@@ -513,7 +529,7 @@ def profile_run(params: RunParams, pair: Any = None, out_dir: str | os.PathLike 
     import ddtree_lab as dl
 
     pair = pair if pair is not None else load_run_pair(params)
-    prompt = load_prompts(params.prompt_set, 1)[0]["prompt"]
+    prompt = prompt_input(pair, load_prompts(params.prompt_set, 1)[0]["prompt"])
     kw = {**gen_kwargs(params), "max_new_tokens": max_new_tokens or min(params.max_new_tokens, 32)}
     dl.generate(pair, prompt, **{**kw, "max_new_tokens": 8}, seed=params.seed, trace=False)  # warm-up
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
@@ -543,9 +559,13 @@ def verify_microbench(params: RunParams, pair: Any = None, budgets: list[int] | 
     (compared with the GPU's datasheet peak, the memory roofline)."""
     import ddtree_lab as dl
     pair = pair if pair is not None else load_run_pair(params)
-    prompt = load_prompts(params.prompt_set, 1)[0]["prompt"]
+    prompt = prompt_input(pair, load_prompts(params.prompt_set, 1)[0]["prompt"])
     target = getattr(pair, "target", None)
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters()) if target is not None else 0
+    try:  # the bytes one forward reads: every matrix, one row of an untied embedding
+        from .bench import weight_bytes_per_step
+        weight_bytes = weight_bytes_per_step(target)
+    except (ImportError, AttributeError):
+        weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters()) if target is not None else 0
     cfg = getattr(target, "cfg", None)
     kv_per_pos = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
                   * next(target.parameters()).element_size()) if cfg is not None else 0
@@ -566,10 +586,18 @@ def verify_microbench(params: RunParams, pair: Any = None, budgets: list[int] | 
                        "mean_tau": sum(res.acceptance_lengths) / len(res.acceptance_lengths),
                        "bytes": nbytes, "achieved_gbps": nbytes / verify / 1e9 if verify > 0 else None})
     dev = device_info(getattr(pair, "device", params.device))
+    copy_gbps = None
+    if dev.get("gpu"):
+        try:  # measured device copy bandwidth (read + write): the attainable roofline
+            from .bench import copy_bandwidth
+            copy_gbps = copy_bandwidth() / 1e9
+        except Exception:  # noqa: BLE001 - the datasheet peak still stands
+            pass
     out = {"points": points, "gpu": dev.get("gpu"), "peak_gbps": peak_bandwidth_gbps(dev.get("gpu")),
+           "copy_gbps": copy_gbps,
            "weight_bytes": weight_bytes, "device": dev.get("device"),
-           "note": "bytes = target weights + KV cache at the mean position; the roofline is the datasheet "
-                   "memory bandwidth (none on a CPU)."}
+           "note": "bytes = target weights read per forward + KV cache at the mean position; rooflines: "
+                   "the datasheet memory bandwidth and the measured device copy bandwidth (none on a CPU)."}
     if out_dir is not None:
         atomic_write_json(Path(out_dir) / "microbench.json", out)
     return out

@@ -316,7 +316,15 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
         raise StudyError("models.pair", f"{models.pair!r} is not 'lab', 'random:<shape>' or a target/drafter pair", src)
     elif check_files and models.pair == "lab" and not _lab_pair_present():
         raise StudyError("models.pair", "the embedded lab pair is not installed (ddtree_lab/lab_pair has no checkpoints)", src)
-    elif check_files and models.pair != "lab" and not models.pair.startswith("random:"):
+    elif check_files and models.pair.startswith("random:"):
+        try:
+            from .bench import RANDOM_SHAPES
+        except ImportError:
+            RANDOM_SHAPES = None
+        if RANDOM_SHAPES is not None and models.pair[7:] not in RANDOM_SHAPES:
+            raise StudyError("models.pair", f"unknown random shape {models.pair[7:]!r} "
+                             f"(known: {', '.join('random:' + k for k in RANDOM_SHAPES)})", src)
+    elif check_files and models.pair != "lab":
         _check_named_pair(models.pair, src)
     if not DEVICES.match(models.device):
         raise StudyError("models.device", f"{models.device!r} must be cpu, cuda, cuda:N or auto", src)

@@ -212,3 +212,15 @@ def test_many_runs_start_partly_hidden():
     assert "dflash-t0" in shown and "ddtree-b1-k0-t0" in shown and len(shown) <= 8
     assert all(n.endswith("-k0-t0") for n in shown - {"dflash-t0"})
     assert report.busy_runs(runs[:5]) == set()
+
+
+def test_pair_without_tokenizer_gets_byte_prompts(tiny_pair, tmp_path):
+    # Random-weight pairs (random:<shape>) have no tokenizer: prompts go in as UTF-8 bytes.
+    import dataclasses
+    bare = dataclasses.replace(tiny_pair, tokenizer=None)
+    assert R.prompt_input(bare, "ab") == [97, 98] and R.prompt_input(tiny_pair, "ab") == "ab"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}]}))
+    p = RunParams(prompt_set=str(tmp_path / "p.jsonl"), n_prompts=1, max_new_tokens=4, budget=2, warmup=False,
+                  run_dir=str(tmp_path / "run"), study_dir="")
+    res, rows = R.generate_run(p, bare, progress=False)
+    assert res["summary"]["new_tokens"] == 4 and rows[0]["tree"]
