@@ -155,6 +155,24 @@ def stage_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
+def short_kernel_name(name: str, width: int = 60) -> str:
+    """`void ns::kernel<128, 4, Functor<...>>(args)` -> `ns::kernel<…>`: templates and arguments out."""
+    if "<" not in name:  # plain names ("aten::linear", "Memcpy DtoD (Device -> Device)") stay
+        return name if len(name) <= width else name[: width - 1] + "…"
+    out, depth = [], 0
+    for ch in name.removeprefix("void "):
+        if ch in "<(":
+            if depth == 0:
+                out.append("<…>" if ch == "<" else "")
+            depth += 1
+        elif ch in ">)":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(ch)
+    s = "".join(out).strip() or name
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
 def timeline_figure(tl: dict, max_kernel_rows: int = 12) -> go.Figure:
     """Horizontal bars on a time axis: one row per stage, then the busiest kernels/ops."""
     fig = go.Figure()
@@ -166,9 +184,12 @@ def timeline_figure(tl: dict, max_kernel_rows: int = 12) -> go.Figure:
                     marker_color=PALETTE[i % len(PALETTE)],
                     hovertemplate=st + ": %{x:.3f} ms at %{base:.2f} ms<extra></extra>")
     top = [k["name"] for k in tl.get("top_kernels", [])[:max_kernel_rows]]
+    labels: dict[str, int] = {}
     for name in top:
         ev = [e for e in tl.get("kernels", []) if e["name"] == name]
-        short = name if len(name) <= 40 else name[:39] + "…"
+        short = short_kernel_name(name, 44)
+        labels[short] = labels.get(short, 0) + 1
+        short += f" #{labels[short]}" if labels[short] > 1 else ""  # distinct instantiations, distinct rows
         fig.add_bar(y=[short] * len(ev), x=[e["dur_us"] / 1e3 for e in ev],
                     base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", showlegend=False,
                     marker_color="#555", hovertemplate=html.escape(name) + ": %{x:.3f} ms<extra></extra>")
@@ -344,21 +365,25 @@ def runs_table_html(rows: list[dict]) -> str:
 
 
 def _kernel_section(page: _Page, study_dir: Path, rows: list[dict]) -> None:
-    kt = [r for r in rows if (r["dir"] / TIMELINE_FILE).is_file()]
+    # Any run directory holding a timeline.json (normally kernel_timeline/), with or without run.json.
+    kt = sorted(p.parent for p in study_dir.glob(f"*/{TIMELINE_FILE}") if not p.parent.name.startswith("."))
     page.section("kernels", "Kernel timeline")
     if not kt:
         page.add("<p class='na'>No kernel_timeline run in this study (add it to notebooks.per_study).</p>")
         return
-    d = kt[0]["dir"]
+    d = kt[0]
     tl = json.loads((d / TIMELINE_FILE).read_text())
     page.add(f"<p>Profiled run: {_e(tl.get('run'))} on {_e(tl.get('device'))}; Chrome trace: "
              f"<code>{_e(os.path.relpath(d / tl.get('trace_file', 'trace.json'), study_dir))}</code> "
-             "(open it in a trace viewer for the full detail).</p>")
+             "(open it in a trace viewer for the full detail). Stage rows come from the engine's stage "
+             "clocks laid end to end when the engine emits no profiler annotations, so they show each "
+             "stage's share and order, not exact alignment with the kernel rows.</p>")
     page.figure(timeline_figure(tl))
     top = tl.get("top_kernels", [])[:15]
     if top:
-        page.add(_table(["kernel / op", "calls", "total ms", "share"],
-                        [[_e(k["name"]), f'<td class="num">{k["count"]}</td>',
+        page.add(_table(["kernel / op (hover for the full name)", "calls", "total ms", "share"],
+                        [[f'<span title="{_e(k["name"])}">{_e(short_kernel_name(k["name"], 90))}</span>',
+                          f'<td class="num">{k["count"]}</td>',
                           f'<td class="num">{k["total_us"] / 1e3:.2f}</td>',
                           f'<td class="num">{100 * k.get("share", 0):.1f}%</td>'] for k in top]))
     if (d / MICROBENCH_FILE).is_file():

@@ -219,14 +219,15 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
     pair = pair if pair is not None else load_run_pair(params)
     prompts = load_prompts(params.prompt_set, params.n_prompts)
     kw = gen_kwargs(params)
-    if params.warmup:  # first calls pay for allocations / kernel compilation: keep them untimed
-        dl.generate(pair, prompt_input(pair, prompts[0]["prompt"]),
-                    **{**kw, "max_new_tokens": min(8, params.max_new_tokens)},
-                    seed=params.seed, trace=False)
     # On a GPU, tracing reads every round's tree back to the host, which a production loop (CUDA
     # graphs, few syncs) never does: time an untraced call and record the trees from a second one.
     # On the CPU tracing costs next to nothing, so one traced call serves both.
     separate = str(getattr(pair, "device", params.device)).startswith("cuda")
+    if params.warmup:  # first calls pay for allocations, compilation, CUDA graph capture: untimed
+        # CUDA graphs are captured per generation length, so the GPU warm-up uses the real one.
+        warm = params.max_new_tokens if separate else min(8, params.max_new_tokens)
+        dl.generate(pair, prompt_input(pair, prompts[0]["prompt"]), **{**kw, "max_new_tokens": warm},
+                    seed=params.seed, trace=False)
     results, rows, ntok = [], [], []
     for i, p in enumerate(prompts):
         x = prompt_input(pair, p["prompt"])

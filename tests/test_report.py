@@ -224,3 +224,9 @@ def test_pair_without_tokenizer_gets_byte_prompts(tiny_pair, tmp_path):
                   run_dir=str(tmp_path / "run"), study_dir="")
     res, rows = R.generate_run(p, bare, progress=False)
     assert res["summary"]["new_tokens"] == 4 and rows[0]["tree"]
+
+
+def test_short_kernel_names():
+    assert report.short_kernel_name("void at::native::k<128, F<a<b>>>(int, T<x>)") == "at::native::k<…>"
+    assert report.short_kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
+    assert len(report.short_kernel_name("x" * 200, 40)) == 40
