@@ -53,7 +53,18 @@ def _fmt_tau_table(ev: dict, budgets) -> str:
     return "\n".join(rows)
 
 
-def write_card(cfg, meta: dict, tsum: dict, dsum: dict, ev: dict, out: Path, command: str) -> str:
+def _phases(dsum: dict) -> str:
+    ph = dsum.get("phases")
+    if not ph:
+        return ""
+    rows = ["", "| phase | steps | GPU seconds | batch | pool | peak LR | note |", "|---|---|---|---|---|---|---|"]
+    rows += [f"| {p['name']} | {p['steps']} | {p['train_seconds']:.0f} | {p['batch']} | {p['pool']} | {p['lr']:g} | {p['note']} |"
+             for p in ph]
+    return "\n".join(rows) + "\n"
+
+
+def write_card(cfg, meta: dict, tsum: dict, dsum: dict, ev: dict, out: Path, command: str,
+               notes: str = "") -> str:
     budgets = tuple(cfg.budgets)
     tgt = json.loads((out / "target" / "config.json").read_text())
     drf = json.loads((out / "drafter" / "config.json").read_text())
@@ -137,14 +148,14 @@ residual dropout {cfg.dropout}, bf16 autocast; the checkpoint with the lowest he
 and normalised by `hidden_norm`; mask token {drf['dflash_config']['mask_token_id']}.
 
 Training, the DFlash way, with the target frozen (and its weights rounded to the shipped dtype first):
-1. **Pool.** The target's greedy continuations ({cfg.gen_len} tokens) of random training-file windows
-   (prefixes of {', '.join(map(str, cfg.gen_prefix_lens))} tokens): acceptance is measured against the target's greedy output,
-   so the drafter learns to predict exactly that.
+1. **Pool.** The target's greedy continuations of random training-file windows: acceptance is
+   measured against the target's greedy output, so the drafter learns to predict exactly that.
 2. **Blocks.** Per sequence {cfg.anchors} random anchors p in the greedy part; block = [x_p, MASK × {drf['block_size'] - 1}] at positions
    p … p+{drf['block_size'] - 1}; the block attends to itself (no causal mask) and to the projected target features of positions < p.
-3. **Loss.** Cross-entropy of block slot k against the greedy token p+k, weighted exp(−(k−1)/{cfg.gamma:g});
-   a variant mixes in KL to the target's own distribution at those positions. Batch {cfg.drafter_batch} sequences × {cfg.anchors} blocks,
-   AdamW, peak LR {cfg.drafter_lr:g}, cosine; {dsum.get('steps')} steps in {dsum.get('seconds', 0):.0f} s.
+3. **Loss.** Cross-entropy of block slot k against the greedy token p+k, weighted exp(−(k−1)/{cfg.gamma:g}),
+   optionally mixed with KL to the target's own distribution at those positions (`soft_weight`).
+   AdamW, cosine schedule, bf16 autocast; {dsum.get('steps')} steps in {dsum.get('seconds', 0):.0f} s of GPU time in all.
+""" + _phases(dsum) + f"""
 
 Variants trained on the same batches (quick τ on {2 * cfg.eval_prompts} held-out prompts, simulated on the greedy sequence);
 the one with the best DFlash τ ships (`{dsum.get('chosen')}`):
@@ -172,6 +183,7 @@ Mean τ = accepted tokens per target forward (root included), pooled over all ro
 ```
 {command}
 ```
+""" + (f"\n{notes}\n" if notes else "") + f"""
 
 `prepare` (CPU, this interpreter's standard library) writes the token arrays, tokenizer and prompt sets to
 `--cache`; `target`, `pool` and `drafter` train on a GPU (bf16) with checkpoints in `--work` (a rerun resumes);
@@ -187,15 +199,24 @@ def stage_card(cfg, cache: Path, work: Path, out: Path, log=print) -> dict:
     _, _, meta = load_corpus(cache)
     tsum = json.loads((work / "target_summary.json").read_text()) if (work / "target_summary.json").exists() else {}
     dsum = json.loads((work / "drafter_summary.json").read_text()) if (work / "drafter_summary.json").exists() else {}
-    ev = evaluate_pair(out, cfg.n_new, cfg.budgets, log=log, n_prompts=cfg.card_prompts or None)
+    ev_path = work / "card_eval.json"  # the slow part; kept so the card can be rewritten without it
+    if ev_path.exists():
+        ev = json.loads(ev_path.read_text())
+        log(f"card: reusing the engine evaluation in {ev_path} (delete it to measure again)")
+    else:
+        ev = evaluate_pair(out, cfg.n_new, cfg.budgets, log=log, n_prompts=cfg.card_prompts or None)
+        ev_path.write_text(json.dumps(ev, indent=1) + "\n")
     (out / "eval.json").write_text(json.dumps({"overall_tau": ev["overall_tau"], "load_seconds": ev["load_seconds"],
                                                "lossless": ev["lossless"],
                                                "sets": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
                                                         for k, v in ev["sets"].items()}}, indent=2) + "\n")
-    command = ("ddtree-lab train-lab-pair --stages prepare   # CPU\n"
-               "ddtree-lab train-lab-pair --stages target,pool,drafter --device cuda   # GPU\n"
-               "ddtree-lab train-lab-pair --stages export,card   # CPU")
-    write_card(cfg, meta, tsum, dsum, ev, out, command)
+    cmd_file, notes_file = work / "card_command.txt", work / "card_notes.md"
+    command = cmd_file.read_text().strip() if cmd_file.exists() else (
+        "ddtree-lab train-lab-pair --stages prepare   # CPU\n"
+        "ddtree-lab train-lab-pair --stages target,pool,drafter --device cuda   # GPU\n"
+        "ddtree-lab train-lab-pair --stages export,card   # CPU")
+    notes = notes_file.read_text().strip() if notes_file.exists() else ""
+    write_card(cfg, meta, tsum, dsum, ev, out, command, notes)
     log("card: " + ", ".join(f"{m} τ {t:.2f}" for m, t in ev["overall_tau"].items()) +
         f"; lossless {ev['lossless']}; README.md written")
     return ev

@@ -36,15 +36,26 @@ def greedy_extend(target, tokens: torch.Tensor, n_new: int) -> torch.Tensor:
             q, k = blk.qkv.norm_rope_q(q, cos, sin), blk.qkv.norm_rope_k(k, cos, sin)
             kc[li, :, :, pos0:pos0 + T] = k
             vc[li, :, :, pos0:pos0 + T] = v
-            # Prefill (pos0 == 0) is causal over itself; a one-token step sees the whole cache.
-            att = F.scaled_dot_product_attention(q, kc[li, :, :, :pos0 + T], vc[li, :, :, :pos0 + T],
-                                                 is_causal=T > 1, enable_gqa=q.shape[1] != k.shape[1])
+            if T > 1:  # prefill (pos0 == 0): causal over itself
+                att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            else:  # one new token sees the whole cache; grouped matmuls, no K/V copies per query head
+                att = _decode_attention(q, kc[li, :, :, :pos0 + 1], vc[li, :, :, :pos0 + 1])
             x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
         nxt = target.lm_head_logits(target.norm(x[:, -1])).argmax(-1)  # [B]
         out[:, pos0 + T] = nxt
         step_in, pos0 = nxt[:, None], pos0 + T
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, 1, D], k/v [B, Hkv, S, D] (query head h uses KV head h // (Hq/Hkv)) -> [B, Hq, 1, D]."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.to(k.dtype).reshape(B, Hkv, Hq // Hkv, D)              # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() / D ** 0.5  # [B, Hkv, G, S]
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)          # [B, Hkv, G, D]
+    return out.reshape(B, Hq, 1, D)
 
 
 def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):

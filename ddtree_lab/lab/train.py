@@ -85,12 +85,14 @@ class LabConfig:
     gamma: float = 7.0                    # loss weight of slot k: exp(-(k-1)/gamma)
     soft_weight: float = 0.0              # mix of KL to the target's distribution into the loss
     variants: str = "soft_weight=0.5"     # extra drafters trained on the same batches, ';'-separated
+    drafter_init: str = ""                # warm start the main drafter from these weights (safetensors)
     # evaluation
     eval_prompts: int = 16                # per set, for the quick τ during training
     n_new: int = 96
     budgets: tuple = (16, 64, 256)
     card_prompts: int = 0                 # per set for the card's engine evaluation; 0 = all
     save_dtype: str = "bfloat16"
+    pack_target: bool = True              # pack: also carry the target back (off when only the drafter changed)
 
 
 PRESETS = {
@@ -98,10 +100,10 @@ PRESETS = {
     # The CPU test: every stage, in seconds.
     "tiny": dict(vocab_size=512, corpus_root="json", heldout_per_mille=300, n_prompts=3,
                  hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                 head_dim=32, seq_len=64, batch_size=8, warmup_steps=5, target_steps=20, eval_every=10,
-                 gen_sequences=16, gen_batch=8, gen_len=32, gen_prefix_lens=(16, 24),
+                 head_dim=32, seq_len=64, batch_size=8, warmup_steps=4, target_steps=8, eval_every=4, eval_windows=16,
+                 gen_sequences=8, gen_batch=8, gen_len=32, gen_prefix_lens=(16, 24),
                  drafter_layers=1, drafter_intermediate=128, target_layer_ids=(0, 1), drafter_batch=4,
-                 anchors=4, drafter_warmup=5, drafter_steps=20, eval_prompts=2, n_new=12, budgets=(4, 8),
+                 anchors=4, drafter_warmup=4, drafter_steps=8, eval_prompts=2, n_new=12, budgets=(4, 8), card_prompts=2,
                  variants="", save_dtype="float32"),
 }
 
@@ -391,6 +393,9 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
         torch.manual_seed(cfg.seed + 100 + i)
         d = Drafter(drafter_config(cfg, meta["vocab_size"], meta["mask_token_id"], v["layers"], v["intermediate"]))
         init_weights(d, v["layers"])
+        if name == "main" and cfg.drafter_init:
+            load_weights(d, Path(cfg.drafter_init))
+            log(f"drafter: main variant starts from {cfg.drafter_init}")
         drafters[name] = d.to(device).train()
         opts[name] = optimizer(drafters[name], v["lr"], 0.01, device)
     state_path = work / "drafter_state.pt"
@@ -475,6 +480,9 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
     for name, d in drafters.items():
         d.eval()
         save_weights(d, work / f"drafter_{name}.safetensors")
+        if not prompts:
+            results[name] = {"tau": {"dflash": 0.0}, "config": variants[name], "params": n_params[name]}
+            continue
         te = time.time()
         r = fast_tau(target, d, prompts, cfg.n_new, cfg.budgets, eos_id=meta["eos_token_id"], device=device)
         results[name] = {"tau": r.summary(), "config": variants[name], "params": n_params[name]}
@@ -517,11 +525,11 @@ def stage_export(cfg: LabConfig, cache: Path, work: Path, out: Path) -> Path:
 PACK_PART_BYTES = 15 * 2**20  # files coming back from a remote GPU machine must stay under 16 MiB
 
 
-def stage_pack(work: Path, pack: Path) -> None:
+def stage_pack(work: Path, pack: Path, with_target: bool = True) -> None:
     """Move the trained weights in few small files: the target in bf16 (what ships), the drafter fp32."""
     from safetensors.torch import load_file, save_file
     pack.mkdir(parents=True, exist_ok=True)
-    sd = load_file(str(work / "target_final.safetensors"))
+    sd = load_file(str(work / "target_final.safetensors")) if with_target else {}
     parts, cur, size = [], {}, 0
     for k, v in sd.items():
         v = v.to(torch.bfloat16).contiguous()
@@ -529,7 +537,8 @@ def stage_pack(work: Path, pack: Path) -> None:
             parts.append(cur)
             cur, size = {}, 0
         cur[k], size = v, size + v.numel() * 2
-    parts.append(cur)
+    if cur:
+        parts.append(cur)
     for i, part in enumerate(parts):
         save_file(part, str(pack / f"target.part{i}.safetensors"))
     shutil.copy(work / "drafter_final.safetensors", pack / "drafter_final.safetensors")
@@ -544,7 +553,8 @@ def stage_unpack(work: Path, pack: Path) -> None:
     sd = {}
     for f in sorted(pack.glob("target.part*.safetensors")):
         sd.update({k: v.float() for k, v in load_file(str(f)).items()})
-    save_file(sd, str(work / "target_final.safetensors"))
+    if sd:
+        save_file(sd, str(work / "target_final.safetensors"))
     shutil.copy(pack / "drafter_final.safetensors", work / "drafter_final.safetensors")
     for name, obj in json.loads((pack / "pack.json").read_text()).items():
         (work / f"{name}.json").write_text(json.dumps(obj, indent=2) + "\n")
@@ -627,7 +637,10 @@ def run_train_cli(args) -> int:
         elif s in ("pack", "unpack"):
             if not args.pack_dir:
                 raise SystemExit(f"--stages {s} needs --pack-dir")
-            (stage_pack if s == "pack" else stage_unpack)(work, Path(args.pack_dir))
+            if s == "pack":
+                stage_pack(work, Path(args.pack_dir), cfg.pack_target)
+            else:
+                stage_unpack(work, Path(args.pack_dir))
         elif s == "export":
             stage_export(cfg, cache, work, out)
         elif s == "card":
