@@ -311,24 +311,25 @@ def overview(results: dict) -> str:
 
 
 def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any = None) -> dict[int, list[dict]]:
-    """{budget: trace rows} for the tree explorer: this run's own traces, a sibling run's traces from
-    the same study when one exists, else rounds generated live (same prompts, same settings)."""
+    """{budget: trace rows} for the tree explorer. For each budget: this run's own traces, else the
+    traces of the study's run at that budget, else rounds generated live (same prompts/settings).
+    As a once-per-study notebook every budget comes from the study's runs: nothing is generated."""
     import ddtree_lab as dl
     from .study import run_name
     out: dict[int, list[dict]] = {}
     if params.method == "ar":
         return out  # AR rounds have no trees
     own = [r for r in load_traces(params.run_dir) if r.get("tree")]
-    if own:  # DFlash: a single path of L nodes
-        out[params.budget if params.method == "ddtree" else len(own[0]["tree"]["tokens"])] = own
-        if params.method == "dflash":
-            return out
+    if params.method == "dflash":  # a single path of L nodes
+        return {len(own[0]["tree"]["tokens"]): own} if own else out
+    if own:
+        out[params.budget] = own
     prompts = None
-    for b in budgets or []:
+    for b in budgets or [params.budget]:
         if b in out:
             continue
         sibling = Path(params.study_dir) / run_name("ddtree", b, params.topk, params.temperature)
-        rows = load_traces(sibling) if params.study_dir else []
+        rows = [r for r in load_traces(sibling) if r.get("tree")] if params.study_dir else []
         if not rows:
             pair = pair if pair is not None else load_run_pair(params)
             prompts = prompts or load_prompts(params.prompt_set, params.n_prompts)
@@ -338,6 +339,16 @@ def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any =
                                                   trace=True, **kw))
         out[b] = rows
     return out
+
+
+def run_tokenizer(params: RunParams):
+    """The tokenizer for token text: from this run's or any study run's results.json (no model
+    load), else from the pair itself."""
+    res = load_results(params.run_dir or ".")
+    if res is None and params.study_dir and Path(params.study_dir).is_dir():
+        res = next((r["results"] for r in collect_study(params.study_dir) if r.get("results")), None)
+    tok = tokenizer_for(res)
+    return tok if tok is not None else getattr(load_run_pair(params), "tokenizer", None)
 
 
 def quick_sweep(params: RunParams, budgets: list[int], pair: Any = None) -> None:

@@ -50,8 +50,8 @@ def tiny_study(tmp_path_factory, tiny_dirs):
         "prompts": {"set": "prompts.jsonl", "n_prompts": 1},
         "methods": ["ar", "ddtree"],
         "grid": {"budget": [2, 4], "max_new_tokens": 8},
-        "notebooks": {"per_run": ["notebooks/paths_or_fail.ipynb", "draft_trees"],
-                      "per_study": ["budget_sweep", "kernel_timeline"], "timeout": 600},
+        "notebooks": {"per_run": ["notebooks/paths_or_fail.ipynb"],
+                      "per_study": ["draft_trees", "budget_sweep", "kernel_timeline"], "timeout": 600},
         "warmup": False,
     }
     (root / "tinyrun.yaml").write_text(yaml.safe_dump(spec))
@@ -65,20 +65,23 @@ def test_study_runs_and_records(tiny_study):
     root, out, summary, log = tiny_study
     status = {o.name: o.status for o in summary.outcomes}
     assert status == {"ar-t0": "complete", "ddtree-b2-k0-t0": "complete", "ddtree-b4-k0-t0": "failed",
-                      "budget_sweep": "complete", "kernel_timeline": "complete"}, log
+                      "draft_trees": "complete", "budget_sweep": "complete", "kernel_timeline": "complete"}, log
     assert (out / "study.json").is_file() and (out / "study.yaml").is_file()
     for run in ("ar-t0", "ddtree-b2-k0-t0"):
         d = out / run
-        assert {"paths_or_fail.ipynb", "draft_trees.ipynb", "results.json", "traces.jsonl", "run.json"} <= \
+        assert {"paths_or_fail.ipynb", "results.json", "traces.jsonl", "run.json", "figures"} <= \
             {p.name for p in d.iterdir()}
         res = json.loads((d / "results.json").read_text())
         for key in ("config", "models", "device", "versions", "commit", "prompts", "summary", "comparison"):
             assert key in res
         assert res["summary"]["new_tokens"] == 8 and res["summary"]["mean_tau"] >= 1
-        nb = nbformat.read(d / "draft_trees.ipynb", as_version=4)
+        nb = nbformat.read(d / "paths_or_fail.ipynb", as_version=4)
         assert any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
         assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
-    assert (out / "ddtree-b2-k0-t0" / "figures" / "draft_trees.json").is_file()
+    # draft_trees ran once for the study, on the rounds the runs recorded (b4 failed: b2 only)
+    nb = nbformat.read(out / "draft_trees" / "draft_trees.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "{2: " in printed and (out / "draft_trees" / "figures" / "draft_trees.json").is_file()
     b2 = json.loads((out / "ddtree-b2-k0-t0" / "results.json").read_text())
     assert b2["comparison"]["verdict"] == "lossless"  # AR ran first: compared at run time already
     assert not list(out.glob(".*"))  # no temp dirs left behind
@@ -91,7 +94,7 @@ def test_failed_run_is_recorded_and_reported(tiny_study):
     assert st["status"] == "failed" and "deliberate failure for budget 4" in st["error"]
     assert st["error_notebook"] == "paths_or_fail.ipynb"
     assert (d / "paths_or_fail.ipynb").is_file()  # the partial notebook is kept
-    assert not (d / "draft_trees.ipynb").exists()  # later notebooks of the run do not run
+    assert [p.name for p in d.glob("*.ipynb")] == ["paths_or_fail.ipynb"]
     page = (out / "report.html").read_text()
     assert "deliberate failure for budget 4" in page and "ddtree-b4-k0-t0" in page
 
@@ -116,7 +119,7 @@ def test_rerun_skips_complete_runs(tiny_study):
     again = S.main_study(root / "tinyrun.yaml", out, retry_failed=False, progress=False, log=lambda *_: None)
     assert {o.name: o.status for o in again.outcomes} == {
         "ar-t0": "skipped", "ddtree-b2-k0-t0": "skipped", "ddtree-b4-k0-t0": "skipped",
-        "budget_sweep": "skipped", "kernel_timeline": "skipped"}
+        "draft_trees": "skipped", "budget_sweep": "skipped", "kernel_timeline": "skipped"}
     assert (out / "ar-t0" / "results.json").stat().st_mtime_ns == before
     assert again.report.is_file()
 
