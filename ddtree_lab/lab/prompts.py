@@ -99,9 +99,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def build_prompt_sets(cfg: CorpusConfig, tok, out_dir: str | Path, n: int = 32, seed: int = 0,
-                      log=print) -> dict[str, list[dict]]:
+                      min_tokens: int = 64, log=print) -> dict[str, list[dict]]:
     files = heldout_texts(cfg)
-    sets = {"code": code_prompts(files, tok, n, seed=seed),
+    sets = {"code": code_prompts(files, tok, n, min_tokens=min_tokens, seed=seed),
             "docstring": docstring_prompts(files, tok, n, seed=seed)}
     for name, rows in sets.items():
         write_jsonl(rows, Path(out_dir) / f"{name}.jsonl")

@@ -20,7 +20,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +85,8 @@ class LabConfig:
     gamma: float = 7.0                    # loss weight of slot k: exp(-(k-1)/gamma)
     soft_weight: float = 0.0              # mix of KL to the target's distribution into the loss
     variants: str = "soft_weight=0.5"     # extra drafters trained on the same batches, ';'-separated
-    drafter_init: str = ""                # warm start the main drafter from these weights (safetensors)
+    drafter_init: str = ""                # warm start the main drafter: a DFlash dir or a work-dir safetensors
+    target_from: str = ""                 # use this HF target dir when the work dir has no trained target
     # evaluation
     eval_prompts: int = 16                # per set, for the quick τ during training
     n_new: int = 96
@@ -156,7 +157,7 @@ def save_weights(module: nn.Module, path: Path, dtype=torch.float32) -> None:
 def load_weights(module: nn.Module, path: Path) -> nn.Module:
     from safetensors.torch import load_file
     sd = load_file(str(path))
-    module.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    module.load_state_dict({k: v.float() for k, v in sd.items()})
     return module
 
 
@@ -222,8 +223,13 @@ def new_target(cfg: LabConfig, meta: dict, device):
 
 def frozen_target(cfg: LabConfig, meta: dict, work: Path, device):
     """The trained target with weights rounded to the shipped dtype: the drafter must match what ships."""
-    t = new_target(cfg, meta, "cpu")
-    load_weights(t, work / "target_final.safetensors")
+    if not (work / "target_final.safetensors").exists() and cfg.target_from:
+        from ..checkpoint import load_target
+        t = load_target(cfg.target_from)
+        log(f"target: using {cfg.target_from}")
+    else:
+        t = new_target(cfg, meta, "cpu")
+        load_weights(t, work / "target_final.safetensors")
     dt = getattr(torch, cfg.save_dtype)
     with torch.no_grad():
         for p in t.parameters():
@@ -235,18 +241,13 @@ def frozen_target(cfg: LabConfig, meta: dict, work: Path, device):
 # ----------------------------------------------------------------------------- stage: prepare
 
 def stage_prepare(cfg: LabConfig, cache: Path) -> dict:
-    from . import prompts as P
+    from .prompts import build_prompt_sets
     ccfg = CorpusConfig(root=cfg.corpus_root, heldout_per_mille=cfg.heldout_per_mille,
                         vocab_size=cfg.vocab_size, max_files=cfg.max_files)
     meta = build_corpus(ccfg, cache, log=log)
     tok = load_tokenizer(cache / "tokenizer")
-    min_tokens = 64 if cfg.preset == "lab" else 8
-    files = P.heldout_texts(ccfg)
-    sets = {"code": P.code_prompts(files, tok, cfg.n_prompts, min_tokens=min_tokens, seed=cfg.seed),
-            "docstring": P.docstring_prompts(files, tok, cfg.n_prompts, seed=cfg.seed)}
-    for name, rows in sets.items():
-        P.write_jsonl(rows, cache / "prompts" / f"{name}.jsonl")
-        log(f"prompts: {len(rows)} {name} prompts from held-out files")
+    build_prompt_sets(ccfg, tok, cache / "prompts", n=cfg.n_prompts, seed=cfg.seed,
+                      min_tokens=64 if cfg.preset == "lab" else 8, log=log)
     return asdict(meta)
 
 
@@ -394,7 +395,11 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
         d = Drafter(drafter_config(cfg, meta["vocab_size"], meta["mask_token_id"], v["layers"], v["intermediate"]))
         init_weights(d, v["layers"])
         if name == "main" and cfg.drafter_init:
-            load_weights(d, Path(cfg.drafter_init))
+            if Path(cfg.drafter_init).is_dir():  # a DFlash checkpoint, e.g. the shipped drafter
+                from ..checkpoint import load_drafter
+                d.load_state_dict(load_drafter(cfg.drafter_init).state_dict())
+            else:
+                load_weights(d, Path(cfg.drafter_init))
             log(f"drafter: main variant starts from {cfg.drafter_init}")
         drafters[name] = d.to(device).train()
         opts[name] = optimizer(drafters[name], v["lr"], 0.01, device)
