@@ -130,7 +130,8 @@ def sweep_figure(rows: list[dict], metric: str = "mean_tau") -> go.Figure:
             fig.add_scatter(x=[best["budget"]], y=[best["speedup"]], mode="markers+text",
                             marker=dict(symbol="star", size=18, color="#e4572e"), name="recommended",
                             text=[f"best: budget {best['budget']} ({best['speedup']:.2f}×)"],
-                            textposition="top center")
+                            textposition="top left" if best["budget"] == max(
+                                (_cfg(r).get("budget") or 0 for r in rows), default=0) else "top center")
     fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
                       margin=dict(l=55, r=20, t=60, b=45),
                       xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", dtick=math.log10(2)),

@@ -190,10 +190,12 @@ def tree_traces(v: RoundView, decode: Callable[[int], str] | None = None) -> lis
         nodes, stop]
 
 
-def _tree_layout_dict(title: str = "") -> dict:
+def _tree_layout_dict(title: str = "", views: Sequence[RoundView] = ()) -> dict:
+    # Room right of the deepest column for the "target: …" label of a walk that stopped there.
+    deepest = max((max(v.depths) for v in views), default=1)
     return dict(title=dict(text=title), showlegend=False, template="plotly_white", height=520,
                 margin=dict(l=30, r=30, t=60, b=40), hovermode="closest",
-                xaxis=dict(title=dict(text="depth"), dtick=1, zeroline=False),
+                xaxis=dict(title=dict(text="depth"), dtick=1, zeroline=False, range=[-0.3, deepest + 1.9]),
                 yaxis=dict(visible=False, autorange="reversed"))
 
 
@@ -206,7 +208,7 @@ def tree_figure(r: Any, tokenizer: Any = None, title: str | None = None) -> go.F
     v = r if isinstance(r, RoundView) else round_view(r)
     decode = make_decoder(tokenizer)
     fig = go.Figure([go.Scatter(**{k: val for k, val in t.items() if k != "type"}) for t in tree_traces(v, decode)])
-    fig.update_layout(**_tree_layout_dict(title or round_title(v, decode)))
+    fig.update_layout(**_tree_layout_dict(title or round_title(v, decode), [v]))
     return fig
 
 
@@ -229,7 +231,7 @@ def tree_slider_figure(rounds: Sequence[Any], tokenizer: Any = None, labels: Seq
         vis = [j // 4 == k for j in range(4 * len(views))]
         steps.append(dict(method="update", label=labels[k],
                           args=[{"visible": vis}, {"title.text": f"{title}: " + round_title(v, decode)}]))
-    fig.update_layout(**_tree_layout_dict(f"{title}: " + round_title(views[0], decode) if views else title))
+    fig.update_layout(**_tree_layout_dict(f"{title}: " + round_title(views[0], decode) if views else title, views))
     if views:
         fig.update_layout(sliders=[dict(active=0, steps=steps, pad=dict(t=40),
                                         currentvalue=dict(prefix="", visible=True))])
@@ -263,7 +265,7 @@ class TreeExplorer:
         self.prompt, self.budget, self.round = self.prompts[0], self.budgets[0], 0
         base = go.Figure([go.Scatter(**{k: v for k, v in t.items() if k != "type"})
                           for t in tree_traces(self.view, self.decode)])
-        base.update_layout(**_tree_layout_dict(round_title(self.view, self.decode)))
+        base.update_layout(**_tree_layout_dict(round_title(self.view, self.decode), [self.view]))
         self.figure, self.is_widget = _figure_widget(base)
         self._controls = None
         self._output = None
@@ -295,6 +297,7 @@ class TreeExplorer:
             for trace, t in zip(self.figure.data, traces):
                 trace.update({k: val for k, val in t.items() if k != "type"})
             self.figure.layout.title.text = round_title(v, self.decode, f"budget {self.budget} · ")
+            self.figure.layout.xaxis.range = _tree_layout_dict("", [v])["xaxis"]["range"]
         if self._controls is not None:
             self._sync_controls()
         if self._output is not None:  # no FigureWidget: re-render the plain figure

@@ -117,7 +117,7 @@ def test_build_report(study_dir):
     for section in ("Setup", "Acceptance and speedup vs budget", "τ histograms", "Acceptance by depth",
                     "Stage breakdown", "Kernel timeline", "Draft trees", "Losslessness", "Failed or suspect runs"):
         assert section in page, section
-    assert "Recommended budget" in page
+    assert "Recommended budget" in page or "No budget beat AR" in page  # speedups vary by machine
     assert "out of cheese" in page and "diverges at token 3" in page
     assert "verify micro-benchmark" in page.lower()
 

@@ -153,3 +153,10 @@ def test_explorer_without_figurewidget(explorer, monkeypatch):
     ex.round_slider.value = 2
     assert w.children[2] is ex._output and ex.round == 2
     assert list(ex.figure.data[2].y) == viz.tree_layout(ex.view.parents)
+
+
+def test_depth_axis_leaves_room_for_the_target_label(explorer):
+    v = explorer.view
+    assert explorer.figure.layout.xaxis.range[1] > max(v.depths) + 1  # the ✕ sits at depth + 1
+    explorer.select(budget=32)
+    assert explorer.figure.layout.xaxis.range[1] == max(explorer.view.depths) + 1.9
