@@ -26,18 +26,25 @@ METHODS = ("ar", "dflash", "ddtree")
 
 class Chooser:
     """The target's choice per row of logits: argmax at T = 0, else an exact sample by the
-    Gumbel-max trick (uniform noise from a seeded generator; capturable in a CUDA graph)."""
+    Gumbel-max trick. The uniform noise is drawn into a static buffer by `refill`, which runs
+    eagerly before the choosing stage (also between graph replays), so eager and graph rounds
+    draw the same numbers from the seeded generator."""
 
-    def __init__(self, temperature: float, device: torch.device):
+    def __init__(self, temperature: float, device: torch.device, rows: int = 0, vocab: int = 0):
         self.temperature = temperature
         self.generator = torch.Generator(device=device)
+        self.noise = torch.empty(rows, vocab, device=device) if temperature > 0 and rows else None
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def refill(self) -> None:
+        self.noise.uniform_(generator=self.generator)
+
+    def __call__(self, logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         # logits [T, V] -> [T]
         if self.temperature == 0:
             return logits.argmax(-1)
-        u = torch.rand(logits.shape, generator=self.generator, device=logits.device)
-        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
+        if noise is None:
+            noise = torch.rand(logits.shape, generator=self.generator, device=logits.device)
+        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
         return (logits.float() / self.temperature + gumbel).argmax(-1)
 
 
@@ -53,7 +60,7 @@ class RoundProgram:
         self.budget, self.topk = budget, topk
         self.layers = self.drafter.cfg.target_layer_ids if method != "ar" else []
         self.mask_id = self.drafter.cfg.mask_token_id if method != "ar" else 0
-        self.choose = Chooser(temperature, device)
+        rows = 1 if method == "ar" else None  # set below once the tree size is known
         long = dict(dtype=torch.long, device=device)
         self.n = torch.zeros(1, **long)              # committed tokens in the target cache
         self.bonus = torch.zeros(1, **long)          # the target's choice for position n
@@ -67,9 +74,14 @@ class RoundProgram:
         if method != "ar":
             self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
             self.path_width = max(self.T, span)  # the walk's path buffer, padded to a fixed width
-        self.stages = [("verify", self.ar_step)] if method == "ar" else [
-            ("draft", self.draft), ("tree_build", self.tree_build), ("verify", self.verify),
-            ("commit", self.commit)]
+            self.is_root = torch.arange(self.T, device=device) == 0
+            rows = self.T
+        self.choose = Chooser(temperature, device, rows, self.target.cfg.vocab_size)
+        refill = self.choose.refill if temperature > 0 else None
+        # (stage name, fixed-shape function, eager pre-step kept outside any graph)
+        self.stages = [("verify", self.ar_step, refill)] if method == "ar" else [
+            ("draft", self.draft, None), ("tree_build", self.tree_build, None), ("verify", self.verify, None),
+            ("commit", self.commit, refill)]
 
     # ------------------------------------------------------------------ state
     def reset(self, n: int, bonus: torch.Tensor) -> None:
@@ -83,13 +95,13 @@ class RoundProgram:
         """Append tokens[:a] (a fixed-width buffer) to `out`; the rest is overwritten later."""
         self.out.index_copy_(0, self.out_len + torch.arange(tokens.shape[0], device=self.device), tokens)
         self.out_len += a
-        self.taus.index_copy_(0, self.round_idx, a.view(1) if torch.is_tensor(a) else self.a.fill_(a))
+        self.taus.index_copy_(0, self.round_idx, a if torch.is_tensor(a) else self.a.fill_(a))
         self.round_idx += 1
 
     # ------------------------------------------------------------------ AR: one target step
     def ar_step(self) -> None:
         logits, _ = self.target(self.bonus, self.n, self.n, TreeMask.causal(1, self.device))
-        self.bonus.copy_(self.choose(logits))
+        self.bonus.copy_(self.choose(logits, self.choose.noise))
         self.n += 1
         self._emit(self.bonus, 1)
 
@@ -115,21 +127,21 @@ class RoundProgram:
     def commit(self) -> None:
         # Walk: a node is accepted iff every node on its root path carries its parent's target choice.
         T, device = self.T, self.device
-        choice = self.choose(self.logits)                                         # [T]
-        matched = self.tokens == choice[self.parents]
-        matched[0] = True
+        choice = self.choose(self.logits, self.choose.noise)                      # [T]
+        matched = (self.tokens == choice[self.parents]) | self.is_root           # the root is given
         accepted = ~(self.anc & ~matched[None, :]).any(dim=1)                     # [T]
-        deepest = torch.where(accepted, self.depths, -1).argmax()
-        order = torch.where(self.anc[deepest], torch.arange(T, device=device), T)
+        # index_select with a [1] tensor, not t[0-dim tensor] (which would read the index on the host)
+        deepest = torch.where(accepted, self.depths, -1).argmax().view(1)
+        order = torch.where(self.anc.index_select(0, deepest)[0], torch.arange(T, device=device), T)
         if self.path_width > T:
             order = torch.cat([order, order.new_full((self.path_width - T,), T)])
         self.path = order.sort().values[: self.L + 1].clamp(max=T - 1)           # [L+1], first a valid
-        self.a = self.depths[deepest] + 1
+        self.a = self.depths.index_select(0, deepest) + 1                       # [1]
         # Commit: accepted KV to positions n … n+a-1, their features to the drafter.
         self.target.compact_cache(self.n, self.path)
         self.drafter.append_context(self.hidden[self.path], self.n + self.block_offsets, self.a)
         # Emit the matched chain, then the next bonus (the target's choice at the deepest node).
-        self.bonus.copy_(choice[deepest].view(1))
+        self.bonus.copy_(choice.index_select(0, deepest))
         chain = self.tokens[self.path[1:]]                                        # [L]
         emit = torch.cat([chain, chain.new_zeros(1)])
         emit = torch.where(self.block_offsets == self.a - 1, self.bonus, emit)    # [L+1]
@@ -149,7 +161,7 @@ class GraphRunner:
 
     def __init__(self, program: RoundProgram):
         self.program = program
-        self.graphs: list[tuple[str, torch.cuda.CUDAGraph]] = []
+        self.graphs: list[tuple[str, torch.cuda.CUDAGraph, object]] = []
         self.pool = None
 
     def capture(self) -> None:
@@ -159,18 +171,18 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) off the graph
             for _ in range(2):
-                for _, fn in p.stages:
+                for _, fn, pre in p.stages:
+                    if pre is not None:
+                        pre()
                     fn()
         torch.cuda.current_stream().wait_stream(stream)
         self._restore(saved)
-        for name, fn in p.stages:
+        for name, fn, pre in p.stages:
             g = torch.cuda.CUDAGraph()
-            if p.choose.temperature > 0:
-                g.register_generator_state(p.choose.generator)
             with torch.cuda.graph(g, pool=self.pool):
                 fn()
             self.pool = self.pool or g.pool()
-            self.graphs.append((name, g))
+            self.graphs.append((name, g, pre))
         self._restore(saved)
 
     def _scalars(self):
@@ -185,7 +197,19 @@ class GraphRunner:
             t.copy_(s)
 
     def stages(self):
-        return [(name, g.replay) for name, g in self.graphs]
+        return [(name, _then(pre, g.replay)) for name, g, pre in self.graphs]
+
+
+def _then(pre, fn):
+    """fn, preceded by the eager step `pre` when there is one."""
+    if pre is None:
+        return fn
+
+    def run():
+        pre()
+        fn()
+
+    return run
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len):
@@ -209,8 +233,11 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
 def _program_for(pair: Pair, method, budget, topk, temperature, cache_len, out_capacity, max_rounds,
                  graphs: bool):
     """Programs (and their graphs) are kept on the pair and reused while the caches stay the same."""
+    # graphs hold raw addresses: a program is valid for exactly these cache tensors
+    buffers = (pair.target.kv.data_ptr(),) + ((pair.drafter.kv.data_ptr(), pair.drafter.ctx_len.data_ptr())
+                                               if pair.drafter is not None else ())
     key = (method, budget, topk, temperature > 0, cache_len, out_capacity, max_rounds, graphs,
-           pair.target.attention)
+           pair.target.attention, buffers)
     cache = pair.__dict__.setdefault("_programs", {})
     if key not in cache:
         if len(cache) > 16:
@@ -272,7 +299,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     if runner is not None and not runner.graphs:
         runner.capture()
         clock.mark("other")
-    stages = runner.stages() if runner is not None else program.stages
+    stages = runner.stages() if runner is not None else [(name, _then(pre, fn)) for name, fn, pre in program.stages]
 
     tokens: list[int] = [int(program.out[0])]
     rounds: list[RoundTrace] = []

@@ -96,7 +96,8 @@ class Drafter(nn.Module):
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len + c.block_size, c.head_dim)
         if self.kv is None or self.kv.shape != shape or self.kv.device != torch.device(device):
             self.kv = torch.zeros(shape, device=device, dtype=dtype or p.dtype)
-        self.ctx_len = torch.zeros(1, dtype=torch.long, device=device)
+            self.ctx_len = torch.zeros(1, dtype=torch.long, device=device)
+        self.ctx_len.zero_()  # in place: captured graphs hold this tensor
 
     def append_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, count=None) -> None:
         """Commit context: target_hidden [M, k*H] at `positions` [M]; the first `count` rows (int or
