@@ -351,6 +351,11 @@ def run_tokenizer(params: RunParams):
     return tok if tok is not None else getattr(load_run_pair(params), "tokenizer", None)
 
 
+def is_study_dir(study_dir: str | os.PathLike) -> bool:
+    """Written by `ddtree-lab study` (it holds study.json), not by notebooks run on their own."""
+    return (Path(study_dir) / "study.json").is_file()
+
+
 def quick_sweep(params: RunParams, budgets: list[int], pair: Any = None) -> None:
     """Without a study runner: write AR + DDTree runs (one per budget) into params.study_dir, in the
     same layout a study uses, so the sweep and report functions read them alike."""
@@ -374,6 +379,16 @@ def ar_run_name(results: dict) -> str:
     return run_name("ar", temperature=float(results.get("config", {}).get("temperature", 0.0)))
 
 
+SAME_SETTINGS = ("pair", "target_dir", "drafter_dir", "device", "dtype", "prompt_set", "max_new_tokens",
+                 "temperature")
+
+
+def settings_differ(results: dict, ar: dict | None) -> list[str]:
+    """Settings in which a run and its AR reference differ (then neither speedup nor tokens compare)."""
+    a, b = results.get("config", {}), (ar or {}).get("config", {})
+    return [k for k in SAME_SETTINGS if ar is not None and a.get(k) != b.get(k)]
+
+
 def losslessness(results: dict, ar: dict | None) -> dict:
     """At T = 0 every prompt's tokens must equal the AR run's, token for token."""
     cfg = results.get("config", {})
@@ -385,6 +400,8 @@ def losslessness(results: dict, ar: dict | None) -> dict:
         return {"verdict": "not checked", "detail": "sampling (T > 0): outputs differ by design"}
     if ar is None:
         return {"verdict": "not checked", "detail": "no AR run at T = 0 in this study"}
+    if settings_differ(results, ar):
+        return {"verdict": "not checked", "detail": f"the AR run used other {', '.join(settings_differ(results, ar))}"}
     ar_tokens = {p["id"]: p["tokens"] for p in ar.get("prompts", [])}
     bad = []
     for p in results.get("prompts", []):
@@ -403,7 +420,7 @@ def losslessness(results: dict, ar: dict | None) -> dict:
 def compare(results: dict, ar: dict | None) -> dict:
     tps = results.get("summary", {}).get("tokens_per_second")
     ar_tps = (ar or {}).get("summary", {}).get("tokens_per_second")
-    speedup = tps / ar_tps if tps and ar_tps else None
+    speedup = tps / ar_tps if tps and ar_tps and not settings_differ(results, ar) else None
     return {"ar_run": (ar or {}).get("run"), "speedup": speedup, **losslessness(results, ar)}
 
 

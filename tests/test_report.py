@@ -242,3 +242,12 @@ def test_tree_rounds_own_sibling_live(study_dir, tiny_pair):
     assert {r["prompt_id"] for r in rounds[16]} == {"p0", "p1"}
     assert R.tree_rounds(RunParams(method="ar"), [2]) == {}
     assert R.run_tokenizer(p) is not None  # from the study's results, no model load
+
+
+def test_no_comparison_across_settings(study_dir):
+    res = json.loads((study_dir / "ddtree-b2-k0-t0" / "results.json").read_text())
+    ar = json.loads((study_dir / "ar-t0" / "results.json").read_text())
+    assert R.compare(res, ar)["verdict"] == "lossless"
+    ar["config"]["max_new_tokens"] += 1
+    c = R.compare(res, ar)
+    assert c["verdict"] == "not checked" and "max_new_tokens" in c["detail"] and c["speedup"] is None
