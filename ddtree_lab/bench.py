@@ -176,6 +176,40 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device) -
     return out
 
 
+def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max_new_tokens: int = 96,
+                  cuda_graphs: bool | None = None, progress=True) -> dict:
+    """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup."""
+    from .decode import generate
+
+    runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    rows = []
+    for method, budget in runs:
+        kw = dict(method=method, budget=budget or 16, max_new_tokens=max_new_tokens, trace=False,
+                  cuda_graphs=cuda_graphs, stop=[])
+        generate(pair, prompts[0], **kw)  # warm-up: kernels compiled, graphs captured
+        tokens, seconds, taus, outputs = 0, 0.0, [], []
+        for prompt in prompts:
+            res = generate(pair, prompt, **kw)
+            tokens += len(res.tokens)
+            seconds += res.wall_seconds
+            taus += res.acceptance_lengths
+            outputs.append(res.tokens)
+        rows.append({"method": method, "budget": budget, "tokens": tokens, "seconds": seconds,
+                     "tokens_per_second": tokens / seconds, "mean_tau": sum(taus) / len(taus),
+                     "outputs": outputs})
+        if progress:
+            print(f"  {method:6s} budget={budget!s:5s} {tokens / seconds:9.1f} tok/s  tau {sum(taus) / len(taus):.2f}",
+                  file=sys.stderr, flush=True)
+    ar = rows[0]
+    for r in rows:
+        r["speedup_over_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+        r["lossless"] = r["outputs"] == ar["outputs"]
+    for r in rows:
+        del r["outputs"]
+    best = max(rows[2:], key=lambda r: r["tokens_per_second"]) if len(rows) > 2 else None
+    return {"rows": rows, "best_budget": best and best["budget"]}
+
+
 def add_bench_args(p) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     k = sub.add_parser("kernels", help="verify attention: triton vs sdpa (dense mask) vs flex")
@@ -194,6 +228,16 @@ def add_bench_args(p) -> None:
     e.add_argument("--attention", default="triton")
     e.add_argument("--device", default="cuda")
     e.add_argument("--out", default="outputs/bench/e2e.json")
+    r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
+    r.add_argument("--pair", default="lab")
+    r.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
+    r.add_argument("--n-prompts", type=int, default=8)
+    r.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    r.add_argument("--max-new-tokens", type=int, default=96)
+    r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--attention", default="triton")
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--out", default="outputs/bench/prompts.json")
 
 
 def run_bench_cli(args) -> int:
@@ -205,6 +249,15 @@ def run_bench_cli(args) -> int:
         rows = bench_tree_attention(args.trees, args.contexts, tuple(args.backends), progress=True)
         result = {"kind": "kernels", "environment": environment(), "copy_gbps": device_copy_gbps(), "rows": rows}
         print(summary_table(rows), file=sys.stderr)
+    elif args.bench == "prompts":
+        from .checkpoint import load_pair
+        from .study import load_prompts
+
+        pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention)
+        prompts = [p["prompt"] for p in load_prompts(args.prompts, args.n_prompts)]
+        result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(),
+                  "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                  **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens)}
     else:
         start = time.perf_counter()
         result = {"kind": "e2e", "environment": environment(),

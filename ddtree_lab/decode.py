@@ -167,6 +167,7 @@ class GraphRunner:
     def capture(self) -> None:
         p = self.program
         saved = [t.clone() for t in self._scalars()]
+        rng = p.choose.generator.get_state()  # warm-up draws must not shift this call's samples
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) off the graph
@@ -184,6 +185,7 @@ class GraphRunner:
             self.pool = self.pool or g.pool()
             self.graphs.append((name, g, pre))
         self._restore(saved)
+        p.choose.generator.set_state(rng)
 
     def _scalars(self):
         p = self.program
