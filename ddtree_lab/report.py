@@ -395,6 +395,50 @@ def _kernel_section(page: _Page, study_dir: Path, rows: list[dict]) -> None:
             page.add(f"<p class='sub'>{_e(mb['note'])}</p>")
 
 
+BENCH_COLUMNS = [("method", "method", "{}"), ("budget", "budget", "{}"), ("mean_tau", "mean τ", "{:.2f}"),
+                 ("tokens_per_second", "tokens/s", "{:.1f}"), ("round_seconds", "round ms", "1e3:{:.3f}"),
+                 ("speedup_over_ar", "speedup", "{:.2f}"), ("round_over_ar_step", "round / AR step", "{:.2f}"),
+                 ("lossless", "lossless", "{}")]
+
+
+def _bench_files(study_dir: Path) -> list[Path]:
+    """`ddtree-lab bench … --out <study_dir>/bench/NAME.json` files (or *.bench.json beside the runs)."""
+    return sorted(study_dir.glob("bench/*.json")) + sorted(study_dir.glob("*.bench.json"))
+
+
+def _bench_section(page: "_Page", study_dir: Path) -> None:
+    files = _bench_files(study_dir)
+    if not files:
+        return
+    page.section("bench", "Benchmarks (ddtree-lab bench)")
+    for f in files:
+        try:
+            b = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        env = b.get("environment") or {}
+        head = " · ".join(str(x) for x in (b.get("kind"), b.get("model"), b.get("attention"), env.get("device"),
+                                           env.get("commit")) if x)
+        page.add(f"<h3>{_e(f.name)}</h3><p class='sub'>{_e(head)}</p>")
+        roof = b.get("roofline") or {}
+        if roof.get("copy_bytes_per_second"):
+            page.add(f"<p class='sub'>measured copy bandwidth {roof['copy_bytes_per_second'] / 1e9:.0f} GB/s; AR step "
+                     f"{_num(roof.get('ar_step_over_roofline'))}× its weight-read roofline</p>")
+        rows = [r for r in b.get("rows", []) if isinstance(r, dict)]
+        cols = [c for c in BENCH_COLUMNS if any(c[0] in r for r in rows)]
+        body = []
+        for r in rows:
+            cells = []
+            for key, _, fmt in cols:
+                v = r.get(key)
+                if fmt.startswith("1e3:") and isinstance(v, (int, float)):
+                    v, fmt = v * 1e3, fmt[4:]
+                cells.append(f'<td class="num">{_num(v, fmt)}</td>' if isinstance(v, float) else _e(v if v is not None else "–"))
+            body.append(cells)
+        if body:
+            page.add(_table([c[1] for c in cols], body))
+
+
 def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Assemble `<study_dir>/report.html` (or `out`) from every run of the study."""
     study_dir = Path(study_dir).resolve()
@@ -458,6 +502,8 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
         page.add("<p class='na'>No traced DDTree rounds.</p>")
     for _, fig in samples:
         page.figure(fig)
+
+    _bench_section(page, study_dir)
 
     page.section("lossless", "Losslessness")
     page.add("<p>At T = 0 every run must emit exactly the AR run's tokens for every prompt.</p>")

@@ -251,3 +251,17 @@ def test_no_comparison_across_settings(study_dir):
     ar["config"]["max_new_tokens"] += 1
     c = R.compare(res, ar)
     assert c["verdict"] == "not checked" and "max_new_tokens" in c["detail"] and c["speedup"] is None
+
+
+def test_bench_json_in_report(study_dir):
+    # What `ddtree-lab bench e2e --out <study_dir>/bench/e2e.json` writes (fields the table reads).
+    bench = study_dir / "bench"
+    atomic_write_json(bench / "e2e.json", {
+        "kind": "e2e", "model": "random:qwen3-8b", "attention": "triton", "environment": {"device": "NVIDIA H200"},
+        "roofline": {"copy_bytes_per_second": 4.2e12, "ar_step_over_roofline": 2.2},
+        "rows": [{"method": "ar", "budget": None, "mean_tau": 1.0, "tokens_per_second": 95.0, "round_seconds": 0.008},
+                 {"method": "ddtree", "budget": 64, "mean_tau": 1.0, "tokens_per_second": 80.5, "round_seconds": 0.0101}]})
+    page = report.build_report(study_dir).read_text()
+    assert "Benchmarks (ddtree-lab bench)" in page and "random:qwen3-8b" in page and "4200 GB/s" in page
+    assert "10.100" in page  # round seconds shown in ms
+    shutil.rmtree(bench)
