@@ -184,11 +184,15 @@ def load_run_pair(params: RunParams):
     """The pair a run names (`lab`, `random:<shape>` or target/drafter dirs)."""
     import ddtree_lab as dl
     from .study import register_pair_module
-    kw = dict(device=params.device, dtype=params.dtype, attention=params.attention)
+    import torch
+    device = params.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(device=device, dtype=params.dtype, attention=params.attention)
     if params.pair.startswith("random:"):  # real-size shapes, random weights, no tokenizer
         from .bench import random_pair
         from .checkpoint import DTYPES
-        return random_pair(params.pair.split(":", 1)[1], device=params.device, dtype=DTYPES[params.dtype],
+        return random_pair(params.pair.split(":", 1)[1], device=device, dtype=DTYPES[params.dtype],
                            attention=params.attention, seed=params.seed)
     if params.pair:
         register_pair_module(params.pair)

@@ -328,6 +328,12 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
         _check_named_pair(models.pair, src)
     if not DEVICES.match(models.device):
         raise StudyError("models.device", f"{models.device!r} must be cpu, cuda, cuda:N or auto", src)
+    if check_files and models.device.startswith("cuda"):
+        import torch  # every run would fail: refuse now
+        if not torch.cuda.is_available():
+            raise StudyError("models.device", f"{models.device!r} requested but no CUDA device is visible", src)
+        if ":" in models.device and int(models.device.split(":")[1]) >= torch.cuda.device_count():
+            raise StudyError("models.device", f"{models.device!r}: only {torch.cuda.device_count()} CUDA device(s)", src)
     if models.dtype not in DTYPES:
         raise StudyError("models.dtype", f"{models.dtype!r} must be one of {', '.join(DTYPES)}", src)
     if models.attention not in ATTENTIONS:

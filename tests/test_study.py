@@ -70,6 +70,7 @@ def test_shipped_study_files_validate():
     (lambda d: d["models"].update(dtype="fp8"), "models.dtype", "must be one of"),
     (lambda d: d["models"].update(device="tpu"), "models.device", "cpu, cuda"),
     (lambda d: d["models"].update(attention="flash"), "models.attention", "must be one of"),
+    (lambda d: d["models"].update(device="cuda:99"), "models.device", "CUDA device"),
     (lambda d: d["notebooks"].update(per_run=["accepted_paths", "no_such_notebook"]),
      "notebooks.per_run[1]", "not found"),
     (lambda d: d["notebooks"].update(report="missing_report"), "notebooks.report", "not found"),
