@@ -181,34 +181,29 @@ def _identity(directory: Path, kind: str) -> dict:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
+def _load(kind: str, directory, device, dtype, read_config, model_cls, mapping):
+    """Build the model on the meta device, fill it tensor by tensor from safetensors, then move it."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"target directory {directory} does not exist")
-    cfg = target_config_from_hf(read_json(directory / "config.json"), directory / "config.json")
+        raise CheckpointError(f"{kind} directory {directory} does not exist")
+    cfg = read_config(read_json(directory / "config.json"), directory / "config.json")
     with torch.device("meta"):
-        model = Target(cfg)
+        model = model_cls(cfg)
     model = model.to_empty(device="cpu")
     reader = _TensorReader(directory)
-    _fill(model, reader, target_mapping(cfg))
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)
+    if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
+        reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
+    _fill(model, reader, mapping(cfg))
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)  # a buffer, not stored in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
+    return _load("target", directory, device, dtype, target_config_from_hf, Target, target_mapping)
 
 
 def load_drafter(directory, device="cpu", dtype=torch.float32) -> Drafter:
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"drafter directory {directory} does not exist")
-    cfg = drafter_config_from_hf(read_json(directory / "config.json"), directory / "config.json")
-    with torch.device("meta"):
-        model = Drafter(cfg)
-    model = model.to_empty(device="cpu")
-    reader = _TensorReader(directory)
-    if not reader.has("fc.weight") and reader.has("model.fc.weight"):
-        reader = _TensorReader(directory, strip_prefix="model.")
-    _fill(model, reader, drafter_mapping(cfg))
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return _load("drafter", directory, device, dtype, drafter_config_from_hf, Drafter, drafter_mapping)
 
 
 def load_tokenizer(directory: Path):
