@@ -158,7 +158,7 @@ Training, the DFlash way, with the target frozen (and its weights rounded to the
 """ + _phases(dsum) + f"""
 
 Variants trained on the same batches (quick τ on {2 * cfg.eval_prompts} held-out prompts, simulated on the greedy sequence);
-the one with the best DFlash τ ships (`{dsum.get('chosen')}`):
+the one with the best DFlash τ ships (`{dsum.get('chosen')}`){(' — ' + dsum['variants_note']) if dsum.get('variants_note') else ''}:
 
 | variant | settings | DFlash | """ + " | ".join(f"DDTree({b})" for b in budgets) + """ |
 |---|---|---|""" + "---|" * len(budgets) + f"""

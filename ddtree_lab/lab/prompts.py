@@ -4,6 +4,9 @@ Two kinds, each a jsonl of {"id", "prompt", "source"} ("source" = "relpath:line"
   code       a file's text cut at a line boundary inside a function body: continue the code.
   docstring  a function's signature and docstring: write the body.
 Choices are seeded and spread over files (a few per file) so one odd file cannot dominate.
+A prompt ends at the end of a line, without its newline: byte-level BPE makes a newline and the next
+line's indentation one token, so a prompt ending in a bare newline tells the model the next line is
+unindented (it would close the function and start a new class).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def code_prompts(files, tok, n: int, max_tokens: int = 192, min_tokens: int = 64
                 start, ntok = start - 1, t
             if ntok < min_tokens:
                 continue
-            prompt = "".join(lines[start:cut])
+            prompt = "".join(lines[start:cut]).rstrip("\n")
             out.append({"id": f"code-{len(out):02d}", "prompt": prompt, "source": f"{rel}:{cut + 1}"})
             taken += 1
             if len(out) >= n:
@@ -77,7 +80,7 @@ def docstring_prompts(files, tok, n: int, max_tokens: int = 192, min_body_lines:
             if body_lines < min_body_lines:
                 continue
             first = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
-            prompt = "".join(lines[first:doc.end_lineno])
+            prompt = "".join(lines[first:doc.end_lineno]).rstrip("\n")
             if not 8 <= len(tok.encode(prompt, add_special_tokens=False).ids) <= max_tokens:
                 continue
             cands.append((first, prompt))
