@@ -1,0 +1,29 @@
+"""The command line: generate on a checkpoint directory, and bad input as one clear line."""
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "ddtree_lab.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_generate_json_and_trace(tiny_dirs, tmp_path):
+    t, d = tiny_dirs
+    trace = tmp_path / "rounds.jsonl"
+    out = run_cli("generate", "def add(a, b):", "--target", str(t), "--drafter", str(d), "--budget", "8",
+                  "--max-new-tokens", "12", "--json", "--trace", str(trace))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["method"] == "ddtree" and 1 <= len(res["tokens"]) <= 12
+    rounds = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rounds) == len(res["acceptance_lengths"]) and rounds[0]["tree"]["tokens"]
+
+
+def test_bad_budget_is_one_line_without_traceback(tiny_dirs):
+    t, d = tiny_dirs
+    out = run_cli("generate", "x", "--target", str(t), "--drafter", str(d), "--budget", "5000")
+    assert out.returncode == 2
+    assert "budget=5000 is out of range" in out.stderr and "Traceback" not in out.stderr
