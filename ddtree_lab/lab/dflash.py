@@ -14,8 +14,14 @@ import torch.nn.functional as F
 
 
 @torch.no_grad()
-def greedy_extend(target, tokens: torch.Tensor, n_new: int) -> torch.Tensor:
-    """tokens [B, P] -> [B, P + n_new], the target's greedy continuation of every row."""
+def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.Tensor | None = None,
+                  stop_id: int | None = None) -> torch.Tensor:
+    """tokens [B, P] -> [B, P + n_new], the target's greedy continuation of every row.
+
+    prompt_lens [B] (optional): rows are left-padded, row b's prompt is its last prompt_lens[b] tokens;
+    pad keys are masked and positions count from the row's first real token, so a padded row gets the
+    same tokens as alone (chat prompts differ in length, and one batch must hold them all).
+    stop_id (optional): stop early once every row has produced it (the output is then shorter)."""
     cfg = target.cfg
     B, P = tokens.shape
     S = P + n_new
@@ -26,42 +32,63 @@ def greedy_extend(target, tokens: torch.Tensor, n_new: int) -> torch.Tensor:
     vc = torch.zeros_like(kc)
     out = torch.empty(B, S, dtype=tokens.dtype, device=dev)
     out[:, :P] = tokens
+    pad = None if prompt_lens is None else (P - prompt_lens.to(dev))  # [B] left pads per row
+    key_ok = None if pad is None else torch.arange(S, device=dev)[None] >= pad[:, None]  # [B, S]
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
     step_in, pos0 = tokens, 0
     for _ in range(n_new):
         T = step_in.shape[1]
         x = target.embed(step_in)
-        cos, sin = target.rotary(torch.arange(pos0, pos0 + T, device=dev), x.dtype)
+        pos = torch.arange(pos0, pos0 + T, device=dev)
+        if pad is not None:
+            pos = (pos[None] - pad[:, None]).clamp(min=0)  # [B, T]
+        cos, sin = target.rotary(pos, x.dtype)
         for li, blk in enumerate(target.layers):
             q, k, v = blk.qkv.project(blk.input_layernorm(x))  # [B, H*, T, D]
             q, k = blk.qkv.norm_rope_q(q, cos, sin), blk.qkv.norm_rope_k(k, cos, sin)
             kc[li, :, :, pos0:pos0 + T] = k
             vc[li, :, :, pos0:pos0 + T] = v
-            if T > 1:  # prefill (pos0 == 0): causal over itself
+            if T > 1 and pad is None:  # prefill (pos0 == 0): causal over itself
                 att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            elif T > 1:  # padded prefill: causal, pad keys hidden; every query sees itself (no empty rows)
+                m = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & key_ok[:, None, :T]
+                m = m | torch.eye(T, dtype=torch.bool, device=dev)[None]
+                att = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None],
+                                                     enable_gqa=q.shape[1] != k.shape[1])
             else:  # one new token sees the whole cache; grouped matmuls, no K/V copies per query head
-                att = _decode_attention(q, kc[li, :, :, :pos0 + 1], vc[li, :, :, :pos0 + 1])
+                att = _decode_attention(q, kc[li, :, :, :pos0 + 1], vc[li, :, :, :pos0 + 1],
+                                        None if key_ok is None else key_ok[:, :pos0 + 1])
             x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
         nxt = target.lm_head_logits(target.norm(x[:, -1])).argmax(-1)  # [B]
         out[:, pos0 + T] = nxt
         step_in, pos0 = nxt[:, None], pos0 + T
+        if stop_id is not None:
+            done |= nxt == stop_id
+            if bool(done.all()):  # one host sync per step; cheap next to a 30-layer step
+                return out[:, :pos0 + 1]
     return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, 1, D], k/v [B, Hkv, S, D] (query head h uses KV head h // (Hq/Hkv)) -> [B, Hq, 1, D]."""
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok=None) -> torch.Tensor:
+    """q [B, Hq, 1, D], k/v [B, Hkv, S, D] (query head h uses KV head h // (Hq/Hkv)) -> [B, Hq, 1, D].
+
+    key_ok [B, S] (optional): False hides a key (left padding)."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qg = q.to(k.dtype).reshape(B, Hkv, Hq // Hkv, D)              # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() / D ** 0.5  # [B, Hkv, G, S]
+    if key_ok is not None:
+        scores = scores.masked_fill(~key_ok[:, None, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(v.dtype), v)          # [B, Hkv, G, D]
     return out.reshape(B, Hq, 1, D)
 
 
-def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 lengths: torch.Tensor | None = None):
     """tokens [B, S], anchors [B, A] -> block tokens [B, A, bs], positions [B, A, bs], labels [B, A, bs-1].
 
-    Labels past the end of the sequence are -100 (ignored)."""
+    Labels past the end of the sequence (or of row b's first lengths[b] tokens) are -100 (ignored)."""
     B, S = tokens.shape
     ar = torch.arange(block_size, device=tokens.device)
     pos = anchors[..., None] + ar  # [B, A, bs]
@@ -69,7 +96,8 @@ def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, m
     blk[..., 0] = torch.gather(tokens, 1, anchors)
     lab_pos = pos[..., 1:]
     labels = torch.gather(tokens, 1, lab_pos.clamp(max=S - 1).flatten(1)).view_as(lab_pos)
-    labels = labels.masked_fill(lab_pos >= S, -100)
+    end = S if lengths is None else lengths.to(tokens.device)[:, None, None]
+    labels = labels.masked_fill(lab_pos >= end, -100)
     return blk, pos, labels
 
 
@@ -85,16 +113,16 @@ def block_mask(anchors: torch.Tensor, S: int, block_size: int) -> torch.Tensor:
 
 
 def block_logits(target, drafter, tokens: torch.Tensor, target_hidden: torch.Tensor,
-                 anchors: torch.Tensor, mask_token_id: int):
+                 anchors: torch.Tensor, mask_token_id: int, lengths: torch.Tensor | None = None):
     """One DFlash forward for A anchors per row.
 
     tokens [B, S]; target_hidden [B, S, k*H] (target features at the drafter's target_layer_ids);
     anchors [B, A] with anchor >= 1 (a block needs some context). Returns logits [B, A, bs-1, V]
-    and labels [B, A, bs-1] (the sequence's own next tokens, -100 past its end)."""
+    and labels [B, A, bs-1] (the sequence's own next tokens, -100 past its end or lengths [B])."""
     bs = drafter.cfg.block_size
     B, S = tokens.shape
     A = anchors.shape[1]
-    blk, pos, labels = block_inputs(tokens, anchors, bs, mask_token_id)
+    blk, pos, labels = block_inputs(tokens, anchors, bs, mask_token_id, lengths)
     ctx = drafter.project_context(target_hidden)  # [B, S, H]
     ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
     x = target.embed(blk.view(B, A * bs))  # [B, A*bs, H]

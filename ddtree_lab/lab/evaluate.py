@@ -108,8 +108,11 @@ def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets
     return res
 
 
-def engine_tau(pair, prompt_rows: list[dict], n_new: int = 96, budgets=(16, 64, 256), log=print) -> dict:
-    """Run ddtree_lab.generate for AR, DFlash and DDTree(budgets) on every prompt; check losslessness."""
+def engine_tau(pair, prompt_rows: list[dict], n_new: int = 96, budgets=(16, 64, 256), log=print,
+               temperature: float = 0.0, seed: int = 0) -> dict:
+    """Run ddtree_lab.generate for AR, DFlash and DDTree(budgets) on every prompt; check losslessness.
+
+    At T > 0 outputs are samples, so the token-equality check applies only at T = 0."""
     import ddtree_lab as dl
 
     methods = [("ar", {}), ("dflash", {})] + [(f"ddtree{b}", {"budget": b}) for b in budgets]
@@ -122,16 +125,16 @@ def engine_tau(pair, prompt_rows: list[dict], n_new: int = 96, budgets=(16, 64, 
         for m, kw in methods:
             t0 = time.perf_counter()
             r = dl.generate(pair, row["prompt"], method="ddtree" if m.startswith("ddtree") else m,
-                            max_new_tokens=n_new, temperature=0.0, trace=False, **kw)
+                            max_new_tokens=n_new, temperature=temperature, seed=seed + i, trace=False, **kw)
             secs[m] += time.perf_counter() - t0
             toks[m] += len(r.tokens)
             outs[m] = r
             taus[m].extend(r.acceptance_lengths)
         for m, _ in methods[1:]:
-            if outs[m].tokens != outs["ar"].tokens:
+            if temperature == 0 and outs[m].tokens != outs["ar"].tokens:
                 mismatches.append({"id": row["id"], "method": m})
         if i < 3:
-            samples.append({"id": row["id"], "source": row["source"], "prompt": row["prompt"],
+            samples.append({"id": row["id"], "source": row.get("source", ""), "prompt": row["prompt"],
                             "output": outs["ar"].text})
         if log and (i + 1) % 8 == 0:
             log(f"  engine eval {i + 1}/{len(prompt_rows)}: " +

@@ -384,15 +384,43 @@ def load_eval_prompts(cache: Path, tok, n: int) -> list[list[int]]:
 
 def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device) -> dict:
     from ..drafter import Drafter
-    from .evaluate import fast_tau
     _, _, meta = load_corpus(cache)
     target = frozen_target(cfg, meta, work, device)
     pool = {int(k[1:]): torch.from_numpy(v.astype(np.int64)) for k, v in np.load(work / "pool.npz").items()}
+    keys = sorted(pool)
+    bs = cfg.block_size
+
+    def sample(step: int, g: torch.Generator):
+        P = keys[int(torch.randint(len(keys), (1,), generator=g))]
+        rows = torch.randint(len(pool[P]), (cfg.drafter_batch,), generator=g)
+        seq = pool[P][rows]  # [B, S]: training-file prefix of P tokens + greedy continuation
+        # Anchors in the greedy part (p = P is the first round after a prompt), full blocks only.
+        hi = seq.shape[1] - bs + 1
+        anchors = torch.stack([torch.randperm(hi - P, generator=g)[:cfg.anchors] for _ in rows]) + P
+        return seq, anchors, None
+
+    def new_drafter(layers: int, intermediate: int):
+        return Drafter(drafter_config(cfg, meta["vocab_size"], meta["mask_token_id"], layers, intermediate))
+
+    tok = load_tokenizer(cache / "tokenizer")
+    return train_drafters(cfg, target, new_drafter, sample, work, device, meta["mask_token_id"],
+                          eval_prompts=lambda: load_eval_prompts(cache, tok, cfg.eval_prompts),
+                          eos_id=meta["eos_token_id"], pool_desc=f"pool {sum(len(v) for v in pool.values())} seqs")
+
+
+def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.device, mask_id: int,
+                   eval_prompts, eos_id: int | None, pool_desc: str = "") -> dict:
+    """The DFlash loop shared by the lab pair and other targets (cfg: any object with LabConfig's drafter fields).
+
+    new_drafter(layers, intermediate) -> Drafter; sample(step, generator) -> (seq [B, S], anchors [B, A],
+    lengths [B] or None: labels at positions >= lengths are ignored); eval_prompts() -> token-id prompts for
+    the quick held-out τ. Writes drafter_<variant>.safetensors, drafter_final.* and drafter_summary.json."""
+    from .evaluate import fast_tau
     variants = parse_variants(cfg)
     drafters, opts = {}, {}
     for i, (name, v) in enumerate(variants.items()):
         torch.manual_seed(cfg.seed + 100 + i)
-        d = Drafter(drafter_config(cfg, meta["vocab_size"], meta["mask_token_id"], v["layers"], v["intermediate"]))
+        d = new_drafter(v["layers"], v["intermediate"])
         init_weights(d, v["layers"])
         if name == "main" and cfg.drafter_init:
             if Path(cfg.drafter_init).is_dir():  # a DFlash checkpoint, e.g. the shipped drafter
@@ -412,38 +440,32 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
         step, total, trained_s, hist = st["step"], st["total"], st["seconds"], st["history"]
         log(f"drafter: resuming at step {step}/{total}")
     layers = list(cfg.target_layer_ids)
-    mask_id, bs = meta["mask_token_id"], cfg.block_size
+    bs = cfg.block_size
     weights = position_weights(bs, cfg.gamma, device)
-    keys = sorted(pool)
     n_params = {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()}
-    log(f"drafter: variants {variants}, params {n_params}, pool {sum(len(v) for v in pool.values())} seqs")
+    log(f"drafter: variants {variants}, params {n_params}, {pool_desc}")
     t0, t_mark, s_mark = time.time(), time.time(), step
     run = {n: [0.0, torch.zeros(bs - 1, device=device), 0.0, 0] for n in drafters}
     while total == 0 or step < total:
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
-        P = keys[int(torch.randint(len(keys), (1,), generator=g))]
-        rows = torch.randint(len(pool[P]), (cfg.drafter_batch,), generator=g)
-        seq = pool[P][rows].to(device)  # [B, S]: training-file prefix of P tokens + greedy continuation
+        seq, anchors, lengths = sample(step, g)
+        seq, anchors = seq.to(device), anchors.to(device)
         S = seq.shape[1]
-        # Anchors in the greedy part (p = P is the first round after a prompt), full blocks only.
-        hi = S - bs + 1
-        anchors = torch.stack([torch.randperm(hi - P, generator=g)[:cfg.anchors] for _ in rows]) + P
-        anchors = anchors.to(device)
         with torch.no_grad(), autocast(device):
             t_logits, hid = target.forward_train(seq, hidden_layers=layers)
             soft = None
             if any(v["soft_weight"] > 0 for v in variants.values()):
                 # The target's distribution for token p+k (k = 1 … bs-1) sits at position p+k-1.
-                at = (anchors[..., None] + torch.arange(bs - 1, device=device)).flatten(1)  # [B, A*L]
+                at = (anchors[..., None] + torch.arange(bs - 1, device=device)).flatten(1).clamp(max=S - 1)  # [B, A*L]
                 soft = torch.gather(t_logits, 1, at[..., None].expand(-1, -1, t_logits.shape[-1]))
-                soft = soft.view(len(rows), cfg.anchors, bs - 1, -1)
+                soft = soft.view(seq.shape[0], anchors.shape[1], bs - 1, -1)
         for name, d in drafters.items():
             v = variants[name]
             lr = lr_at(step, total or 10**9, cfg.drafter_warmup, v["lr"], 0.05)
             for gr in opts[name].param_groups:
                 gr["lr"] = lr
             with autocast(device):
-                logits, labels = block_logits(target, d, seq, hid, anchors, mask_id)
+                logits, labels = block_logits(target, d, seq, hid, anchors, mask_id, lengths)
             w = weights if v["gamma"] == cfg.gamma else position_weights(bs, v["gamma"], device)
             loss, acc, tau = block_loss(logits, labels, w, soft, v["soft_weight"])
             opts[name].zero_grad(set_to_none=True)
@@ -479,8 +501,7 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
                                     "opts": {n: o.state_dict() for n, o in opts.items()}, "step": step,
                                     "total": total, "seconds": trained_s + time.time() - t0, "history": hist})
     # Quick τ on held-out prompts for every variant; the best DFlash τ ships.
-    tok = load_tokenizer(cache / "tokenizer")
-    prompts = load_eval_prompts(cache, tok, cfg.eval_prompts)
+    prompts = eval_prompts()
     results = {}
     for name, d in drafters.items():
         d.eval()
@@ -489,7 +510,7 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
             results[name] = {"tau": {"dflash": 0.0}, "config": variants[name], "params": n_params[name]}
             continue
         te = time.time()
-        r = fast_tau(target, d, prompts, cfg.n_new, cfg.budgets, eos_id=meta["eos_token_id"], device=device)
+        r = fast_tau(target, d, prompts, cfg.n_new, cfg.budgets, eos_id=eos_id, device=device)
         results[name] = {"tau": r.summary(), "config": variants[name], "params": n_params[name]}
         log(f"drafter {name}: quick τ on {len(prompts)} held-out prompts {r.summary()} ({time.time() - te:.0f}s)")
     best = max(results, key=lambda n: results[n]["tau"]["dflash"])

@@ -1,0 +1,240 @@
+"""Training prompts for the SmolLM2 drafter, composed offline from templates x topics.
+
+Written for this project; nothing is downloaded. `build(n, seed)` returns n distinct user messages
+(deterministic for a seed) mixing instructions and chat, code tasks, short math word problems and
+reasoning questions, the kinds of request the held-out sets in prompts/ ask. Any message that equals a
+held-out prompt (after lower-casing and dropping punctuation) is skipped, so none is trained on.
+The drafter learns the target's *responses*; the prompts only have to steer it over many styles.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+# ---------------------------------------------------------------- chat and instructions
+CHAT_TOPICS = [
+    "learning a new language", "starting a vegetable garden", "running a first 5k race", "cooking rice",
+    "saving for a holiday", "keeping houseplants alive", "studying for exams", "moving to a new city",
+    "writing a cover letter", "training a puppy", "reducing stress at work", "planning a birthday party",
+    "learning to play the guitar", "choosing a laptop", "making friends as an adult", "baking bread",
+    "keeping a journal", "cycling to work", "organising a small kitchen", "camping in the rain",
+    "drinking more water", "reading more books", "preparing for a job interview", "visiting a museum",
+    "teaching a child to ride a bike", "cleaning a bathroom quickly", "hosting a board game night",
+    "recycling electronics", "taking better photos with a phone", "meal prepping for the week",
+    "watching birds", "learning to swim", "writing a speech for a friend's wedding", "composting",
+    "travelling by train", "staying focused while studying", "decorating a small bedroom", "knitting",
+    "saving energy at home", "buying a used car", "volunteering locally", "starting a book club",
+    "caring for a goldfish", "painting with watercolours", "walking more every day", "making tea",
+    "keeping a budget", "learning chess", "fixing a flat bicycle tyre", "planning a road trip",
+]
+CHAT_SUBJECTS = [
+    "the moon", "volcanoes", "rainbows", "the human heart", "electricity", "earthquakes", "tides",
+    "the Roman Empire", "the printing press", "glaciers", "coral reefs", "the internet", "magnets",
+    "dinosaurs", "clouds", "the immune system", "deserts", "compound interest", "gravity", "wind turbines",
+    "the Great Wall of China", "solar panels", "honeybees", "the Olympic Games", "ancient Egypt",
+    "photosynthesis in algae", "thunderstorms", "the stock market", "rain forests", "the seasons",
+    "migrating birds", "the periodic table", "sound waves", "lighthouses", "the Silk Road", "penguins",
+    "submarines", "the Renaissance", "bridges", "octopuses", "the speed of light", "maps", "bicycles",
+    "money", "democracy", "mushrooms", "tea", "coffee", "paper", "glass", "clocks", "the alphabet",
+]
+CHAT_TEMPLATES = [
+    "Give me {k} tips for {topic}.", "What are the most common mistakes people make when {topic}?",
+    "I'm new to {topic}. Where should I start?", "Write a short motivational message about {topic}.",
+    "Make a simple checklist for {topic}.", "What are the pros and cons of {topic}?",
+    "Write a friendly text message asking a friend to help me with {topic}.",
+    "Explain {subject} to a child in a few sentences.", "Tell me three interesting facts about {subject}.",
+    "Write a short poem about {subject}.", "Summarize what you know about {subject} in one paragraph.",
+    "Why is {subject} important?", "Write a haiku about {subject}.", "Describe {subject} in {k} bullet points.",
+    "Write a short story for children about {subject}.", "What questions could a student ask about {subject}?",
+    "Explain how {subject} works, step by step.", "Write a limerick about {subject}.",
+    "Give me a fun quiz with {k} questions about {subject}.", "Write a tweet about {subject}.",
+    "Compare {subject} and {subject2} in a short paragraph.", "What do {subject} and {subject2} have in common?",
+    "Write a short dialogue between two friends about {topic}.", "Plan a {k}-day schedule for {topic}.",
+    "My friend says {topic} is a waste of time. How can I respond politely?",
+    "Rewrite this sentence to sound more formal: \"hey, can u send me the notes about {subject}?\"",
+    "Translate into simple English: \"The phenomenon of {subject} has been studied extensively.\"",
+    "Write a title and a one-sentence summary for a blog post about {topic}.",
+]
+
+# ---------------------------------------------------------------- code
+LANGS = ["Python", "JavaScript", "TypeScript", "Java", "C", "C++", "Go", "Rust", "Ruby", "PHP", "Kotlin",
+         "Swift", "C#", "Lua", "Bash"]
+CODE_TASKS = [
+    "computes the factorial of n", "returns the sum of the digits of a number", "reverses a linked list",
+    "finds the second largest number in an array", "counts the vowels in a string",
+    "checks whether two strings are anagrams", "removes all whitespace from a string",
+    "returns the greatest common divisor of two integers", "converts a binary string to an integer",
+    "computes the average of a list of numbers", "finds the most frequent element in a list",
+    "rotates an array by k positions", "checks whether a year is a leap year",
+    "returns all even numbers from a list", "counts the lines in a text file",
+    "converts kilometres to miles", "generates a random password of a given length",
+    "splits a list into chunks of size n", "implements bubble sort", "implements insertion sort",
+    "implements a queue with two stacks", "checks whether parentheses in a string are balanced",
+    "returns the intersection of two lists", "computes the power set of a small set",
+    "transposes a matrix", "multiplies two matrices", "finds the minimum value in a binary search tree",
+    "computes the running total of a list", "converts a string to title case",
+    "removes duplicate characters from a string", "checks whether a number is a perfect square",
+    "returns the Collatz sequence starting from n", "computes the dot product of two vectors",
+    "finds the longest word in a sentence", "counts the words in a sentence",
+    "converts Roman numerals to integers", "converts an integer to Roman numerals",
+    "returns the first n prime numbers", "computes the median of a list",
+    "checks whether a list is sorted", "merges two dictionaries", "parses a date string in ISO format",
+    "formats a number with thousands separators", "computes the Hamming distance of two strings",
+    "implements a simple counter class", "reads a JSON file and prints its keys",
+    "returns the n-th triangular number", "finds all pairs in a list that sum to a target",
+    "computes the area of a triangle from its three sides", "shuffles a list in place",
+]
+CODE_CONCEPTS = [
+    "closures", "decorators", "generators", "exceptions", "classes and objects", "inheritance",
+    "interfaces", "pointers", "hash maps", "linked lists", "binary trees", "big-O notation",
+    "unit tests", "immutability", "async/await", "threads", "lambda functions", "type hints",
+    "virtual environments", "environment variables", "regular expressions", "dependency injection",
+    "memoization", "dynamic programming", "garbage collection", "stack and heap memory", "JSON",
+    "HTTP status codes", "git branches", "merge conflicts", "SQL joins", "database indexes",
+    "caching", "string formatting", "slicing", "iterators", "enums", "pattern matching", "modules",
+]
+CODE_TEMPLATES = [
+    "Write a {lang} function that {task}.", "Write a short {lang} program that {task2}.",
+    "How would you write code in {lang} that {task}?", "Show a {lang} example of a function that {task}.",
+    "Write a {lang} function that {task}, and add a comment explaining each step.",
+    "Explain {concept} in {lang} with a short example.", "What are {concept}? Give a {lang} example.",
+    "When should I use {concept} in {lang}?", "What is a common bug related to {concept}, and how do I avoid it?",
+    "Write a unit test in {lang} for a function that {task}.",
+    "Here is my plan: a {lang} function that {task}. What edge cases should I handle?",
+    "Explain the time complexity of a function that {task}.",
+]
+SNIPPETS = [
+    ("def add(a, b):\n    return a - b", "it should add the two numbers"),
+    ("for i in range(10)\n    print(i)", "it gives a syntax error"),
+    ("nums = [3, 1, 2]\nnums = nums.sort()\nprint(nums)", "it prints None"),
+    ("def first(xs):\n    return xs[1]", "it should return the first element"),
+    ("total = 0\nfor x in [1, 2, 3]:\n    total = x\nprint(total)", "it should print 6"),
+    ("if x = 5:\n    print('five')", "it does not run"),
+    ("name = input('Name: ')\nprint('Hello ' + nme)", "it raises a NameError"),
+    ("def mean(xs):\n    return sum(xs) / len(xs)\n\nprint(mean([]))", "it crashes on an empty list"),
+]
+SNIPPET_TEMPLATES = [
+    "Fix this Python code, {why}:\n\n{code}", "What is wrong with this code? {why}.\n\n{code}",
+    "Explain what this Python code does:\n\n{code}", "Rewrite this Python code so that it works ({why}):\n\n{code}",
+]
+
+# ---------------------------------------------------------------- math and reasoning
+NAMES = ["Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira", "Liam",
+         "Maya", "Noah", "Olga", "Pablo", "Rosa", "Sami", "Tara", "Yuki"]
+ITEMS = ["pencils", "apples", "books", "stickers", "marbles", "cookies", "cards", "stamps", "shells", "coins"]
+
+
+def _math(r: random.Random) -> str:
+    a, b, c = r.randint(2, 99), r.randint(2, 60), r.randint(2, 12)
+    n1, n2, it = r.choice(NAMES), r.choice(NAMES), r.choice(ITEMS)
+    kinds = [
+        lambda: f"What is {a} plus {b} times {c}?",
+        lambda: f"What is {a * c} divided by {c}?",
+        lambda: f"What is {r.choice([5, 10, 12, 20, 25, 30, 40, 75])}% of {a * 4}?",
+        lambda: f"Solve for x: {c}x - {b} = {c * a - b}.",
+        lambda: f"Solve for x: {c}x + {b} = {c * a + b}. Show your steps.",
+        lambda: f"{n1} has {a} {it} and gives {min(a - 1, b)} to {n2}. How many {it} does {n1} have left?",
+        lambda: f"{n1} buys {c} packs of {it} with {b} in each pack. How many {it} is that in total?",
+        lambda: f"A car drives {a * c} km in {c} hours. What is its average speed?",
+        lambda: f"What is the perimeter of a rectangle that is {a} cm long and {b} cm wide?",
+        lambda: f"What is the area of a triangle with base {a} m and height {b} m?",
+        lambda: f"A jacket costs ${a * 2} and is {r.choice([10, 15, 20, 30, 50])}% off. What is the new price?",
+        lambda: f"What is the greatest common divisor of {a * c} and {b * c}?",
+        lambda: f"Is {a * 2 + 1} a prime number? Explain your answer.",
+        lambda: f"Convert {a * 15} minutes into hours and minutes.",
+        lambda: f"What is {c} cubed?",
+        lambda: f"What is the mean of {a}, {b}, {c} and {a + b}?",
+        lambda: f"Write {a}/{a * c} as a fraction in lowest terms and as a decimal.",
+        lambda: f"If {c} workers build a wall in {b} days, how long would {c * 2} workers take at the same rate?",
+        lambda: f"A bag has {a} red and {b} blue balls. What is the probability of drawing a red ball?",
+        lambda: f"{n1} saves ${c} every week. How many weeks until {n1} has ${c * a}?",
+        lambda: f"What is {a} squared minus {b} squared?",
+        lambda: f"Round {a}.{r.randint(100, 999)} to one decimal place.",
+        lambda: f"How many seconds are there in {c} hours?",
+        lambda: f"The ratio of cats to dogs at a shelter is {c}:{c + 1}. If there are {c * (2 * c + 1)} animals, how many are dogs?",
+        lambda: f"What is the next number in the sequence {c}, {2 * c}, {3 * c}, {4 * c}, ...?",
+        lambda: f"A recipe uses {c} cups of flour for {b} muffins. How much flour is needed for {b * 3} muffins?",
+    ]
+    return r.choice(kinds)()
+
+
+REASONING = [
+    "If all {a} are {b} and some {b} are {c}, must some {a} be {c}? Explain.",
+    "Which is heavier, a kilogram of {x} or a kilogram of {y}? Explain your reasoning.",
+    "{n1} is taller than {n2}, and {n2} is taller than {n3}. Who is the shortest?",
+    "{n1} is older than {n2} but younger than {n3}. Who is the oldest?",
+    "I have {k} {it}. I lose half of them and then find {j} more. How many do I have now?",
+    "What comes next in the pattern: {x}, {y}, {x}, {y}, ...? Explain why.",
+    "A farmer has {k} sheep. All but {j} run away. How many are left?",
+    "If today is {day}, what day of the week will it be in {k} days?",
+    "Explain, step by step, how you would decide whether to bring an umbrella when {sky}.",
+    "Is the statement \"every {b} is a {a}\" true? Give an example or a counterexample.",
+]
+WORDS = ["cats", "animals", "pets", "birds", "squares", "rectangles", "shapes", "roses", "flowers", "plants",
+         "apples", "fruits", "teachers", "people", "cars", "vehicles", "violins", "instruments"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+SKIES = ["the sky is grey", "the forecast says 40% rain", "it rained yesterday", "there are dark clouds in the west"]
+
+
+def _reasoning(r: random.Random) -> str:
+    a, b, c = r.sample(WORDS, 3)
+    x, y = r.sample(["feathers", "iron", "cotton", "stones", "red", "blue", "circle", "square"], 2)
+    n1, n2, n3 = r.sample(NAMES, 3)
+    return r.choice(REASONING).format(a=a, b=b, c=c, x=x, y=y, n1=n1, n2=n2, n3=n3, k=r.randint(5, 40),
+                                      j=r.randint(1, 4), it=r.choice(ITEMS), day=r.choice(DAYS), sky=r.choice(SKIES))
+
+
+def _chat(r: random.Random) -> str:
+    s1, s2 = r.sample(CHAT_SUBJECTS, 2)
+    return r.choice(CHAT_TEMPLATES).format(topic=r.choice(CHAT_TOPICS), subject=s1, subject2=s2, k=r.randint(3, 7))
+
+
+def _code(r: random.Random) -> str:
+    if r.random() < 0.12:
+        code, why = r.choice(SNIPPETS)
+        return r.choice(SNIPPET_TEMPLATES).format(code=code, why=why)
+    lang = r.choice(LANGS[:4] if r.random() < 0.5 else LANGS)  # mostly the common languages
+    t2 = r.choice(CODE_TASKS)
+    return r.choice(CODE_TEMPLATES).format(lang=lang, task=r.choice(CODE_TASKS), task2=t2, concept=r.choice(CODE_CONCEPTS))
+
+
+KINDS = [("chat", _chat, 0.36), ("code", _code, 0.32), ("math", _math, 0.22), ("reasoning", _reasoning, 0.10)]
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+def heldout_messages() -> set[str]:
+    """Normalised user messages of the evaluation sets (prompts/*.jsonl)."""
+    out = set()
+    for f in sorted((Path(__file__).resolve().parent / "prompts").glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                out |= {_norm(m["content"]) for m in json.loads(line)["messages"] if m["role"] == "user"}
+    return out
+
+
+def build(n: int = 6000, seed: int = 0) -> list[dict]:
+    """-> n rows {"id", "kind", "messages"}: distinct single-turn chats, none equal to a held-out prompt."""
+    r = random.Random(seed)
+    banned, seen, rows = heldout_messages(), set(), []
+    names, fns, weights = zip(*KINDS)
+    tries = 0
+    while len(rows) < n:
+        tries += 1
+        if tries > 50 * n:
+            raise ValueError(f"only {len(rows)} distinct training prompts could be composed, asked for {n}")
+        k = r.choices(range(len(KINDS)), weights)[0]
+        text = fns[k](r)
+        key = _norm(text)
+        if key in seen or key in banned:
+            continue
+        seen.add(key)
+        rows.append({"id": f"train-{len(rows):05d}", "kind": names[k], "messages": [{"role": "user", "content": text}]})
+    return rows
+
+
+__all__ = ["build", "heldout_messages", "KINDS"]
