@@ -551,34 +551,47 @@ def stage_export(cfg: LabConfig, cache: Path, work: Path, out: Path) -> Path:
 PACK_PART_BYTES = 15 * 2**20  # files coming back from a remote GPU machine must stay under 16 MiB
 
 
-def stage_pack(work: Path, pack: Path, with_target: bool = True) -> None:
-    """Move the trained weights in few small files: the target in bf16 (what ships), the drafter fp32."""
-    from safetensors.torch import load_file, save_file
+def save_parts(sd: dict, pack: Path, stem: str, dtype=torch.bfloat16) -> int:
+    """Write a state dict as pack/<stem>.part<i>.safetensors, each under PACK_PART_BYTES."""
+    from safetensors.torch import save_file
     pack.mkdir(parents=True, exist_ok=True)
-    sd = load_file(str(work / "target_final.safetensors")) if with_target else {}
     parts, cur, size = [], {}, 0
     for k, v in sd.items():
-        v = v.to(torch.bfloat16).contiguous()
-        if cur and size + v.numel() * 2 > PACK_PART_BYTES:
+        v = v.to(dtype).contiguous()
+        if cur and size + v.numel() * v.element_size() > PACK_PART_BYTES:
             parts.append(cur)
             cur, size = {}, 0
-        cur[k], size = v, size + v.numel() * 2
+        cur[k], size = v, size + v.numel() * v.element_size()
     if cur:
         parts.append(cur)
     for i, part in enumerate(parts):
-        save_file(part, str(pack / f"target.part{i}.safetensors"))
+        save_file(part, str(pack / f"{stem}.part{i}.safetensors"))
+    return len(parts)
+
+
+def load_parts(pack: Path, stem: str) -> dict:
+    from safetensors.torch import load_file
+    sd = {}
+    for f in sorted(pack.glob(f"{stem}.part*.safetensors")):
+        sd.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return sd
+
+
+def stage_pack(work: Path, pack: Path, with_target: bool = True) -> None:
+    """Move the trained weights in few small files: the target in bf16 (what ships), the drafter fp32."""
+    from safetensors.torch import load_file
+    pack.mkdir(parents=True, exist_ok=True)
+    n = save_parts(load_file(str(work / "target_final.safetensors")), pack, "target") if with_target else 0
     shutil.copy(work / "drafter_final.safetensors", pack / "drafter_final.safetensors")
     info = {f.stem: json.loads(f.read_text()) for f in sorted(work.glob("*.json"))}
     (pack / "pack.json").write_text(json.dumps(info, indent=2) + "\n")
-    log(f"pack: {len(parts)} target part(s) + drafter + pack.json in {pack}")
+    log(f"pack: {n} target part(s) + drafter + pack.json in {pack}")
 
 
 def stage_unpack(work: Path, pack: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     work.mkdir(parents=True, exist_ok=True)
-    sd = {}
-    for f in sorted(pack.glob("target.part*.safetensors")):
-        sd.update({k: v.float() for k, v in load_file(str(f)).items()})
+    sd = load_parts(pack, "target")
     if sd:
         save_file(sd, str(work / "target_final.safetensors"))
     shutil.copy(pack / "drafter_final.safetensors", work / "drafter_final.safetensors")

@@ -1,0 +1,159 @@
+"""The SmolLM2 drafter's model card: engine τ per held-out prompt set at T = 0 and 1, and README.md.
+
+The evaluation runs `ddtree_lab.generate` (AR, DFlash, DDTree(budgets)) on the shipped prompt sets
+through the lab's `engine_tau`; at T = 0 it also checks that DFlash and DDTree emit exactly the AR tokens.
+It is slow on a CPU (all 90 prompts x 2 temperatures), so it is kept in work/card_eval.json and reused.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..lab.card import _fmt_tau_table
+from ..lab.evaluate import engine_tau
+from ..lab.train import log
+from . import PROMPT_SETS, load_prompts
+
+# What docs/smollm2.md ("Training the drafter") runs; a work/card_command.txt replaces it in the card.
+GPU_COMMAND = """ddtree-lab pull smollm2                                   # once, CPU
+ddtree-lab train-smollm2-drafter --stages prepare,pool,drafter,pack --device cuda --pack-dir $OUT/pack   # one GPU call
+ddtree-lab train-smollm2-drafter --stages unpack,export,card --pack-dir PACK --device cpu                 # CPU"""
+
+
+def _read(work: Path, name: str) -> dict:
+    f = work / f"{name}.json"
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
+def evaluate(cfg, tdir: Path, out: Path) -> dict:
+    import torch
+
+    import ddtree_lab as dl
+    t0 = time.perf_counter()
+    pair = dl.load_pair(target=tdir, drafter=out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = {"load_seconds": time.perf_counter() - t0, "device": device, "n_new": cfg.n_new, "temperatures": {}}
+    for T in cfg.temperatures:
+        sets = {}
+        for name in PROMPT_SETS:
+            rows = load_prompts(name)[:cfg.card_prompts or None]
+            rows = [{"id": r["id"], "prompt": r["messages"], "source": name} for r in rows]
+            log(f"card: T={T:g}, {len(rows)} '{name}' prompts")
+            sets[name] = engine_tau(pair, rows, cfg.n_new, cfg.budgets, log=log, temperature=T, seed=cfg.seed)
+        rounds = {m: sum(s["rounds"][m] for s in sets.values()) for m in next(iter(sets.values()))["rounds"]}
+        overall = {m: sum(s["tau"][m] * s["rounds"][m] for s in sets.values()) / max(rounds[m], 1) for m in rounds}
+        res["temperatures"][f"{T:g}"] = {"sets": sets, "overall_tau": overall,
+                                         "lossless": all(not s["mismatches"] for s in sets.values())}
+    return res
+
+
+def write_card(cfg, tdir: Path, work: Path, out: Path, ev: dict) -> str:
+    drf = json.loads((out / "config.json").read_text())
+    prep, pool, dsum, timing = _read(work, "prepare_summary"), _read(work, "pool_summary"), \
+        _read(work, "drafter_summary"), _read(work, "timing")
+    from ..checkpoint import load_tokenizer
+    tok, _ = load_tokenizer(tdir)
+    mask_text = tok.id_to_token(drf["dflash_config"]["mask_token_id"]) if tok else "?"
+    pt = prep.get("prompt_tokens", {})
+    n_d = dsum.get("variants", {}).get(dsum.get("chosen", ""), {}).get("params", 0)
+    budgets = tuple(cfg.budgets)
+    t0 = ev["temperatures"].get("0", {})
+    ov = t0.get("overall_tau", {})
+    bars = []
+    if ov:
+        bars = [("DFlash mean τ ≥ 3.0", ov["dflash"] >= 3.0, f"{ov['dflash']:.2f}"),
+                ("DDTree(64) ≥ 1.3 × DFlash", ov.get("ddtree64", 0) >= 1.3 * ov["dflash"],
+                 f"{ov.get('ddtree64', float('nan')) / ov['dflash']:.2f}×"),
+                ("DDTree(256) ≥ DDTree(64)", ov.get("ddtree256", 0) >= ov.get("ddtree64", 1e9),
+                 f"{ov.get('ddtree256', float('nan')):.2f} vs {ov.get('ddtree64', float('nan')):.2f}"),
+                ("DFlash and DDTree output == AR output (T = 0)", t0["lossless"],
+                 "all prompts" if t0["lossless"] else "mismatch")]
+    tables = []
+    for T, e in ev["temperatures"].items():
+        tps = {m: sum(s["tokens_per_s"][m] for s in e["sets"].values()) / len(e["sets"]) for m in ["ar", "dflash"]}
+        tables.append(f"### T = {T}\n\n{_fmt_tau_table(e, budgets, checked=T == '0')}\n\n"
+                      f"({ev['device']} tokens/s, a sanity figure, not the H200 one: AR {tps['ar']:.1f}, DFlash {tps['dflash']:.1f})\n")
+    hist = dsum.get("history", [])
+    last = hist[-1] if hist else {}
+    quick = dsum.get("variants", {}).get(dsum.get("chosen", ""), {}).get("tau", {})
+    n_prompts = len(load_prompts(PROMPT_SETS[0])[:cfg.card_prompts or None])
+    text = f"""# DFlash drafter for SmolLM2-135M-Instruct
+
+A DFlash block drafter (block size {drf['block_size']}) trained here for the SmolLM2-135M-Instruct target that
+`ddtree-lab pull smollm2` imports. The target is not in this folder; the drafter borrows its token
+embedding and LM head.
+
+```python
+import ddtree_lab as dl
+pair = dl.load_pair("smollm2")          # after `ddtree-lab pull smollm2`
+res = dl.generate(pair, [{{"role": "user", "content": "Why is the sea salty?"}}], method="ddtree", budget=64)
+```
+
+## Model
+
+`DFlashDraftModel`: {drf['num_hidden_layers']} layer(s) of the target's width {drf['hidden_size']} ({drf['num_attention_heads']} query / {drf['num_key_value_heads']} KV heads of {drf['head_dim']},
+MLP {drf['intermediate_size']}), {n_d / 1e6:.2f} M parameters, {drf.get('torch_dtype')}, {(out / 'model.safetensors').stat().st_size / 2**20:.2f} MiB.
+Context: outputs of target layers `{drf['dflash_config']['target_layer_ids']}` (0-based, of {drf['num_target_layers']}), concatenated,
+projected by `fc`, normalised by `hidden_norm`. Mask token: id {drf['dflash_config']['mask_token_id']} (`{mask_text}`), an existing
+special token that chat prompts never contain and the target never emits (for SmolLM2 one of the code-corpus
+markers left untrained: its embedding row equals those of the other unused markers), so the vocabulary is unchanged.
+
+## Data
+
+- {prep.get('prompts', '?')} distinct single-turn user messages composed offline from templates × topics
+  (`ddtree_lab/smollm2/train_prompts.py`, seed {cfg.seed}): {prep.get('kinds', {})}; none equals a held-out prompt.
+  Rendered with the checkpoint's chat template (default system message included), {pt.get('min', '?')}–{pt.get('max', '?')} tokens (mean {pt.get('mean', 0):.0f}).
+- Responses: the target's own greedy output (bf16 weights, batched, left-padded) up to its first `<|im_end|>`,
+  at most {pool.get('gen_len', '?')} tokens: {pool.get('sequences', '?')} responses, {pool.get('response_tokens', '?')} tokens
+  (mean {pool.get('mean_response', 0):.0f}; {pool.get('ended_with_eos', '?')} ended with EOS),
+  {pool.get('generation_seconds', 0):.0f} s on {pool.get('device', '?')}.
+
+## Recipe (the lab pair's, `ddtree_lab/lab/train.py: train_drafters`)
+
+Target frozen. Per step {cfg.drafter_batch} responses × {cfg.anchors} anchors p drawn in the response (the first at the
+prompt's end, as the engine's first round); block [x_p, MASK × {drf['block_size'] - 1}] attends to itself and to the target
+features of positions < p; cross-entropy of slot k against the greedy token p+k weighted exp(−(k−1)/{cfg.gamma:g}),
+KL weight {cfg.soft_weight:g}; labels after the response's EOS ignored. AdamW, peak LR {cfg.drafter_lr:g}, warmup {cfg.drafter_warmup},
+cosine, bf16 autocast on CUDA. {dsum.get('steps', '?')} steps in {dsum.get('seconds', 0):.0f} s; last chain τ on training batches
+{last.get('chain_tau', float('nan')):.2f}; quick held-out τ (simulated, {cfg.eval_prompts} prompts per set) {quick}.
+
+Stage times: {', '.join(f"{k} {v['seconds']:.0f} s ({v['device']})" for k, v in timing.items())}.
+
+## Acceptance (held-out prompts, {n_prompts} per set, {ev['n_new']} new tokens, `ddtree_lab.generate` on {ev['device']})
+
+Mean τ = accepted tokens per target forward (root included), pooled over all rounds of all prompts.
+
+""" + "\n".join(tables) + """
+| bar (T = 0) | met | value |
+|---|---|---|
+""" + "\n".join(f"| {b} | {'yes' if ok else 'NO'} | {v} |" for b, ok, v in bars) + f"""
+
+## Reproduce
+
+```
+{(work / 'card_command.txt').read_text().strip() if (work / 'card_command.txt').exists() else GPU_COMMAND}
+```
+"""
+    (out / "README.md").write_text(text)
+    return text
+
+
+def stage_card(cfg, tdir: Path, work: Path, out: Path) -> dict:
+    ev_path = work / "card_eval.json"
+    if ev_path.exists():
+        ev = json.loads(ev_path.read_text())
+        log(f"card: reusing {ev_path} (delete it to measure again)")
+    else:
+        ev = evaluate(cfg, tdir, out)
+        ev_path.write_text(json.dumps(ev, indent=1) + "\n")
+    slim = {T: {"overall_tau": e["overall_tau"], "lossless": e["lossless"],
+                "sets": {k: {kk: vv for kk, vv in v.items() if kk != "samples"} for k, v in e["sets"].items()}}
+            for T, e in ev["temperatures"].items()}
+    (out / "eval.json").write_text(json.dumps({"n_new": ev["n_new"], "device": ev["device"], "temperatures": slim},
+                                              indent=2) + "\n")
+    write_card(cfg, tdir, work, out, ev)
+    for T, e in ev["temperatures"].items():
+        log(f"card: T={T} " + ", ".join(f"{m} τ {t:.2f}" for m, t in e["overall_tau"].items()) +
+            f"; lossless {e['lossless']}")
+    return ev

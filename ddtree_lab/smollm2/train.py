@@ -1,0 +1,394 @@
+"""Training the SmolLM2 DFlash drafter: the lab-pair recipe on a pulled, frozen instruct target.
+
+Stages (products in --work; a rerun skips a stage whose product exists, --force redoes it):
+  prepare  training prompts (train_prompts.build) rendered with the target's chat template -> prompts.jsonl
+  pool     the target's greedy responses, batched and left-padded, each up to its first EOS -> pool.npz
+  drafter  the DFlash loop of ddtree_lab.lab.train (train_drafters) on that pool -> drafter_final.safetensors
+  pack     the trained drafter as files < 16 MiB (+ summaries) in --pack-dir, to carry a GPU run back
+  unpack   the reverse, on the machine that exports
+  export   the drafter in DFlash format (bf16) -> --out (default ddtree_lab/smollm2/drafter)
+  card     engine τ per prompt set at T = 0 and 1 with the lossless check -> README.md, eval.json in --out
+
+Why greedy responses: at T = 0 acceptance is measured against the target's greedy tokens, so the drafter
+learns exactly those (the DFlash authors also train on target-generated responses). Labels stop at the
+response's first EOS: the engine stops there, so later tokens would only teach noise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..lab.dflash import greedy_extend
+from ..lab.train import (autocast, init_weights, load_weights, log, pick_device, save_weights,
+                         load_parts, save_parts, train_drafters)
+from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir
+from . import train_prompts
+
+
+@dataclass
+class SmolConfig:
+    preset: str = "smollm2"
+    seed: int = 0
+    n_prompts: int = 6000                 # distinct training user messages
+    # pool: the target's greedy responses
+    gen_len: int = 192                    # new tokens at most per response (the card measures 128)
+    gen_batch: int = 1024                 # rows per batched greedy generation
+    gen_seconds: float = 100.0            # stop starting new batches after this
+    # drafter (LabConfig's names: ddtree_lab.lab.train.train_drafters reads them)
+    drafter_layers: int = 2
+    drafter_intermediate: int = 1536
+    block_size: int = 16
+    target_layer_ids: tuple = (1, 8, 14, 20, 27)  # DESIGN §4 spread for 5 of 30 layers
+    mask_token_id: int = 16               # <empty_output>: see docs/smollm2.md
+    drafter_batch: int = 64
+    anchors: int = 16                     # blocks per sequence per step
+    drafter_lr: float = 1e-3
+    drafter_warmup: int = 100
+    drafter_steps: int = 0                # 0 = fit drafter_seconds
+    drafter_seconds: float = 200.0
+    gamma: float = 7.0
+    soft_weight: float = 0.0
+    variants: str = ""
+    drafter_init: str = ""
+    # evaluation
+    eval_prompts: int = 8                 # per held-out set, quick τ after training
+    n_new: int = 128
+    budgets: tuple = (16, 64, 256)
+    card_prompts: int = 0                 # per set for the card; 0 = all
+    temperatures: tuple = (0.0, 1.0)
+    save_dtype: str = "bfloat16"
+
+
+PRESETS = {
+    "smollm2": {},
+    # The CPU test: a tiny random Llama target (written into the work dir), every stage in seconds.
+    "tiny": dict(n_prompts=24, gen_len=12, gen_batch=8, gen_seconds=60.0, drafter_layers=1,
+                 drafter_intermediate=128, block_size=8, target_layer_ids=(0, 2, 3), mask_token_id=1,
+                 drafter_batch=4, anchors=3, drafter_warmup=2, drafter_steps=6, eval_prompts=1, n_new=10,
+                 budgets=(4, 8), card_prompts=1, save_dtype="float32"),
+}
+MAX_DRAFTER_MIB = 20.0
+
+
+def make_config(preset: str = "smollm2", **overrides) -> SmolConfig:
+    cfg = SmolConfig(preset=preset, **PRESETS[preset])
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(cfg, k, v)
+    return cfg
+
+
+TINY_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")
+
+
+def make_tiny_target(directory: Path) -> Path:
+    """A random tiny Llama in HF format with a chat template (the tiny preset's stand-in for SmolLM2)."""
+    from ..testing import make_tiny_pair
+    if (directory / "target" / "config.json").is_file():
+        return directory / "target"
+    tdir, _ = make_tiny_pair(directory, arch="llama", vocab_size=300, seed=0, num_hidden_layers=4,
+                             eos_token_id=[0])
+    tc = json.loads((tdir / "tokenizer_config.json").read_text())
+    tc["chat_template"] = TINY_TEMPLATE
+    (tdir / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    return tdir
+
+
+def tokenizer_and_chat(tdir: Path):
+    """-> (tokenizer, encode(messages) -> ids, eos id), as dl.generate renders chat prompts."""
+    from ..checkpoint import _token_text, load_tokenizer
+    from ..prompts import render_chat
+    tok, tcfg = load_tokenizer(tdir)
+    if tok is None or not tcfg.get("chat_template"):
+        raise SystemExit(f"{tdir}: needs tokenizer.json and a chat template")
+    special = {k: _token_text(tcfg[k]) for k in ("bos_token", "eos_token", "pad_token") if tcfg.get(k)}
+    eos_id = tok.token_to_id(special["eos_token"])
+
+    def encode(messages):
+        return tok.encode(render_chat(tcfg["chat_template"], messages, special), add_special_tokens=False).ids
+    return tok, encode, eos_id
+
+
+def frozen_target(cfg: SmolConfig, tdir: Path, device):
+    """The target, weights rounded to bf16 first (what the GPU study runs), frozen."""
+    from ..checkpoint import load_target
+    t = load_target(tdir)
+    with torch.no_grad():
+        for p in t.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return t.to(device).eval().requires_grad_(False)
+
+
+def drafter_config(cfg: SmolConfig, tcfg, layers: int | None = None, intermediate: int | None = None):
+    """Drafter layers are the target's width and heads; its context is target_layer_ids' outputs."""
+    from ..config import DrafterConfig
+    return DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=intermediate or cfg.drafter_intermediate,
+                         num_hidden_layers=layers or cfg.drafter_layers, num_attention_heads=tcfg.num_attention_heads,
+                         num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+                         rms_norm_eps=tcfg.rms_norm_eps, vocab_size=tcfg.vocab_size, block_size=cfg.block_size,
+                         num_target_layers=tcfg.num_hidden_layers, target_layer_ids=list(cfg.target_layer_ids),
+                         mask_token_id=cfg.mask_token_id, rope=tcfg.rope,
+                         max_position_embeddings=tcfg.max_position_embeddings)
+
+
+def heldout_ids(encode, n: int) -> list[list[int]]:
+    return [encode(r["messages"]) for s in PROMPT_SETS for r in load_prompts(s)[:n]]
+
+
+# ----------------------------------------------------------------------------- stages
+
+def stage_prepare(cfg: SmolConfig, tdir: Path, work: Path) -> dict:
+    _, encode, _ = tokenizer_and_chat(tdir)
+    rows = train_prompts.build(cfg.n_prompts, cfg.seed)
+    lens = []
+    tmp = work / "prompts.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            r["ids"] = encode(r["messages"])
+            lens.append(len(r["ids"]))
+            f.write(json.dumps(r) + "\n")
+    tmp.replace(work / "prompts.jsonl")
+    kinds = {k: sum(r["kind"] == k for r in rows) for k, *_ in train_prompts.KINDS}
+    info = {"prompts": len(rows), "kinds": kinds, "prompt_tokens": {"min": min(lens), "mean": float(np.mean(lens)),
+                                                                     "max": max(lens)}}
+    (work / "prepare_summary.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"prepare: {len(rows)} prompts {kinds}, prompt tokens {info['prompt_tokens']}")
+    return info
+
+
+@torch.no_grad()
+def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> dict:
+    """Greedy responses in left-padded batches (parts saved as they come: a rerun resumes)."""
+    _, _, eos_id = tokenizer_and_chat(tdir)
+    rows = [json.loads(x) for x in (work / "prompts.jsonl").read_text().splitlines() if x.strip()]
+    order = np.random.default_rng(cfg.seed + 1).permutation(len(rows))  # a time cap still gets every kind
+    target = frozen_target(cfg, tdir, device)
+    parts = work / "pool_parts"
+    parts.mkdir(exist_ok=True)
+    t0, made, new_tokens, gen_s = time.time(), 0, 0, 0.0
+    for b, i in enumerate(range(0, len(rows), cfg.gen_batch)):
+        part = parts / f"part{b:04d}.npz"
+        if part.exists():
+            made += len(np.load(part)["starts"])
+            continue
+        if time.time() - t0 > cfg.gen_seconds:
+            log(f"pool: gen_seconds={cfg.gen_seconds:g} spent, stopping before batch {b}")
+            break
+        ids = [rows[j]["ids"] for j in order[i:i + cfg.gen_batch]]
+        plen = torch.tensor([len(x) for x in ids])
+        P = int(plen.max())
+        x = torch.full((len(ids), P), eos_id, dtype=torch.long)
+        for r, seq in enumerate(ids):
+            x[r, P - len(seq):] = torch.tensor(seq)
+        tb = time.time()
+        with autocast(device):
+            out = greedy_extend(target, x.to(device), cfg.gen_len, prompt_lens=plen.to(device), stop_id=eos_id).cpu()
+        gen_s += time.time() - tb
+        gen = out[:, P:]  # [B, G]
+        hit = gen == eos_id
+        n_gen = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full_like(plen, gen.shape[1]))
+        # Right-align: prompt then response, then EOS padding (the drafter's target forward is causal).
+        S = int((plen + n_gen).max())
+        toks = np.full((len(ids), S), eos_id, dtype=np.uint16)
+        for r in range(len(ids)):
+            p, g = int(plen[r]), int(n_gen[r])
+            toks[r, :p + g] = torch.cat([out[r, P - p:P], gen[r, :g]]).numpy()
+        np.savez(part, tokens=toks, starts=plen.numpy(), lengths=(plen + n_gen).numpy())
+        made, new_tokens = made + len(ids), new_tokens + int(n_gen.sum())
+        log(f"pool: {made}/{len(rows)} responses, {new_tokens} new tokens, {time.time() - t0:.0f}s")
+    files = sorted(parts.glob("part*.npz"))
+    if not files:
+        raise SystemExit("pool: no batch was generated")
+    arrs = [np.load(f) for f in files]
+    S = max(a["tokens"].shape[1] for a in arrs)
+    tokens = np.concatenate([np.pad(a["tokens"], ((0, 0), (0, S - a["tokens"].shape[1])), constant_values=eos_id)
+                             for a in arrs])
+    starts, lengths = np.concatenate([a["starts"] for a in arrs]), np.concatenate([a["lengths"] for a in arrs])
+    np.savez(work / "pool.npz", tokens=tokens, starts=starts, lengths=lengths)
+    resp = lengths - starts
+    ended = int(sum(int(tokens[i, lengths[i] - 1]) == eos_id for i in range(len(lengths))))
+    info = {"sequences": len(lengths), "response_tokens": int(resp.sum()), "mean_response": float(resp.mean()),
+            "ended_with_eos": ended, "gen_len": cfg.gen_len, "gen_batch": cfg.gen_batch,
+            "generation_seconds": gen_s, "seconds": time.time() - t0, "device": str(device)}
+    (work / "pool_summary.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"pool: {info['sequences']} responses, {info['response_tokens']} tokens (mean {info['mean_response']:.0f}, "
+        f"{ended} ended with EOS) in {gen_s:.0f}s of generation")
+    return info
+
+
+def stage_drafter(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> dict:
+    from ..drafter import Drafter
+    _, encode, eos_id = tokenizer_and_chat(tdir)
+    target = frozen_target(cfg, tdir, device)
+    z = np.load(work / "pool.npz")
+    keep = (z["lengths"] - z["starts"]) >= 2  # an anchor needs a next token
+    tokens = torch.from_numpy(z["tokens"][keep].astype(np.int64))
+    starts, lengths = torch.from_numpy(z["starts"][keep].astype(np.int64)), torch.from_numpy(z["lengths"][keep].astype(np.int64))
+
+    def sample(step: int, g: torch.Generator):
+        rows = torch.randint(len(tokens), (cfg.drafter_batch,), generator=g)
+        st, ln = starts[rows], lengths[rows]
+        # Anchors p in [start, length - 2]: the first round sits right after the prompt, as in the engine.
+        u = torch.rand(len(rows), cfg.anchors, generator=g)
+        anchors = st[:, None] + (u * (ln - 1 - st)[:, None]).long()
+        return tokens[rows, :int(ln.max())], anchors, ln
+
+    def new_drafter(layers: int, intermediate: int):
+        d = Drafter(drafter_config(cfg, target.cfg, layers, intermediate))
+        init_weights(d, layers)
+        return d
+
+    return train_drafters(cfg, target, new_drafter, sample, work, device, cfg.mask_token_id,
+                          eval_prompts=lambda: heldout_ids(encode, cfg.eval_prompts), eos_id=eos_id,
+                          pool_desc=f"pool {len(tokens)} responses, {int((lengths - starts).sum())} tokens")
+
+
+def stage_export(cfg: SmolConfig, tdir: Path, work: Path, out: Path) -> Path:
+    from ..checkpoint import save_drafter
+    from ..drafter import Drafter
+    tcfg = _target_cfg(tdir)
+    v = json.loads((work / "drafter_final.json").read_text()) if (work / "drafter_final.json").exists() else {}
+    d = Drafter(drafter_config(cfg, tcfg, v.get("layers"), v.get("intermediate")))
+    load_weights(d, work / "drafter_final.safetensors")
+    save_drafter(d, out, dtype=getattr(torch, cfg.save_dtype))
+    mib = (out / "model.safetensors").stat().st_size / 2**20
+    log(f"export: drafter written to {out} ({mib:.2f} MiB, {cfg.save_dtype})")
+    if cfg.save_dtype == "bfloat16" and mib > MAX_DRAFTER_MIB:
+        raise SystemExit(f"export: the drafter is {mib:.1f} MiB, over the {MAX_DRAFTER_MIB} MiB limit")
+    return out
+
+
+def _target_cfg(tdir: Path):
+    from ..checkpoint import read_json
+    from ..config import target_config_from_hf
+    return target_config_from_hf(read_json(tdir / "config.json"), tdir / "config.json")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+STAGES = ("prepare", "pool", "drafter", "pack", "unpack", "export", "card")
+
+
+def add_smollm2_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="smollm2",
+                   help="smollm2: the shipped drafter (GPU, ~6 min); tiny: every stage on the CPU in seconds "
+                        "with a tiny random Llama target")
+    p.add_argument("--stages", default="prepare,pool,drafter,export,card",
+                   help=f"comma-separated subset of {','.join(STAGES)}, run in that order")
+    p.add_argument("--target", default=None, help="target dir (default: the pulled SmolLM2; tiny: work/tiny/target)")
+    p.add_argument("--work", default="outputs/smollm2_train", help="prompts, pool, checkpoints; a rerun resumes here")
+    p.add_argument("--out", default=None, help=f"export/card write the drafter here (default: {DRAFTER_DIR}; "
+                                               "tiny: work/drafter)")
+    p.add_argument("--pack-dir", default=None, help="pack/unpack: folder of the few files that carry a GPU run back")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--force", action="store_true", help="rerun stages whose product already exists")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a SmolConfig field, e.g. --set drafter_seconds=180 (repeatable)")
+    return p
+
+
+def _parse_set(cfg: SmolConfig, items: list[str]) -> None:
+    types = {f.name for f in fields(SmolConfig)}
+    for item in items:
+        k, _, v = item.partition("=")
+        if k not in types:
+            raise SystemExit(f"--set {item}: unknown field '{k}'; fields: {', '.join(sorted(types))}")
+        cur = getattr(cfg, k)
+        if isinstance(cur, tuple):
+            val = tuple(type(cur[0] if cur else 0)(x) for x in v.split(",") if x)
+        elif isinstance(cur, bool):
+            val = v.lower() in ("1", "true", "yes")
+        else:
+            val = type(cur)(v)
+        setattr(cfg, k, val)
+
+
+def run_smollm2_train_cli(args) -> int:
+    cfg = make_config(args.preset, seed=args.seed)
+    _parse_set(cfg, args.set)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise SystemExit(f"--stages: unknown stage(s) {bad}; stages: {', '.join(STAGES)}")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = cfg.preset == "tiny"
+    tdir = Path(args.target) if args.target else (make_tiny_target(work / "tiny") if tiny else target_dir())
+    if not (tdir / "config.json").is_file() and any(s in stages for s in ("prepare", "pool", "drafter", "export", "card")):
+        raise SystemExit(f"no target in {tdir}: run `ddtree-lab pull smollm2` (and set DDTREE_LAB_CACHE) "
+                         "or give --target DIR")
+    out = Path(args.out) if args.out else (work / "drafter" if tiny else DRAFTER_DIR)
+    device = pick_device(args.device)
+    torch.manual_seed(cfg.seed)
+    (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    log(f"train-smollm2-drafter: preset {cfg.preset}, stages {stages}, target {tdir}, device {device}")
+    products = {"prepare": work / "prompts.jsonl", "pool": work / "pool.npz",
+                "drafter": work / "drafter_final.safetensors"}
+    t_all = time.time()
+    for s in stages:
+        if s in products and products[s].exists() and not args.force:
+            log(f"{s}: {products[s]} exists, skipping (--force to redo)")
+            continue
+        if args.force and s == "drafter":
+            (work / "drafter_state.pt").unlink(missing_ok=True)
+        if args.force and s == "pool":
+            for f in (work / "pool_parts").glob("part*.npz"):
+                f.unlink()
+        t = time.time()
+        if s == "prepare":
+            stage_prepare(cfg, tdir, work)
+        elif s == "pool":
+            stage_pool(cfg, tdir, work, device)
+        elif s == "drafter":
+            stage_drafter(cfg, tdir, work, device)
+        elif s in ("pack", "unpack"):
+            if not args.pack_dir:
+                raise SystemExit(f"--stages {s} needs --pack-dir")
+            pack = Path(args.pack_dir)
+            if s == "pack":
+                from safetensors.torch import load_file
+                save_parts(load_file(str(work / "drafter_final.safetensors")), pack, "drafter", torch.float32)
+                info = {f.stem: json.loads(f.read_text()) for f in sorted(work.glob("*.json"))}
+                (pack / "pack.json").write_text(json.dumps(info, indent=2) + "\n")
+            else:
+                save_weights_dict(load_parts(pack, "drafter"), work / "drafter_final.safetensors")
+                for name, obj in json.loads((pack / "pack.json").read_text()).items():
+                    if name != "config":
+                        (work / f"{name}.json").write_text(json.dumps(obj, indent=2) + "\n")
+        elif s == "export":
+            stage_export(cfg, tdir, work, out)
+        elif s == "card":
+            from .card import stage_card
+            stage_card(cfg, tdir, work, out)
+        dt = time.time() - t
+        timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").exists() else {}
+        timing[s] = {"seconds": round(dt, 1), "device": str(device)}
+        (work / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
+        log(f"{s}: {dt:.1f}s")
+    log(f"train-smollm2-drafter: done in {time.time() - t_all:.0f}s")
+    return 0
+
+
+def save_weights_dict(sd: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def main(argv=None) -> int:
+    p = add_smollm2_train_args(argparse.ArgumentParser(prog="ddtree-lab train-smollm2-drafter",
+                                                       description="Train the SmolLM2 DFlash drafter."))
+    return run_smollm2_train_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
