@@ -1,0 +1,105 @@
+"""CPU figures that size the GPU training plan: batched greedy generation and one drafter step.
+
+    DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.smollm2.measure [--batches 1,4,8] [--new 48]
+
+Generation runs `greedy_extend` (left-padded chat prompts, as the pool stage does) on the pulled target
+and reports new tokens per second and seconds per 1k new tokens per batch size; it also checks that a
+padded batch yields the same tokens as each prompt alone. The drafter step is the training step of the
+shipped configuration at a small batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..lab.dflash import greedy_extend
+from . import target_dir, train_prompts
+from .train import drafter_config, frozen_target, make_config, tokenizer_and_chat
+
+
+def _padded(ids: list[list[int]], pad: int):
+    plen = torch.tensor([len(x) for x in ids])
+    P = int(plen.max())
+    x = torch.full((len(ids), P), pad, dtype=torch.long)
+    for r, s in enumerate(ids):
+        x[r, P - len(s):] = torch.tensor(s)
+    return x, plen
+
+
+@torch.no_grad()
+def measure_generation(tdir, batches=(1, 4, 8), n_new: int = 48, check: int = 3) -> dict:
+    cfg = make_config("smollm2")
+    _, encode, eos = tokenizer_and_chat(tdir)
+    target = frozen_target(cfg, tdir, "cpu")
+    rows = train_prompts.build(max(batches), seed=123)
+    ids = [encode(r["messages"]) for r in rows]
+    out = {"threads": torch.get_num_threads(), "n_new": n_new, "prompt_tokens": [len(x) for x in ids], "batch": {}}
+    for B in batches:
+        x, plen = _padded(ids[:B], eos)
+        t = time.perf_counter()
+        greedy_extend(target, x, n_new, prompt_lens=plen)  # no early stop: a fixed token count is timed
+        dt = time.perf_counter() - t
+        out["batch"][B] = {"seconds": round(dt, 2), "tokens_per_s": round(B * n_new / dt, 1),
+                           "seconds_per_1k_tokens": round(1000 * dt / (B * n_new), 2)}
+        print(f"generation: batch {B}: {B * n_new} new tokens in {dt:.1f}s = {B * n_new / dt:.1f} tok/s", flush=True)
+    # Left padding changes nothing: each row equals its prompt generated alone.
+    x, plen = _padded(ids[:check], eos)
+    batched = greedy_extend(target, x, 16, prompt_lens=plen)[:, x.shape[1]:]
+    alone = [greedy_extend(target, torch.tensor([s]), 16)[0, len(s):] for s in ids[:check]]
+    out["padded_equals_alone"] = all(torch.equal(batched[r], alone[r]) for r in range(check))
+    print(f"padded batch == alone: {out['padded_equals_alone']}", flush=True)
+    return out
+
+
+def measure_drafter_step(tdir, batch: int = 2, seq: int = 256, anchors: int = 16) -> dict:
+    from ..drafter import Drafter
+    from ..lab.dflash import block_logits, block_loss, position_weights
+    cfg = make_config("smollm2")
+    target = frozen_target(cfg, tdir, "cpu")
+    d = Drafter(drafter_config(cfg, target.cfg))
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(100, 40000, (batch, seq), generator=g)
+    anc = torch.randint(64, seq - 2, (batch, anchors), generator=g)
+    w = position_weights(cfg.block_size, cfg.gamma)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        with torch.no_grad():
+            _, hid = target.forward_train(tokens, hidden_layers=list(cfg.target_layer_ids))
+        t_fwd = time.perf_counter() - t
+        logits, labels = block_logits(target, d, tokens, hid, anc, cfg.mask_token_id)
+        loss, _, _ = block_loss(logits, labels, w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append((t_fwd, time.perf_counter() - t))
+    n = sum(p.numel() for p in d.parameters())
+    t_fwd, t_all = times[-1]
+    print(f"drafter step: batch {batch}x{seq}, {anchors} anchors: target forward {t_fwd:.2f}s, step {t_all:.2f}s; "
+          f"drafter {n / 1e6:.2f}M params = {2 * n / 2**20:.1f} MiB in bf16", flush=True)
+    return {"batch": batch, "seq": seq, "anchors": anchors, "target_forward_s": round(t_fwd, 2),
+            "step_s": round(t_all, 2), "drafter_params": n, "drafter_bf16_mib": round(2 * n / 2**20, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddtree_lab.smollm2.measure", description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=None)
+    p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--new", type=int, default=48)
+    p.add_argument("--threads", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tdir = a.target or target_dir()
+    res = {"generation": measure_generation(tdir, tuple(int(b) for b in a.batches.split(",")), a.new),
+           "drafter_step": measure_drafter_step(tdir)}
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""SmolLM2 drafter training: held-out prompts never trained on, padded batched generation, the whole
+pipeline with --preset tiny (a tiny random Llama target) on the CPU, and pack/unpack."""
+import json
+
+import pytest
+import torch
+
+from ddtree_lab.smollm2 import PROMPT_SETS, load_prompts, train_prompts
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)  # OpenMP threads stall when the cores are shared
+
+
+def test_training_prompts_distinct_and_not_heldout():
+    rows = train_prompts.build(6000, seed=0)
+    texts = [r["messages"][0]["content"] for r in rows]
+    assert len(set(texts)) == len(texts) == 6000
+    norm = {train_prompts._norm(t) for t in texts}
+    assert len(norm) == 6000
+    heldout = [m["content"] for s in PROMPT_SETS for r in load_prompts(s) for m in r["messages"]]
+    assert len(heldout) >= 90
+    assert not set(texts) & set(heldout)
+    assert not norm & {train_prompts._norm(t) for t in heldout}
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"chat", "code", "math", "reasoning"}
+    assert all(sum(r["kind"] == k for r in rows) >= 500 for k in kinds)
+    assert train_prompts.build(50, seed=0) == rows[:50]  # deterministic, a prefix of the larger set
+    assert train_prompts.build(50, seed=1) != rows[:50]
+
+
+def test_left_padded_generation_equals_alone(tmp_path):
+    from ddtree_lab.checkpoint import load_target
+    from ddtree_lab.lab.dflash import greedy_extend
+    from ddtree_lab.testing import make_tiny_pair
+    tdir, _ = make_tiny_pair(tmp_path, arch="llama", tokenizer=False)
+    t = load_target(tdir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (5, 9, 7)]
+    P = 9
+    x = torch.zeros(3, P, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        x[r, P - len(p):] = p
+    out = greedy_extend(t, x, 6, prompt_lens=torch.tensor([5, 9, 7]))
+    for r, p in enumerate(prompts):
+        alone = greedy_extend(t, p[None], 6)
+        assert torch.equal(out[r, P:], alone[0, len(p):])
+    # stop_id: generation ends once every row has produced it
+    first = int(out[0, P])
+    short = greedy_extend(t, x[:1], 6, prompt_lens=torch.tensor([5]), stop_id=first)
+    assert short.shape[1] == P + 1
+
+
+def test_tiny_pipeline_end_to_end(tmp_path):
+    import ddtree_lab as dl
+    from ddtree_lab.smollm2.train import main
+    work = tmp_path / "work"
+    assert main(["--preset", "tiny", "--work", str(work), "--device", "cpu"]) == 0
+    out = work / "drafter"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == 1
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2, 3]
+    # the pool holds prompt + greedy response per row; labels end at the response's end
+    import numpy as np
+    z = np.load(work / "pool.npz")
+    assert len(z["starts"]) == 24 and (z["lengths"] > z["starts"]).all()
+    rows = [json.loads(x) for x in (work / "prompts.jsonl").read_text().splitlines()]
+    assert {len(r["ids"]) for r in rows} == set(z["starts"].tolist())
+    # the card: τ per set at T = 0 and 1, lossless at T = 0
+    ev = json.loads((out / "eval.json").read_text())
+    assert set(ev["temperatures"]) == {"0", "1"}
+    assert ev["temperatures"]["0"]["lossless"]
+    assert set(ev["temperatures"]["0"]["sets"]) == set(PROMPT_SETS)
+    card = (out / "README.md").read_text()
+    assert "### T = 0" in card and "### T = 1" in card and "| chat |" in card
+    # what the registry will load: the exported drafter with its target, lossless at T = 0
+    pair = dl.load_pair(target=work / "tiny" / "target", drafter=out)
+    msg = load_prompts("math")[0]["messages"]
+    ar = dl.generate(pair, msg, method="ar", max_new_tokens=8)
+    dd = dl.generate(pair, msg, method="ddtree", budget=8, max_new_tokens=8)
+    assert ar.tokens == dd.tokens
+    # a rerun skips every finished stage (resumable); pack/unpack carry the drafter exactly
+    assert main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "prepare,pool,drafter"]) == 0
+    pack, work2 = tmp_path / "pack", tmp_path / "work2"
+    main(["--preset", "tiny", "--work", str(work), "--stages", "pack", "--pack-dir", str(pack)])
+    assert all(f.stat().st_size < 16 * 2**20 for f in pack.iterdir())
+    main(["--preset", "tiny", "--work", str(work2), "--stages", "unpack,export", "--pack-dir", str(pack),
+          "--target", str(work / "tiny" / "target")])
+    from safetensors.torch import load_file
+    a, b = load_file(str(work / "drafter_final.safetensors")), load_file(str(work2 / "drafter_final.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (work2 / "drafter" / "model.safetensors").is_file()
+
+
+def test_shipped_config_sizes():
+    """The SmolLM2 drafter configuration fits the 20 MiB bf16 limit (no target needed)."""
+    from ddtree_lab.config import RopeConfig, TargetConfig
+    from ddtree_lab.drafter import Drafter
+    from ddtree_lab.smollm2.train import drafter_config, make_config
+    tcfg = TargetConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                        tie_word_embeddings=True, rope=RopeConfig(theta=100000.0), eos_token_id=[2])
+    cfg = make_config("smollm2")
+    with torch.device("meta"):
+        d = Drafter(drafter_config(cfg, tcfg))
+    n = sum(p.numel() for p in d.parameters())
+    assert 2 * n / 2**20 <= 20.0
+    assert d.cfg.target_layer_ids == [1, 8, 14, 20, 27] and d.cfg.mask_token_id == 16
