@@ -59,7 +59,8 @@ def environment() -> dict:
     return env
 
 
-def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="triton", seed=0) -> Pair:
+def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="triton", seed=0,
+                compile: bool = False) -> Pair:
     """A real-size target + DFlash drafter with random weights, built directly on the device."""
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
@@ -83,6 +84,8 @@ def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="trit
         models.append(m.eval().requires_grad_(False))
     target, drafter = models
     target.set_attention(attention)
+    if compile:
+        target.compile_layers()
     ident = {"path": f"random:{shape}", "kind": tcfg.arch}
     return Pair(target=target, drafter=drafter, tokenizer=None, name=f"random:{shape}", target_id=ident,
                 drafter_id={"path": f"random:{shape}-dflash", "kind": "dflash"}, device=torch.device(device),
@@ -150,17 +153,18 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
     return {"rows": rows}
 
 
-def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device) -> dict:
+def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False) -> dict:
     if model.startswith("random:"):
-        pair = random_pair(model.split(":", 1)[1], device=device, dtype=DTYPES[dtype], attention=attention)
+        pair = random_pair(model.split(":", 1)[1], device=device, dtype=DTYPES[dtype], attention=attention,
+                           compile=compile)
     else:
         from .checkpoint import load_pair
 
         named = "/" not in model and not Path(model).exists()
         pair = load_pair(model if named else None, target=None if named else Path(model) / "target",
                          drafter=None if named else Path(model) / "drafter", device=device, dtype=dtype,
-                         attention=attention)
-    out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len}
+                         attention=attention, compile=compile)
+    out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile}
     if pair.device.type == "cuda":
         bw = copy_bandwidth()
         wb = weight_bytes_per_step(pair.target)
@@ -227,6 +231,7 @@ def add_bench_args(p) -> None:
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--attention", default="triton")
     e.add_argument("--device", default="cuda")
+    e.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
     e.add_argument("--out", default="outputs/bench/e2e.json")
     r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
     r.add_argument("--pair", default="lab")
@@ -237,6 +242,7 @@ def add_bench_args(p) -> None:
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--attention", default="triton")
     r.add_argument("--device", default="cuda")
+    r.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
     r.add_argument("--out", default="outputs/bench/prompts.json")
 
 
@@ -253,7 +259,8 @@ def run_bench_cli(args) -> int:
         from .checkpoint import load_pair
         from .study import load_prompts
 
-        pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention)
+        pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
+                         compile=args.compile)
         prompts = [p["prompt"] for p in load_prompts(args.prompts, args.n_prompts)]
         result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(),
                   "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
@@ -262,7 +269,7 @@ def run_bench_cli(args) -> int:
         start = time.perf_counter()
         result = {"kind": "e2e", "environment": environment(),
                   **run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention,
-                            args.device)}
+                            args.device, args.compile)}
         result["bench_seconds"] = time.perf_counter() - start
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -238,8 +238,10 @@ def resolve_named_pair(name: str) -> tuple[Path, Path]:
 
 
 def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu", dtype="float32",
-              attention: str = "sdpa") -> Pair:
-    """Load a target + DFlash drafter pair: `load_pair("lab")` or `load_pair(target=DIR, drafter=DIR)`."""
+              attention: str = "sdpa", compile: bool = False) -> Pair:
+    """Load a target + DFlash drafter pair: `load_pair("lab")` or `load_pair(target=DIR, drafter=DIR)`.
+
+    compile=True fuses the target's per-layer elementwise work with torch.compile (slower first call)."""
     start = time.perf_counter()
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -256,6 +258,8 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
     target_dir = Path(target)
     tmodel = load_target(target_dir, device, dtype)
     tmodel.set_attention(attention)
+    if compile:
+        tmodel.compile_layers()
     dmodel = None
     if drafter is not None:
         drafter_dir = Path(drafter)

@@ -23,6 +23,17 @@ def test_triton_attention_in_the_engine_matches_sdpa(tmp_path):
         assert got.tokens == want.tokens
 
 
+def test_compiled_layers_give_the_same_tokens(tmp_path):
+    """compile=True fuses each layer's elementwise ops; decoding must not change."""
+    t, d = make_tiny_pair(tmp_path, seed=4, tokenizer=False)
+    ref = dl.load_pair(target=t, drafter=d)
+    fused = dl.load_pair(target=t, drafter=d, compile=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = dl.generate(ref, prompt, method="ar", max_new_tokens=16, stop=[]).tokens
+    assert dl.generate(fused, prompt, budget=12, max_new_tokens=16, stop=[]).tokens == want
+    assert dl.generate(fused, prompt, method="ar", max_new_tokens=16, stop=[]).tokens == want
+
+
 @pytest.fixture(scope="module")
 def gpu_pairs(tmp_path_factory):
     t, d = make_tiny_pair(tmp_path_factory.mktemp("gpu"), vocab_size=64, seed=8, tokenizer=False)
