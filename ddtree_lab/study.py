@@ -559,6 +559,10 @@ def _kernel_env() -> dict:
     # The kernel must import this very package even when it is not pip-installed.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # One CPU thread unless the user says otherwise: the lab pair's matrices are too small to gain from
+    # more, and OpenMP threads stall (10-1000x slower ops) whenever another process holds a core,
+    # which would make CPU timings of a study meaningless. GPU runs do not depend on it.
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
