@@ -67,6 +67,11 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert len(z["starts"]) == 24 and (z["lengths"] > z["starts"]).all()
     rows = [json.loads(x) for x in (work / "prompts.jsonl").read_text().splitlines()]
     assert {len(r["ids"]) for r in rows} == set(z["starts"].tolist())
+    # bulk rendering (template spliced around a marker) equals render_chat per message
+    from ddtree_lab.smollm2.train import tokenizer_and_chat
+    _, encode, _ = tokenizer_and_chat(work / "tiny" / "target")
+    texts = [r["messages"][0]["content"] for r in rows[:5]]
+    assert encode.many(texts) == [encode([{"role": "user", "content": t}]) for t in texts] == [r["ids"] for r in rows[:5]]
     # the card: τ per set at T = 0 and 1, lossless at T = 0
     ev = json.loads((out / "eval.json").read_text())
     assert set(ev["temperatures"]) == {"0", "1"}
@@ -107,3 +112,31 @@ def test_shipped_config_sizes():
     n = sum(p.numel() for p in d.parameters())
     assert 2 * n / 2**20 <= 20.0
     assert d.cfg.target_layer_ids == [1, 8, 14, 20, 27] and d.cfg.mask_token_id == 16
+
+
+def test_ship_target_bit_exact(tmp_path):
+    """pack stores Q4_1 / Q8_0-born tensors as their block codes; unpack rebuilds them bit for bit."""
+    from safetensors.torch import load_file, save_file
+    from ddtree_lab.smollm2 import ship
+    g = torch.Generator().manual_seed(0)
+    q4 = torch.randint(0, 16, (64, 32), generator=g).float()
+    d4, m4 = (torch.rand(64, generator=g) * 0.01).half(), (-torch.rand(64, generator=g) * 0.05).half()
+    q4[:, 0], q4[:, 1] = 0, 15  # the quantizer puts the block's min and max at codes 0 and 15
+    w4 = (d4.float()[:, None] * q4 + m4.float()[:, None]).reshape(32, 64)
+    q8 = torch.randint(-127, 128, (16, 32), generator=g).float()
+    q8[:, 0] = 127
+    w8 = ((torch.rand(16, generator=g) * 0.01).half().float()[:, None] * q8).reshape(8, 64)
+    src = tmp_path / "target"
+    src.mkdir()
+    tensors = {"a.weight": w4, "emb.weight": w8, "norm.weight": torch.randn(64, generator=g)}
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    info = ship.pack(src, tmp_path / "pack", part_mib=0.001)  # tiny parts: several folders
+    assert info["kinds"] == {"q4_1": 1, "q8_0": 1, "raw": 1} and len(info["parts_mib"]) >= 3
+    parts = sorted((tmp_path / "pack").iterdir())
+    out = ship.unpack(parts, tmp_path / "rebuilt")  # the parts given one by one, as they travel
+    back = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert (out / "config.json").read_text() == "{}"
+    with pytest.raises(SystemExit):
+        ship.unpack(parts[:-1], tmp_path / "partial")

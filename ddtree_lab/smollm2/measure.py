@@ -36,6 +36,8 @@ def measure_generation(tdir, batches=(1, 4, 8), n_new: int = 48, check: int = 3)
     target = frozen_target(cfg, tdir, "cpu")
     rows = train_prompts.build(max(batches), seed=123)
     ids = [encode(r["messages"]) for r in rows]
+    x, plen = _padded(ids[:1], eos)
+    greedy_extend(target, x, 4, prompt_lens=plen)  # warm-up: first-call allocations are not the rate
     out = {"threads": torch.get_num_threads(), "n_new": n_new, "prompt_tokens": [len(x) for x in ids], "batch": {}}
     for B in batches:
         x, plen = _padded(ids[:B], eos)

@@ -58,6 +58,13 @@ CHAT_TEMPLATES = [
     "Write a title and a one-sentence summary for a blog post about {topic}.",
 ]
 
+# Format requests appended to some chat and code messages: more distinct messages, and the response
+# lengths and styles (lists, one paragraph, short answers) that users ask for.
+SUFFIXES = ["Keep it under 100 words.", "Use bullet points.", "Answer in one paragraph.", "Be brief.",
+            "Explain it for a beginner.", "Use a friendly tone.", "Use a formal tone.", "Answer in two sentences.",
+            "Give an example.", "Number the steps.", "End with a one-line summary.", "Avoid jargon.",
+            "Write it as a short list."]
+
 # ---------------------------------------------------------------- code
 LANGS = ["Python", "JavaScript", "TypeScript", "Java", "C", "C++", "Go", "Rust", "Ruby", "PHP", "Kotlin",
          "Swift", "C#", "Lua", "Bash"]
@@ -188,7 +195,8 @@ def _reasoning(r: random.Random) -> str:
 
 def _chat(r: random.Random) -> str:
     s1, s2 = r.sample(CHAT_SUBJECTS, 2)
-    return r.choice(CHAT_TEMPLATES).format(topic=r.choice(CHAT_TOPICS), subject=s1, subject2=s2, k=r.randint(3, 7))
+    text = r.choice(CHAT_TEMPLATES).format(topic=r.choice(CHAT_TOPICS), subject=s1, subject2=s2, k=r.randint(3, 7))
+    return text + " " + r.choice(SUFFIXES) if r.random() < 0.4 else text
 
 
 def _code(r: random.Random) -> str:
@@ -196,8 +204,9 @@ def _code(r: random.Random) -> str:
         code, why = r.choice(SNIPPETS)
         return r.choice(SNIPPET_TEMPLATES).format(code=code, why=why)
     lang = r.choice(LANGS[:4] if r.random() < 0.5 else LANGS)  # mostly the common languages
-    t2 = r.choice(CODE_TASKS)
-    return r.choice(CODE_TEMPLATES).format(lang=lang, task=r.choice(CODE_TASKS), task2=t2, concept=r.choice(CODE_CONCEPTS))
+    text = r.choice(CODE_TEMPLATES).format(lang=lang, task=r.choice(CODE_TASKS), task2=r.choice(CODE_TASKS),
+                                           concept=r.choice(CODE_CONCEPTS))
+    return text + " " + r.choice(SUFFIXES[:4] + SUFFIXES[8:10]) if r.random() < 0.3 else text
 
 
 KINDS = [("chat", _chat, 0.36), ("code", _code, 0.32), ("math", _math, 0.22), ("reasoning", _reasoning, 0.10)]
