@@ -417,7 +417,13 @@ def losslessness(results: dict, ar: dict | None) -> dict:
                        min(len(p["tokens"]), len(ref)))
             bad.append(f"{p['id']} diverges at token {pos}")
     if bad:
-        return {"verdict": "mismatch", "detail": "; ".join(bad)}
+        detail = "; ".join(bad)
+        if cfg.get("dtype") in ("bfloat16", "float16"):
+            # Not necessarily a bug: a tree verify and a one-token AR step sum in different orders, and
+            # in 16-bit a near-tie can flip. The fp32 tests hold the logic exact; rerun in float32 to check.
+            detail += (f" ({cfg.get('dtype')}: batched verify and one-token steps round differently; "
+                       "rerun with dtype float32 to check losslessness exactly)")
+        return {"verdict": "mismatch", "detail": detail}
     return {"verdict": "lossless", "detail": f"{len(ar_tokens)} prompt(s) identical to AR"}
 
 
