@@ -12,6 +12,7 @@ and then to the lower rank. The result is deterministic and always prefix-closed
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,20 +75,22 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
     top_lp, top_tok = logp.topk(K, dim=-1)  # [L, K] each, ranks ascending
 
     # Beam per depth: W slots (score, parent slot in the previous beam, rank). -inf marks empty slots.
+    # Rows are collected in lists and stacked once: fewer small kernels than row-by-row writes.
     W = min(budget, n)
-    beam_score = torch.full((L, W), float("-inf"), device=device)
-    beam_parent = torch.zeros((L, W), dtype=torch.long, device=device)
-    beam_rank = torch.zeros((L, W), dtype=torch.long, device=device)
     first = min(K, W)
-    beam_score[0, :first] = top_lp[0, :first]
-    beam_rank[0, :first] = torch.arange(first, device=device)
+    pad = W - first
+    scores = [torch.cat([top_lp[0, :first], top_lp.new_full((pad,), float("-inf"))])]
+    slots = [torch.arange(W, device=device).clamp(max=first - 1)]  # depth 1: slot i holds rank i
     for d in range(1, L):
-        # children of every beam slot at depth d-1: [W, K], laid out parent-major then rank
-        child = beam_score[d - 1][:, None] + top_lp[d][None, :]
-        order = child.flatten().sort(descending=True, stable=True).indices[:W]
-        beam_score[d] = child.flatten()[order]
-        beam_parent[d] = order // K
-        beam_rank[d] = order % K
+        # children of every beam slot at depth d-1: [W*K], laid out parent-major then rank
+        child = (scores[-1][:, None] + top_lp[d][None, :]).flatten()
+        best, order = child.sort(descending=True, stable=True)
+        scores.append(best[:W])
+        slots.append(order[:W])
+    beam_score = torch.stack(scores)                        # [L, W]
+    order = torch.stack(slots[1:]) if L > 1 else None       # [L-1, W]: flat child index at depths 2..L
+    beam_parent = torch.cat([slots[0].new_zeros(1, W)] + ([order // K] if L > 1 else []))  # [L, W]
+    beam_rank = torch.cat([slots[0][None]] + ([order % K] if L > 1 else []))      # [L, W]
 
     # Global selection over all depths, depth-major so ties favour shallower nodes.
     flat = beam_score.flatten()  # [L*W], index = d*W + slot
@@ -111,14 +114,16 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
 
 
 def ancestor_matrix(parents_with_root: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents_with_root [T] (entry 0 = root, its own parent) -> anc [T, T] bool, anc[i, j] = j ≤ i on i's path.
+    """parents_with_root [T] (entry 0 = root, its own parent) -> anc [T, T] bool, anc[i, j] = j is on
+    i's root path (i included).
 
-    Each step ORs in the parent's row; after `max_depth` steps every row holds its whole path.
-    Fixed step count, no host sync.
+    Pointer doubling: after step k each row holds the ancestors at distance < 2^k, so
+    ceil(log2(max_depth + 1)) steps cover every path. Fixed step count, no host sync.
     """
     T = parents_with_root.shape[0]
-    eye = torch.eye(T, dtype=torch.bool, device=parents_with_root.device)
-    anc = eye.clone()
-    for _ in range(max_depth):
-        anc = eye | anc[parents_with_root]
+    anc = torch.eye(T, dtype=torch.bool, device=parents_with_root.device)
+    jump = parents_with_root  # [T]: the 2^k-th ancestor (the root points to itself)
+    for _ in range(max(1, math.ceil(math.log2(max_depth + 1)))):
+        anc = anc | anc[jump]
+        jump = jump[jump]
     return anc
