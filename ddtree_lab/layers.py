@@ -84,3 +84,37 @@ class QKV(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, cos, sin)
+
+
+class DecoderLayer(nn.Module):
+    """The parts of a pre-norm decoder layer that target and drafter share: everything around the
+    attention call. The two halves are pure functions of their inputs, so one compiled copy of each
+    (`torch.compile`) can fuse the elementwise work of every layer."""
+
+    def __init__(self, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 qk_norm: bool, eps: float, bias: bool = False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.qkv = QKV(hidden, n_heads, n_kv_heads, head_dim, qk_norm, eps, bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, intermediate)
+
+    def attention_inputs(self, x, cos, sin):
+        """x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] (normed, RoPE applied)."""
+        q, k, v = self.qkv.project(self.input_layernorm(x))
+        return self.qkv.norm_rope_q(q, cos, sin), self.qkv.norm_rope_k(k, cos, sin), v
+
+    def attention_output(self, x, att):
+        """x [B, T, H], att [B, Hq, T, D] -> the layer's output [B, T, H]."""
+        B, T = x.shape[:2]
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def compiled_layer_ops(**options):
+    """(attention_inputs, attention_output) compiled once, to call as fn(layer, …) on any layer."""
+    import torch
+
+    return (torch.compile(DecoderLayer.attention_inputs, **options),
+            torch.compile(DecoderLayer.attention_output, **options))

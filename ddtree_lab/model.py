@@ -13,31 +13,14 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, check_backend, tree_attention, write_slots
 from .config import TargetConfig
-from .layers import QKV, GatedMLP, RMSNorm, Rotary
+from .layers import DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
 
-class Block(nn.Module):
+class Block(DecoderLayer):
     def __init__(self, cfg: TargetConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv = QKV(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       cfg.qk_norm, cfg.rms_norm_eps, cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-
-    # The two halves around attention hold every small elementwise op of a layer (norms, RoPE,
-    # SwiGLU, residuals). They are pure functions, so `Target.compile()` can fuse them once for all
-    # layers; the cache write and tree attention stay outside.
-    def attention_inputs(self, x, cos, sin):
-        """x [1, T, H] -> q [Hq, T, D], k/v [Hkv, T, D] (normed, RoPE applied)."""
-        q, k, v = self.qkv.project(self.input_layernorm(x))  # [1, H*, T, D]
-        return self.qkv.norm_rope_q(q, cos, sin)[0], self.qkv.norm_rope_k(k, cos, sin)[0], v[0]
-
-    def attention_output(self, x, att):
-        """x [1, T, H], att [Hq, T, D] -> the layer's output [1, T, H]."""
-        x = x + self.o_proj(att.transpose(0, 1).reshape(1, att.shape[1], -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                         cfg.num_key_value_heads, cfg.head_dim, cfg.qk_norm, cfg.rms_norm_eps,
+                         cfg.attention_bias)
 
 
 class Target(nn.Module):
@@ -51,13 +34,13 @@ class Target(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
         self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
         self.attention = "sdpa"
-        self._attention_inputs, self._attention_output = Block.attention_inputs, Block.attention_output
+        self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
 
     def compile_layers(self, **options) -> "Target":
         """Fuse each layer's elementwise work with torch.compile (one compiled function serves every
-        layer: modules are graph inputs, not constants). Run once before timing or graph capture."""
-        self._attention_inputs = torch.compile(Block.attention_inputs, **options)
-        self._attention_output = torch.compile(Block.attention_output, **options)
+        layer: modules are graph inputs, not constants). The first calls compile; graph capture's
+        warm-up takes care of that."""
+        self._attention_inputs, self._attention_output = compiled_layer_ops(**options)
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -99,12 +82,12 @@ class Target(nn.Module):
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
-            q, k, v = self._attention_inputs(blk, x, cos, sin)
+            q, k, v = self._attention_inputs(blk, x, cos, sin)  # [1, H*, T, D]
             k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [Hkv, S, D]
-            write_slots(k_cache, past_len, k)
-            write_slots(v_cache, past_len, v)
-            att = tree_attention(q, k_cache, v_cache, past_len, mask, self.attention)  # [Hq, T, D]
-            x = self._attention_output(blk, x, att)
+            write_slots(k_cache, past_len, k[0])
+            write_slots(v_cache, past_len, v[0])
+            att = tree_attention(q[0], k_cache, v_cache, past_len, mask, self.attention)  # [Hq, T, D]
+            x = self._attention_output(blk, x, att[None])
             if li in wanted:
                 captured[wanted[li]] = x[0]
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(T, 0)
@@ -121,13 +104,10 @@ class Target(nn.Module):
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
-            h = blk.input_layernorm(x)
-            q, k, v = blk.qkv.project(h)
-            q, k = blk.qkv.norm_rope_q(q, cos, sin), blk.qkv.norm_rope_k(k, cos, sin)
+            q, k, v = blk.attention_inputs(x, cos, sin)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=q.shape[1] != k.shape[1])
-            x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
-            x = x + blk.mlp(blk.post_attention_layernorm(x))
+            x = blk.attention_output(x, att)
             if li in wanted:
                 captured[wanted[li]] = x
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(B, T, 0)
