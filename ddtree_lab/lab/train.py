@@ -622,12 +622,13 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def _parse_set(cfg: LabConfig, items: list[str]) -> None:
-    types = {f.name: f.type for f in fields(LabConfig)}
+def apply_overrides(cfg, items: list[str]) -> None:
+    """`--set KEY=VALUE` onto a config dataclass, converting to each field's current type."""
+    types = {f.name for f in fields(type(cfg))}
     for item in items:
         k, _, v = item.partition("=")
         if k not in types:
-            raise SystemExit(f"--set {item}: unknown field '{k}'; fields: {', '.join(types)}")
+            raise SystemExit(f"--set {item}: unknown field '{k}'; fields: {', '.join(sorted(types))}")
         cur = getattr(cfg, k)
         if isinstance(cur, tuple):
             val = tuple(type(cur[0] if cur else 0)(x) for x in v.split(",") if x)
@@ -640,7 +641,7 @@ def _parse_set(cfg: LabConfig, items: list[str]) -> None:
 
 def run_train_cli(args) -> int:
     cfg = make_config(args.preset, seed=args.seed)
-    _parse_set(cfg, args.set)
+    apply_overrides(cfg, args.set)
     if cfg.corpus_root and not Path(cfg.corpus_root).is_absolute():
         cfg.corpus_root = str(Path(default_root()) / cfg.corpus_root)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..lab.dflash import greedy_extend
-from ..lab.train import (autocast, init_weights, load_weights, log, pick_device, save_weights,
+from ..lab.train import (apply_overrides, autocast, init_weights, load_weights, log, pick_device, save_weights,
                          load_parts, save_parts, train_drafters)
 from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir
 from . import train_prompts
@@ -310,25 +310,9 @@ def add_smollm2_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     return p
 
 
-def _parse_set(cfg: SmolConfig, items: list[str]) -> None:
-    types = {f.name for f in fields(SmolConfig)}
-    for item in items:
-        k, _, v = item.partition("=")
-        if k not in types:
-            raise SystemExit(f"--set {item}: unknown field '{k}'; fields: {', '.join(sorted(types))}")
-        cur = getattr(cfg, k)
-        if isinstance(cur, tuple):
-            val = tuple(type(cur[0] if cur else 0)(x) for x in v.split(",") if x)
-        elif isinstance(cur, bool):
-            val = v.lower() in ("1", "true", "yes")
-        else:
-            val = type(cur)(v)
-        setattr(cfg, k, val)
-
-
 def run_smollm2_train_cli(args) -> int:
     cfg = make_config(args.preset, seed=args.seed)
-    _parse_set(cfg, args.set)
+    apply_overrides(cfg, args.set)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:
