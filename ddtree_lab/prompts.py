@@ -1,9 +1,11 @@
 """Prompts: raw text, chat messages (through the checkpoint's chat template) or token ids."""
 from __future__ import annotations
 
+import functools
 
-def render_chat(template: str, messages: list[dict], special_tokens: dict, add_generation_prompt=True) -> str:
-    """Render chat messages with a checkpoint's Jinja chat template."""
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -13,8 +15,13 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict, add_g
         raise jinja2.exceptions.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **special_tokens)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: list[dict], special_tokens: dict, add_generation_prompt=True) -> str:
+    """Render chat messages with a checkpoint's Jinja chat template (compiled once per template)."""
+    return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                               **special_tokens)
 
 
 def is_chat(prompt) -> bool:
