@@ -301,14 +301,20 @@ def _hf_state(module, mapping: dict[str, list[str]], dtype) -> dict[str, torch.T
     return out
 
 
-def save_target(target: Target, directory, dtype=torch.float16, tokenizer_dir=None) -> Path:
+def _save(model, mapping, directory, dtype) -> Path:
+    """Weights under their HF / DFlash names in model.safetensors, and the model's config.json."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(_hf_state(target, target_mapping(target.cfg), dtype), str(directory / "model.safetensors"),
+    save_file(_hf_state(model, mapping(model.cfg), dtype), str(directory / "model.safetensors"),
               metadata={"format": "pt"})
-    hf = target.cfg.to_hf()
+    hf = model.cfg.to_hf()
     hf["torch_dtype"] = str(dtype).replace("torch.", "")
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return directory
+
+
+def save_target(target: Target, directory, dtype=torch.float16, tokenizer_dir=None) -> Path:
+    directory = _save(target, target_mapping, directory, dtype)
     if tokenizer_dir is not None:
         for fname in ("tokenizer.json", "tokenizer_config.json"):
             src = Path(tokenizer_dir) / fname
@@ -318,14 +324,7 @@ def save_target(target: Target, directory, dtype=torch.float16, tokenizer_dir=No
 
 
 def save_drafter(drafter: Drafter, directory, dtype=torch.float16) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(_hf_state(drafter, drafter_mapping(drafter.cfg), dtype), str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
-    hf = drafter.cfg.to_hf()
-    hf["torch_dtype"] = str(dtype).replace("torch.", "")
-    (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    return directory
+    return _save(drafter, drafter_mapping, directory, dtype)
 
 
 __all__ = ["Pair", "load_pair", "load_target", "load_drafter", "save_target", "save_drafter",
