@@ -188,12 +188,12 @@ def load_run_pair(params: RunParams):
     device = params.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(device=device, dtype=params.dtype, attention=params.attention)
+    kw = dict(device=device, dtype=params.dtype, attention=params.attention, compile=params.compile)
     if params.pair.startswith("random:"):  # real-size shapes, random weights, no tokenizer
         from .bench import random_pair
         from .checkpoint import DTYPES
         return random_pair(params.pair.split(":", 1)[1], device=device, dtype=DTYPES[params.dtype],
-                           attention=params.attention, seed=params.seed)
+                           attention=params.attention, seed=params.seed, compile=params.compile)
     if params.pair:
         register_pair_module(params.pair)
         return dl.load_pair(params.pair, **kw)

@@ -61,6 +61,7 @@ class ModelsSpec:
     device: str = "cpu"           # cpu | cuda | cuda:N | auto
     dtype: str = "float32"        # float32 | bfloat16 | float16
     attention: str = "sdpa"       # verify attention: sdpa | triton | flex
+    compile: bool = False         # fuse each layer's elementwise work (torch.compile; slower first call)
 
 
 @dataclass
@@ -110,7 +111,8 @@ _SECTIONS: dict[str, dict[str, Any]] = {
     "": {"name": str, "description": str, "models": dict, "prompts": dict, "methods": list,
          "grid": dict, "notebooks": dict, "report": bool, "warmup": bool},
     "models": {"pair": (str, type(None)), "target": (str, type(None)),
-               "drafter": (str, type(None)), "device": str, "dtype": str, "attention": str},
+               "drafter": (str, type(None)), "device": str, "dtype": str, "attention": str,
+               "compile": bool},
     "prompts": {"set": str, "n_prompts": int},
     "grid": {"budget": list, "topk": list, "temperature": list, "max_new_tokens": int, "seed": int},
     "notebooks": {"per_run": list, "per_study": list, "report": str, "timeout": int},
@@ -446,6 +448,7 @@ class RunParams:
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "sdpa"
+    compile: bool = False
     prompt_set: str = "lab:code"
     n_prompts: int = 2
     method: str = "ddtree"
@@ -494,7 +497,7 @@ def _base_params(study: Study, study_dir: Path) -> dict:
     m = study.models
     return dict(study_name=study.name, study_dir=str(study_dir), pair=m.pair or "",
                 target_dir=m.target or "", drafter_dir=m.drafter or "", device=m.device,
-                dtype=m.dtype, attention=m.attention, prompt_set=study.prompts.set,
+                dtype=m.dtype, attention=m.attention, compile=m.compile, prompt_set=study.prompts.set,
                 n_prompts=study.prompts.n_prompts, max_new_tokens=study.grid.max_new_tokens,
                 seed=study.grid.seed, warmup=study.warmup, budgets=sorted(set(study.grid.budget)))
 
