@@ -104,20 +104,9 @@ def weight_bytes_per_step(target: Target) -> int:
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device copy bandwidth in bytes/s (read + written), the roofline's denominator."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return 2 * nbytes / times[len(times) // 2]
+    from .kernels.bench import device_copy_gbps
+
+    return device_copy_gbps(nbytes) * 1e9
 
 
 def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, rounds: int = 24,

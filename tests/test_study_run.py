@@ -8,7 +8,7 @@ import nbformat
 import pytest
 import yaml
 
-from ddtree_lab import results as R, study as S
+from ddtree_lab import study as S
 
 NOTEBOOKS = ["draft_trees", "accepted_paths", "budget_sweep", "kernel_timeline", "findings_report"]
 

@@ -173,7 +173,7 @@ Mean τ = accepted tokens per target forward (root included), pooled over all ro
 
 | bar | met | value |
 |---|---|---|
-""" + "\n".join(f"| {b} | {'yes' if ok else 'NO'} | {v} |" for b, ok, v in bars) + f"""
+""" + "\n".join(f"| {b} | {'yes' if ok else 'NO'} | {v} |" for b, ok, v in bars) + """
 
 ## Samples (target, greedy)
 
@@ -184,7 +184,7 @@ Mean τ = accepted tokens per target forward (root included), pooled over all ro
 ```
 {command}
 ```
-""" + (f"\n{notes}\n" if notes else "") + f"""
+""" + (f"\n{notes}\n" if notes else "") + """
 
 `prepare` (CPU, this interpreter's standard library) writes the token arrays, tokenizer and prompt sets to
 `--cache`; `target`, `pool` and `drafter` train on a GPU (bf16) with checkpoints in `--work` (a rerun resumes);

@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..lab.dflash import greedy_extend
-from ..lab.train import (apply_overrides, autocast, init_weights, load_weights, log, pick_device, save_weights,
-                         load_parts, save_parts, train_drafters)
+from ..lab.train import (apply_overrides, autocast, init_weights, load_weights, log, pick_device, load_parts, save_parts, train_drafters)
 from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir
 from . import train_prompts
 
