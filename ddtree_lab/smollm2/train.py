@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from ..lab.dflash import greedy_extend
-from ..lab.train import (apply_overrides, autocast, init_weights, load_weights, log, pick_device, load_parts, save_parts, train_drafters)
+from ..lab.train import (apply_overrides, autocast, init_weights, load_parts, load_weights, log, pick_device,
+                         save_parts, train_drafters)
 from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir
 from . import train_prompts
 
