@@ -203,6 +203,14 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     return {"rows": rows, "best_budget": best and best["budget"]}
 
 
+def _add_runtime_args(p) -> None:
+    """How the models run: the same options for every end-to-end bench."""
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention", default="triton")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
+
+
 def add_bench_args(p) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     k = sub.add_parser("kernels", help="verify attention: triton vs sdpa (dense mask) vs flex")
@@ -217,10 +225,7 @@ def add_bench_args(p) -> None:
     e.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
     e.add_argument("--prompt-len", type=int, default=512)
     e.add_argument("--rounds", type=int, default=24)
-    e.add_argument("--dtype", default="bfloat16")
-    e.add_argument("--attention", default="triton")
-    e.add_argument("--device", default="cuda")
-    e.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
+    _add_runtime_args(e)
     e.add_argument("--out", default="outputs/bench/e2e.json")
     r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
     r.add_argument("--pair", default="lab")
@@ -228,10 +233,7 @@ def add_bench_args(p) -> None:
     r.add_argument("--n-prompts", type=int, default=8)
     r.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     r.add_argument("--max-new-tokens", type=int, default=96)
-    r.add_argument("--dtype", default="bfloat16")
-    r.add_argument("--attention", default="triton")
-    r.add_argument("--device", default="cuda")
-    r.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
+    _add_runtime_args(r)
     r.add_argument("--out", default="outputs/bench/prompts.json")
 
 

