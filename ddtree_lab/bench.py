@@ -5,6 +5,9 @@
            for a checkpoint, a named pair, or a random-weight real-size shape built on the GPU
            (`random:qwen3-8b`, `random:qwen3-4b`, `random:llama3.1-8b`) so real costs can be measured
            without the weights. Also the AR step's roofline (weight bytes ÷ copy bandwidth, same run).
+  prompts  tokens/s and speedup of AR, DFlash and DDTree on a pair's shipped prompts
+  profile  where a round's time goes: kernels launched and GPU time per stage, and the top kernels
+           (eager rounds under torch.profiler: a graph replay hides its kernels from the profiler)
 """
 from __future__ import annotations
 
@@ -142,7 +145,8 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
     return {"rows": rows}
 
 
-def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False) -> dict:
+def bench_model(model: str, dtype, attention, device, compile=False) -> Pair:
+    """A random real-size shape, a named pair, or a directory holding target/ and drafter/."""
     if model.startswith("random:"):
         pair = random_pair(model.split(":", 1)[1], device=device, dtype=DTYPES[dtype], attention=attention,
                            compile=compile)
@@ -153,6 +157,11 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
         pair = load_pair(model if named else None, target=None if named else Path(model) / "target",
                          drafter=None if named else Path(model) / "drafter", device=device, dtype=dtype,
                          attention=attention, compile=compile)
+    return pair
+
+
+def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False) -> dict:
+    pair = bench_model(model, dtype, attention, device, compile)
     out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile}
     if pair.device.type == "cuda":
         bw = copy_bandwidth()
@@ -203,6 +212,56 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     return {"rows": rows, "best_budget": best and best["budget"]}
 
 
+def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,
+                   rounds: int = 8, top: int = 25) -> dict:
+    """Kernels launched and their microseconds, per stage per round, from eager rounds under
+    torch.profiler. A kernel belongs to the stage whose annotation spans its launch on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .decode import generate
+    from .trace import STAGES
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, pair.target.cfg.vocab_size - 2, (prompt_len,), generator=g).tolist()
+    kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[], cuda_graphs=False)
+    generate(pair, prompt, **kw)  # warm-up (compiles, autotunes)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pair.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        res = generate(pair, prompt, **kw)
+    events = list(prof.events())
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in STAGES)
+    on_gpu = pair.device.type == "cuda"
+    per_stage = {s: {"kernels": 0, "us": 0.0} for s in STAGES}
+    by_name: dict[tuple, list] = {}  # (stage, kernel) -> [us, count]
+    for e in events:
+        if on_gpu:  # GPU kernels, by the host op that launched them
+            work = [(k.name, k.duration) for k in e.kernels]
+        else:  # on the CPU, the outermost ops of a stage stand in for kernels
+            parent = e.cpu_parent
+            work = [(e.name, e.cpu_time_total)] if parent is not None and parent.name in STAGES else []
+        if not work:
+            continue
+        stage = next((name for a, b, name in spans if a <= e.time_range.start <= b), None)
+        if stage is None:
+            continue  # prefill and the host reads between rounds
+        for name, us in work:
+            per_stage[stage]["kernels"] += 1
+            per_stage[stage]["us"] += us
+            agg = by_name.setdefault((stage, name), [0.0, 0])
+            agg[0] += us
+            agg[1] += 1
+    n = len(res.acceptance_lengths)
+    stages = {s: {"kernels_per_round": v["kernels"] / n, "us_per_round": v["us"] / n}
+              for s, v in per_stage.items() if v["kernels"]}
+    total = sum(v["us_per_round"] for v in stages.values()) or 1.0
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"method": method, "budget": budget if method == "ddtree" else None, "rounds": n,
+            "device": "GPU kernels" if on_gpu else "CPU ops (outermost)", "stages": stages, "us_per_round": total,
+            "kernels_per_round": sum(v["kernels_per_round"] for v in stages.values()),
+            "top_kernels": [{"name": name[:120], "stage": stage, "us_per_round": v[0] / n, "per_round": v[1] / n,
+                             "share": v[0] / n / total} for (stage, name), v in tops]}
+
+
 def _add_runtime_args(p) -> None:
     """How the models run: the same options for every end-to-end bench."""
     p.add_argument("--dtype", default="bfloat16")
@@ -235,6 +294,14 @@ def add_bench_args(p) -> None:
     r.add_argument("--max-new-tokens", type=int, default=96)
     _add_runtime_args(r)
     r.add_argument("--out", default="outputs/bench/prompts.json")
+    f = sub.add_parser("profile", help="kernels and GPU time per stage of eager rounds (torch.profiler)")
+    f.add_argument("--model", default="random:qwen3-8b", help="as for e2e")
+    f.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
+    f.add_argument("--budgets", type=int, nargs="+", default=[64])
+    f.add_argument("--prompt-len", type=int, default=512)
+    f.add_argument("--rounds", type=int, default=8)
+    _add_runtime_args(f)
+    f.add_argument("--out", default="outputs/bench/profile.json")
 
 
 def run_bench_cli(args) -> int:
@@ -256,6 +323,19 @@ def run_bench_cli(args) -> int:
         result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(),
                   "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                   **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens)}
+    elif args.bench == "profile":
+        pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
+        runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+        rows = []
+        for method, budget in runs:
+            row = profile_rounds(pair, method, budget or 16, args.prompt_len, args.rounds)
+            rows.append(row)
+            print(f"  {method:6s} budget={budget!s:5s} {row['kernels_per_round']:6.0f} kernels "
+                  f"{row['us_per_round']:9.1f} us/round  " + " ".join(
+                      f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
+                      for s, v in row["stages"].items()), file=sys.stderr, flush=True)
+        result = {"kind": "profile", "environment": environment(), "model": args.model, "dtype": args.dtype,
+                  "attention": args.attention, "compile": args.compile, "rows": rows}
     else:
         start = time.perf_counter()
         result = {"kind": "e2e", "environment": environment(),

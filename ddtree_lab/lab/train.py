@@ -581,6 +581,8 @@ def stage_pack(work: Path, pack: Path, with_target: bool = True) -> None:
     """Move the trained weights in few small files: the target in bf16 (what ships), the drafter fp32."""
     from safetensors.torch import load_file
     pack.mkdir(parents=True, exist_ok=True)
+    # A run that continued a shipped target (target_from) trained no target: nothing to carry back.
+    with_target = with_target and (work / "target_final.safetensors").exists()
     n = save_parts(load_file(str(work / "target_final.safetensors")), pack, "target") if with_target else 0
     shutil.copy(work / "drafter_final.safetensors", pack / "drafter_final.safetensors")
     info = {f.stem: json.loads(f.read_text()) for f in sorted(work.glob("*.json"))}
