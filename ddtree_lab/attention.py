@@ -61,13 +61,19 @@ def check_backend(name: str) -> str:
     return name
 
 
-def write_slots(cache: torch.Tensor, past_len, new: torch.Tensor) -> None:
-    """cache [H, S, D] <- new [H, T, D] at slots past_len … past_len+T-1 (past_len: int or tensor)."""
-    T = new.shape[1]
-    if isinstance(past_len, torch.Tensor):
-        cache.index_copy_(1, past_len + torch.arange(T, device=cache.device), new)
+def cache_slots(past_len, T: int, device):
+    """The slots past_len … past_len+T-1 of T new tokens, made once per forward (not per layer):
+    an int start when past_len is an int, else an index tensor [T] (past_len a device tensor)."""
+    return past_len + torch.arange(T, device=device) if isinstance(past_len, torch.Tensor) else past_len
+
+
+def write_slots(cache: torch.Tensor, slots, new: torch.Tensor) -> None:
+    """cache [..., S, D] <- new [..., T, D] at `slots` (from cache_slots): K and V of a layer in one
+    write when both are stacked in the leading dims."""
+    if isinstance(slots, torch.Tensor):
+        cache.index_copy_(cache.dim() - 2, slots, new)
     else:
-        cache[:, past_len: past_len + T] = new
+        cache[..., slots: slots + new.shape[-2], :] = new
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len,

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, tree_attention, write_slots
+from .attention import TreeMask, cache_slots, tree_attention, write_slots
 from .config import DrafterConfig
 from .layers import DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
@@ -23,14 +23,14 @@ class DrafterLayer(DecoderLayer):
                          cfg.num_key_value_heads, cfg.head_dim, True, cfg.rms_norm_eps)
 
     def context_kv(self, ctx: torch.Tensor, cos, sin):
-        # ctx [B, Tc, H] (projected features, not re-normalised per layer) -> k, v [B, Hkv, Tc, D]
+        # ctx [B, Tc, H] (projected features, not re-normalised per layer) -> kv [B, 2, Hkv, Tc, D]
         _, k, v = self.qkv.project(ctx)
-        return self.qkv.norm_rope_k(k, cos, sin), v
+        return torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
 
     def block(self, x, cos, sin, k_ctx, v_ctx, mask=None):
         """x [B, Tq, H] block states; k_ctx/v_ctx [B, Hkv, Tc, D]; mask [B|1, Tq, Tc+Tq] or None."""
-        q, k, v = self.attention_inputs(x, cos, sin)
-        k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
+        q, kv = self.attention_inputs(x, cos, sin)
+        k, v = torch.cat([k_ctx, kv[:, 0]], dim=2), torch.cat([v_ctx, kv[:, 1]], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                              enable_gqa=q.shape[1] != k.shape[1])
         return self.attention_output(x, att)
@@ -61,7 +61,7 @@ class Drafter(nn.Module):
         cos_q, sin_q = self.rotary(q_pos, x.dtype)
         cos_c, sin_c = self.rotary(ctx_pos, x.dtype)
         for layer in self.layers:
-            k_ctx, v_ctx = layer.context_kv(ctx, cos_c, sin_c)
+            k_ctx, v_ctx = layer.context_kv(ctx, cos_c, sin_c).unbind(1)
             x = layer.block(x, cos_q, sin_q, k_ctx, v_ctx, mask)
         return self.norm(x)
 
@@ -82,10 +82,9 @@ class Drafter(nn.Module):
         device tensor; default all) become committed, the rest stay scratch."""
         ctx = self.project_context(target_hidden)[None]  # [1, M, H]
         cos, sin = self.rotary(positions, ctx.dtype)
+        slots = cache_slots(self.ctx_len, positions.shape[0], ctx.device)
         for li, layer in enumerate(self.layers):
-            k, v = layer.context_kv(ctx, cos, sin)  # [1, Hkv, M, D]
-            write_slots(self.kv[li, 0], self.ctx_len, k[0])
-            write_slots(self.kv[li, 1], self.ctx_len, v[0])
+            write_slots(self.kv[li], slots, layer.context_kv(ctx, cos, sin)[0])  # [2, Hkv, M, D]
         self.ctx_len += positions.shape[0] if count is None else count
 
     def draft(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -93,12 +92,12 @@ class Drafter(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         mask = TreeMask.full(x.shape[0], x.device)
         h = x[None]  # [1, Tq, H]
+        slots = cache_slots(self.ctx_len, x.shape[0], x.device)
         for li, layer in enumerate(self.layers):
             # the block's K/V go to scratch slots ctx_len… of the context cache, so one attention
             # call sees the committed context and the block alike
-            q, k, v = self._attention_inputs(layer, h, cos, sin)
-            write_slots(self.kv[li, 0], self.ctx_len, k[0])
-            write_slots(self.kv[li, 1], self.ctx_len, v[0])
+            q, kv = self._attention_inputs(layer, h, cos, sin)
+            write_slots(self.kv[li], slots, kv[0])
             att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, "sdpa", self.window)
             h = self._attention_output(layer, h, att[None])
         return self.norm(h)[0]

@@ -101,9 +101,10 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(hidden, intermediate)
 
     def attention_inputs(self, x, cos, sin):
-        """x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] (normed, RoPE applied)."""
+        """x [B, T, H] -> q [B, Hq, T, D], kv [B, 2, Hkv, T, D] (normed, RoPE applied). K and V come
+        stacked so the cache takes them in one write (compiled, the stack fuses into the RoPE kernel)."""
         q, k, v = self.qkv.project(self.input_layernorm(x))
-        return self.qkv.norm_rope_q(q, cos, sin), self.qkv.norm_rope_k(k, cos, sin), v
+        return self.qkv.norm_rope_q(q, cos, sin), torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
 
     def attention_output(self, x, att):
         """x [B, T, H], att [B, Hq, T, D] -> the layer's output [B, T, H]."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, check_backend, tree_attention, write_slots
+from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
 from .layers import DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
@@ -79,14 +79,13 @@ class Target(nn.Module):
             raise ValueError(f"context of {past_len + T} tokens exceeds the KV cache of {self.cache_len}")
         x = self.embed_tokens(tokens)[None]  # [1, T, H]
         cos, sin = self.rotary(positions, x.dtype)  # [T, D]
+        slots = cache_slots(past_len, T, tokens.device)
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
-            q, k, v = self._attention_inputs(blk, x, cos, sin)  # [1, H*, T, D]
-            k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [Hkv, S, D]
-            write_slots(k_cache, past_len, k[0])
-            write_slots(v_cache, past_len, v[0])
-            att = tree_attention(q[0], k_cache, v_cache, past_len, mask, self.attention)  # [Hq, T, D]
+            q, kv = self._attention_inputs(blk, x, cos, sin)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
+            write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D]
+            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], past_len, mask, self.attention)  # [Hq, T, D]
             x = self._attention_output(blk, x, att[None])
             if li in wanted:
                 captured[wanted[li]] = x[0]
@@ -104,7 +103,8 @@ class Target(nn.Module):
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
-            q, k, v = blk.attention_inputs(x, cos, sin)
+            q, kv = blk.attention_inputs(x, cos, sin)
+            k, v = kv.unbind(1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             x = blk.attention_output(x, att)
