@@ -322,7 +322,7 @@ def run_bench_cli(args) -> int:
         pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
                          compile=args.compile)
         prompts = [p["prompt"] for p in load_prompts(args.prompts, args.n_prompts)]
-        result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(),
+        result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(), "compile": args.compile,
                   "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                   **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens)}
     elif args.bench == "profile":

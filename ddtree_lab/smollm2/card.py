@@ -30,9 +30,9 @@ def evaluate(cfg, tdir: Path, out: Path) -> dict:
     import torch
 
     import ddtree_lab as dl
-    t0 = time.perf_counter()
-    pair = dl.load_pair(target=tdir, drafter=out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    pair = dl.load_pair(target=tdir, drafter=out, device=device)  # float32: T = 0 equality is exact
     res = {"load_seconds": time.perf_counter() - t0, "device": device, "n_new": cfg.n_new, "temperatures": {}}
     for T in cfg.temperatures:
         sets = {}
@@ -46,6 +46,32 @@ def evaluate(cfg, tdir: Path, out: Path) -> dict:
         res["temperatures"][f"{T:g}"] = {"sets": sets, "overall_tau": overall,
                                          "lossless": all(not s["mismatches"] for s in sets.values())}
     return res
+
+
+def speed_section(bench: dict) -> str:
+    """Tokens/s from a `ddtree-lab bench prompts` JSON (work/speed.json), if one was measured."""
+    if not bench.get("rows"):
+        return ""
+    env = bench.get("environment", {})
+    def name(r):
+        return r["method"] if r["budget"] is None else f"{r['method']} ({r['budget']})"
+    rows = "\n".join(f"| {name(r)} | {r['tokens_per_second']:.0f} | {r['mean_tau']:.2f} | {r['speedup_over_ar']:.2f}× |"
+                     for r in bench["rows"])
+    return f"""
+## Speed on {env.get('device', '?')}
+
+`ddtree-lab bench prompts --pair smollm2 --prompts {bench.get('prompt_set')} --n-prompts {bench.get('n_prompts')} \
+--max-new-tokens {bench.get('max_new_tokens')}{' --compile' if bench.get('compile') else ''}` ({bench.get('pair', {}).get('dtype', '?')}, \
+attention `{bench.get('pair', {}).get('attention', '?')}`, CUDA graphs; torch {env.get('torch')}, commit {str(env.get('commit'))[:7]}).
+Tokens/s count every new token over the wall time of `generate`, prefill included; τ here is in bf16, where
+near-tied argmaxes can flip between the tree's batched verify and AR's one-token step.
+
+| method | tokens/s | τ | vs AR |
+|---|---|---|---|
+{rows}
+
+Best budget: {bench.get('best_budget')}.
+"""
 
 
 def write_card(cfg, tdir: Path, work: Path, out: Path, ev: dict) -> str:
@@ -116,7 +142,7 @@ prompt's end, as the engine's first round); block [x_p, MASK × {drf['block_size
 features of positions < p; cross-entropy of slot k against the greedy token p+k weighted exp(−(k−1)/{cfg.gamma:g}),
 KL weight {cfg.soft_weight:g}; labels after the response's EOS ignored. AdamW, peak LR {cfg.drafter_lr:g}, warmup {cfg.drafter_warmup},
 cosine, bf16 autocast on CUDA. {dsum.get('steps', '?')} steps in {dsum.get('seconds', 0):.0f} s; last chain τ on training batches
-{last.get('chain_tau', float('nan')):.2f}; quick held-out τ (simulated, {cfg.eval_prompts} prompts per set) {quick}.
+{last.get('chain_tau', float('nan')):.2f}{f"; quick held-out τ (simulated, {cfg.eval_prompts} prompts per set) {quick}" if quick else ""}.
 
 Stage times: {', '.join(f"{k} {v['seconds']:.0f} s ({v['device']})" for k, v in timing.items())}.
 
@@ -128,7 +154,7 @@ Mean τ = accepted tokens per target forward (root included), pooled over all ro
 | bar (T = 0) | met | value |
 |---|---|---|
 """ + "\n".join(f"| {b} | {'yes' if ok else 'NO'} | {v} |" for b, ok, v in bars) + f"""
-
+{speed_section(_read(work, "speed"))}
 ## Reproduce
 
 ```
