@@ -89,6 +89,7 @@ def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="trit
     target.set_attention(attention)
     if compile:
         target.compile_layers()
+        drafter.compile_layers()
     ident = {"path": f"random:{shape}", "kind": tcfg.arch}
     return Pair(target=target, drafter=drafter, tokenizer=None, name=f"random:{shape}", target_id=ident,
                 drafter_id={"path": f"random:{shape}-dflash", "kind": "dflash"}, device=torch.device(device),

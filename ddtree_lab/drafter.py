@@ -49,6 +49,7 @@ class Drafter(nn.Module):
         self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
         self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
+        self._context_kv = DrafterLayer.context_kv
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,7 @@ class Drafter(nn.Module):
         cos, sin = self.rotary(positions, ctx.dtype)
         slots = cache_slots(self.ctx_len, positions.shape[0], ctx.device)
         for li, layer in enumerate(self.layers):
-            write_slots(self.kv[li], slots, layer.context_kv(ctx, cos, sin)[0])  # [2, Hkv, M, D]
+            write_slots(self.kv[li], slots, self._context_kv(layer, ctx, cos, sin)[0])  # [2, Hkv, M, D]
         self.ctx_len += positions.shape[0] if count is None else count
 
     def draft(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -105,4 +106,5 @@ class Drafter(nn.Module):
     def compile_layers(self, **options) -> "Drafter":
         """Fuse each layer's elementwise work with torch.compile (see Target.compile_layers)."""
         self._attention_inputs, self._attention_output = compiled_layer_ops(**options)
+        self._context_kv = torch.compile(DrafterLayer.context_kv, **options)
         return self
