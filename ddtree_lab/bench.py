@@ -59,7 +59,23 @@ def environment() -> dict:
                                        cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
+    env["source_sha256"] = source_digest()
     return env
+
+
+def source_digest() -> str:
+    """sha256 over the package's and the kernels' Python sources (relative path and bytes, in path
+    order): names the code that ran even where a copied tree's git metadata is stale or absent."""
+    import hashlib
+
+    pkg = Path(__file__).resolve().parent
+    files = sorted(pkg.rglob("*.py")) + sorted((pkg.parent / "kernels").glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        if "__pycache__" in f.parts or f.is_symlink() or (f.parent.name == "kernels" and f.parent.parent == pkg):
+            continue
+        h.update(f.relative_to(pkg.parent).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="triton", seed=0,

@@ -161,6 +161,9 @@ Mean τ = accepted tokens per target forward (root included), pooled over all ro
 {(work / 'card_command.txt').read_text().strip() if (work / 'card_command.txt').exists() else GPU_COMMAND}
 ```
 """
+    notes = work / "card_notes.md"  # what limited a bar, written by whoever ran the training
+    if notes.exists():
+        text += "\n" + notes.read_text().strip() + "\n"
     (out / "README.md").write_text(text)
     return text
 
