@@ -225,6 +225,8 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
         r["lossless"] = r["outputs"] == ar["outputs"]
+        # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
+        r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
     for r in rows:
         del r["outputs"]
     best = max(rows[2:], key=lambda r: r["tokens_per_second"]) if len(rows) > 2 else None
