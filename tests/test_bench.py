@@ -1,0 +1,62 @@
+"""`ddtree-lab bench` on the CPU: the JSON each subcommand writes, on small pairs (timings are not checked)."""
+import argparse
+import json
+
+import pytest
+
+from ddtree_lab.bench import add_bench_args, run_bench_cli, source_digest
+from ddtree_lab.testing import make_tiny_pair
+
+
+def bench(tmp_path, *argv) -> dict:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    out = tmp_path / "bench.json"
+    assert run_bench_cli(p.parse_args([*argv, "--out", str(out)])) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    make_tiny_pair(d)  # writes d/target and d/drafter
+    return d
+
+
+def test_e2e_rows_per_method_and_budget(tmp_path, tiny_dir):
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "16", "--rounds", "3",
+                "--prompt-len", "12", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+    assert res["kind"] == "e2e" and len(res["environment"]["source_sha256"]) == 64
+    assert [(r["method"], r["budget"]) for r in res["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 16)]
+    for r in res["rows"]:
+        stages = r["stage_seconds_per_round"]
+        assert r["round_seconds"] == pytest.approx(sum(stages.values())) and r["round_seconds"] > 0
+        assert (stages["draft"] > 0) == (r["method"] != "ar")
+    assert "roofline" not in res  # only on a GPU, where the copy bandwidth can be measured
+
+
+def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
+    res = bench(tmp_path, "profile", "--model", str(tiny_dir), "--methods", "ar", "ddtree", "--budgets", "8",
+                "--rounds", "2", "--prompt-len", "10", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+    ar, tree = res["rows"]
+    assert set(ar["stages"]) == {"verify"}
+    assert set(tree["stages"]) == {"draft", "tree_build", "verify", "commit"}
+    assert tree["kernels_per_round"] == pytest.approx(sum(s["kernels_per_round"] for s in tree["stages"].values()))
+    assert all(s["kernels_per_round"] >= 1 for s in tree["stages"].values())
+    shares = [k["us_per_round"] for k in tree["top_kernels"]]
+    assert shares == sorted(shares, reverse=True) and {k["stage"] for k in tree["top_kernels"]} <= set(tree["stages"])
+
+
+def test_prompts_speedup_and_equality_counts(tmp_path):
+    res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "2", "--budgets", "8",
+                "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+    rows = {(r["method"], r["budget"]): r for r in res["rows"]}
+    assert set(rows) == {("ar", None), ("dflash", None), ("ddtree", 8)}
+    assert rows[("ar", None)]["speedup_over_ar"] == 1.0
+    for r in rows.values():  # float32: every method reproduces AR's tokens
+        assert r["lossless"] and r["prompts_equal_to_ar"] == 2
+    assert res["best_budget"] == 8 and res["compile"] is False
+
+
+def test_source_digest_is_stable():
+    assert source_digest() == source_digest()
