@@ -82,8 +82,16 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
     return _CANDIDATES[key]
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
-    """draft_logits [L, V] (depths 1..L) -> the `budget` most likely rank prefixes as a DraftTree."""
+COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
+
+
+def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
+               method: str | None = None) -> DraftTree:
+    """draft_logits [L, V] (depths 1..L) -> the `budget` most likely rank prefixes as a DraftTree.
+
+    method: "sort" (torch, this function, any size) or "count" (the Triton kernels of
+    kernels/tree_build.py, beams up to 128 wide: the same tree in L + 1 launches). Default: "count"
+    on a CUDA device when the beam fits, else "sort"."""
     check_budget(budget, topk)
     L, V = draft_logits.shape
     K = min(topk or budget, budget, V)
@@ -93,13 +101,26 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
     top_lp, top_tok = logp.topk(K, dim=-1)  # [L, K] each, ranks ascending
 
     # Beam per depth: W slots (score, parent slot in the previous beam, rank). -inf marks empty slots.
-    # Rows are collected in lists and stacked once: fewer small kernels than row-by-row writes.
     W = min(budget, n)
+    cand_slot, cand_rank = beam_candidates(W, K, device)  # [M] each, M ≈ W ln W
+    fits = W <= COUNTING_MAX_WIDTH and K <= COUNTING_MAX_WIDTH
+    if method is None:
+        method = "count" if device.type == "cuda" and fits and _have_triton() else "sort"
+    if method == "count":
+        if not fits:
+            raise ValueError(f"build_tree(method='count') takes beams up to {COUNTING_MAX_WIDTH} wide, not {W}")
+        from .kernels.tree_build import beam_tree
+
+        fields = beam_tree(top_lp, top_tok, W, n, cand_slot, cand_rank)
+        return DraftTree(**dict(zip(("tokens", "depths", "parents", "scores", "logprobs", "ranks"), fields)))
+    if method != "sort":
+        raise ValueError(f"build_tree: method={method!r} is not 'sort' or 'count'")
+
+    # Rows are collected in lists and stacked once: fewer small kernels than row-by-row writes.
     first = min(K, W)
     pad = W - first
     scores = [torch.cat([top_lp[0, :first], top_lp.new_full((pad,), float("-inf"))])]
     slots = [torch.arange(W, device=device).clamp(max=first - 1)]  # depth 1: slot i holds rank i
-    cand_slot, cand_rank = beam_candidates(W, K, device)  # [M] each, M ≈ W ln W
     cand_flat = cand_slot * K + cand_rank                 # index in the full parent-major W*K layout
     for d in range(1, L):
         # the children of the beam at depth d-1 that can reach the top W
@@ -131,6 +152,14 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
         logprobs=top_lp[depth0, ranks],
         ranks=ranks,
     )
+
+
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def ancestor_matrix(parents_with_root: torch.Tensor, max_depth: int) -> torch.Tensor:
