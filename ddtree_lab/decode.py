@@ -73,8 +73,8 @@ class RoundProgram:
         self.block_offsets = torch.arange(span, **long)
         if method != "ar":
             self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
-            self.path_width = max(self.T, span)  # the walk's path buffer, padded to a fixed width
-            self.is_root = torch.arange(self.T, device=device) == 0
+            self.node_ids = torch.arange(self.T, device=device)
+            self.is_root = self.node_ids == 0
             rows = self.T
         self.choose = Chooser(temperature, device, rows, self.target.cfg.vocab_size)
         refill = self.choose.refill if temperature > 0 else None
@@ -126,16 +126,17 @@ class RoundProgram:
 
     def commit(self) -> None:
         # Walk: a node is accepted iff every node on its root path carries its parent's target choice.
-        T, device = self.T, self.device
+        T = self.T
         choice = self.choose(self.logits, self.choose.noise)                      # [T]
         matched = (self.tokens == choice[self.parents]) | self.is_root           # the root is given
         accepted = ~(self.anc & ~matched[None, :]).any(dim=1)                     # [T]
         # index_select with a [1] tensor, not t[0-dim tensor] (which would read the index on the host)
         deepest = torch.where(accepted, self.depths, -1).argmax().view(1)
-        order = torch.where(self.anc.index_select(0, deepest)[0], torch.arange(T, device=device), T)
-        if self.path_width > T:
-            order = torch.cat([order, order.new_full((self.path_width - T,), T)])
-        self.path = order.sort().values[: self.L + 1].clamp(max=T - 1)           # [L+1], first a valid
+        # The path, root first: the deepest node's ancestor j goes to slot depths[j]; other nodes go to
+        # a spare slot L+1, and slots past the path keep T-1 (any valid index: nothing reads them as path).
+        slot = torch.where(self.anc.index_select(0, deepest)[0], self.depths, self.L + 1)  # [T]
+        path = self.node_ids.new_full((self.L + 2,), T - 1).scatter_(0, slot, self.node_ids)
+        self.path = path[: self.L + 1]                                            # [L+1], first a valid
         self.a = self.depths.index_select(0, deepest) + 1                       # [1]
         # Commit: accepted KV to positions n … n+a-1, their features to the drafter.
         self.target.compact_cache(self.n, self.path)

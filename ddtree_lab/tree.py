@@ -83,6 +83,7 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
+DEFAULT_METHOD: str | None = None  # None: "count" on CUDA when the beam fits, else "sort" (bench sets it to compare)
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
@@ -104,8 +105,9 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     W = min(budget, n)
     cand_slot, cand_rank = beam_candidates(W, K, device)  # [M] each, M ≈ W ln W
     fits = W <= COUNTING_MAX_WIDTH and K <= COUNTING_MAX_WIDTH
-    if method is None:
-        method = "count" if device.type == "cuda" and fits and _have_triton() else "sort"
+    if method is None:  # the bench-wide choice where it applies, else by device and beam width
+        method = DEFAULT_METHOD if DEFAULT_METHOD == "sort" or (DEFAULT_METHOD == "count" and fits) else (
+            "count" if device.type == "cuda" and fits and _have_triton() else "sort")
     if method == "count":
         if not fits:
             raise ValueError(f"build_tree(method='count') takes beams up to {COUNTING_MAX_WIDTH} wide, not {W}")

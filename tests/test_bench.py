@@ -3,6 +3,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from ddtree_lab.bench import add_bench_args, run_bench_cli, source_digest
 from ddtree_lab.testing import make_tiny_pair
@@ -60,3 +61,18 @@ def test_prompts_speedup_and_equality_counts(tmp_path):
 
 def test_source_digest_is_stable():
     assert source_digest() == source_digest()
+
+
+def test_tree_build_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch):
+    from ddtree_lab import tree
+
+    monkeypatch.setattr(tree, "DEFAULT_METHOD", None)  # run_bench_cli sets the module-wide choice
+    calls = []
+    real = tree.beam_candidates
+    monkeypatch.setattr(tree, "beam_candidates", lambda *a: calls.append(a) or real(*a))
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--tree-build", "count")
+    assert res["tree_build"] == "count" and tree.DEFAULT_METHOD == "count" and calls
+    a = torch.randn(3, 50)
+    assert torch.equal(tree.build_tree(a, 8).tokens, tree.build_tree(a, 8, method="sort").tokens)
+    assert tree.build_tree(torch.randn(2, 300), 200).tokens.shape[0] == 200  # too wide to count: sorts

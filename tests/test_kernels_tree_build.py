@@ -54,3 +54,16 @@ def test_counting_refuses_wide_beams_and_unknown_methods():
     with pytest.raises(ValueError, match="not 'sort' or 'count'"):
         build_tree(logits, 8, None, method="heap")
     assert torch.equal(build_tree(logits, 200, None).tokens, build_tree(logits, 200, None, method="sort").tokens)
+
+
+def test_decoding_with_the_counting_build_matches_ar(tiny_pair, monkeypatch):
+    import ddtree_lab as dl
+    from ddtree_lab import tree
+
+    monkeypatch.setattr(tree, "DEFAULT_METHOD", "count")  # what the GPU default does, here on the interpreter
+    prompt = [5, 17, 42, 8, 99, 3]
+    ar = dl.generate(tiny_pair, prompt, method="ar", max_new_tokens=12)
+    for budget in (3, 16):
+        res = dl.generate(tiny_pair, prompt, method="ddtree", budget=budget, max_new_tokens=12)
+        assert res.tokens == ar.tokens
+        assert all(r.tree is not None and len(r.tree) == budget for r in res.rounds)
