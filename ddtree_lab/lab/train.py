@@ -433,11 +433,13 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
         opts[name] = optimizer(drafters[name], v["lr"], 0.01, device)
     state_path = work / "drafter_state.pt"
     step, total, trained_s, hist = 0, cfg.drafter_steps, 0.0, []
+    fit_time = cfg.drafter_steps == 0  # the step count follows drafter_seconds (a resumed run keeps its plan)
     if state_path.exists():
         st = torch.load(state_path, map_location=device, weights_only=False)
         for n in drafters:
             drafters[n].load_state_dict(st["models"][n]), opts[n].load_state_dict(st["opts"][n])
         step, total, trained_s, hist = st["step"], st["total"], st["seconds"], st["history"]
+        fit_time = False
         log(f"drafter: resuming at step {step}/{total}")
     layers = list(cfg.target_layer_ids)
     bs = cfg.block_size
@@ -488,6 +490,11 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
             per_step = (time.time() - t_mark) / (step - s_mark)
             total = max(step + 1, int(cfg.drafter_seconds / per_step))
             log(f"drafter: {per_step * 1e3:.1f} ms/step -> {total} steps")
+        elif fit_time and total and step % max(1, total // 10) == 0 and step < total:
+            # Refit to the time budget at each tenth: steps 10-40 can run slow (allocator growth, a
+            # busy host), and a plan fixed then once left 40 % of the budget unused.
+            per_step = (time.time() - t_mark) / (step - s_mark)
+            total = max(step + 1, s_mark + int((cfg.drafter_seconds - (t_mark - t0)) / per_step))
         if step % max(1, (total or 100) // 10) == 0 or step == total:
             line = []
             for name, r in run.items():
