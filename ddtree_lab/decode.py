@@ -1,7 +1,8 @@
 """Lossless decoding: AR, DFlash (single path) and DDTree, as one round program (DESIGN §1).
 
 State between rounds lives on the device: `n` committed tokens in the target's KV cache, the
-drafter's context for those n positions (its own `ctx_len`), and the bonus token b (the target's
+drafter's context for those n positions (its own `ctx_len`; the last round's accepted features wait in
+`ctx_hidden` until the next draft folds them in, as drafter work), and the bonus token b (the target's
 choice for position n, not yet cached). A round is four fixed-shape stages over static buffers —
 draft, tree_build, verify, commit — with no host synchronisation inside, so the same code runs
 eagerly (CPU, or GPU without graphs) and as captured CUDA graphs (one per stage, replayed; CUDA
@@ -75,6 +76,11 @@ class RoundProgram:
             self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
             self.node_ids = torch.arange(self.T, device=device)
             self.is_root = self.node_ids == 0
+            # The accepted nodes' target features, for the drafter's context at the next draft.
+            feat = len(self.layers) * self.target.cfg.hidden_size
+            self.ctx_hidden = torch.zeros(span, feat, device=device, dtype=pair.dtype)
+            self.ctx_pos = torch.zeros(span, **long)
+            self.ctx_count = torch.zeros(1, **long)
             rows = self.T
         self.choose = Chooser(temperature, device, rows, self.target.cfg.vocab_size)
         refill = self.choose.refill if temperature > 0 else None
@@ -90,6 +96,8 @@ class RoundProgram:
         self.out[:1].copy_(bonus.view(1))
         self.out_len.fill_(1)
         self.round_idx.zero_()
+        if self.method != "ar":
+            self.ctx_count.zero_()  # the prefill appended its context itself
 
     def _emit(self, tokens: torch.Tensor, a) -> None:
         """Append tokens[:a] (a fixed-width buffer) to `out`; the rest is overwritten later."""
@@ -107,7 +115,9 @@ class RoundProgram:
 
     # ------------------------------------------------------------------ DDTree / DFlash stages
     def draft(self) -> None:
+        # The drafter's forward: the last round's accepted features into its context cache, then
         # [b, MASK × L] at positions n … n+L -> per-depth logits q_1 … q_L  [L, V]
+        self.drafter.append_context(self.ctx_hidden, self.ctx_pos, self.ctx_count)
         block = torch.where(self.block_offsets == 0, self.bonus, self.mask_id)
         h = self.drafter.draft(self.target.embed(block), self.n + self.block_offsets)
         self.draft_logits = self.target.lm_head_logits(h[1:])
@@ -138,9 +148,11 @@ class RoundProgram:
         path = self.node_ids.new_full((self.L + 2,), T - 1).scatter_(0, slot, self.node_ids)
         self.path = path[: self.L + 1]                                            # [L+1], first a valid
         self.a = self.depths.index_select(0, deepest) + 1                       # [1]
-        # Commit: accepted KV to positions n … n+a-1, their features to the drafter.
+        # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path)
-        self.drafter.append_context(self.hidden[self.path], self.n + self.block_offsets, self.a)
+        self.ctx_hidden.copy_(self.hidden.index_select(0, self.path))
+        self.ctx_pos.copy_(self.n + self.block_offsets)
+        self.ctx_count.copy_(self.a)
         # Emit the matched chain, then the next bonus (the target's choice at the deepest node).
         self.bonus.copy_(choice.index_select(0, deepest))
         chain = self.tokens[self.path[1:]]                                        # [L]
@@ -192,7 +204,7 @@ class GraphRunner:
         p = self.program
         out = [p.n, p.bonus, p.out_len, p.round_idx]
         if p.drafter is not None and p.method != "ar":
-            out.append(p.drafter.ctx_len)
+            out += [p.drafter.ctx_len, p.ctx_count]
         return out
 
     def _restore(self, saved) -> None:
