@@ -24,7 +24,7 @@ class DrafterLayer(DecoderLayer):
 
     def context_kv(self, ctx: torch.Tensor, cos, sin):
         # ctx [B, Tc, H] (projected features, not re-normalised per layer) -> kv [B, 2, Hkv, Tc, D]
-        _, k, v = self.qkv.project(ctx)
+        k, v = self.qkv.project_kv(ctx)
         return torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
 
     def block(self, x, cos, sin, k_ctx, v_ctx, mask=None):

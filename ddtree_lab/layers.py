@@ -75,6 +75,15 @@ class QKV(nn.Module):
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         return qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
 
+    def project_kv(self, x: torch.Tensor):
+        # x [B, T, H] -> k/v [B, Hkv, T, D]: only the K/V rows of the fused weight (context features
+        # need no queries, and the Q rows are most of the matrix)
+        B, T, _ = x.shape
+        q_rows = self.n_heads * self.head_dim
+        bias = None if self.wqkv.bias is None else self.wqkv.bias[q_rows:]
+        kv = F.linear(x, self.wqkv.weight[q_rows:], bias).view(B, T, 2 * self.n_kv_heads, self.head_dim)
+        return kv.transpose(1, 2).split([self.n_kv_heads, self.n_kv_heads], dim=1)
+
     def norm_rope_q(self, q, cos, sin):
         if self.q_norm is not None:
             q = self.q_norm(q)
