@@ -29,11 +29,12 @@ class DrafterLayer(DecoderLayer):
 
     def block(self, x, cos, sin, k_ctx, v_ctx, mask=None):
         """x [B, Tq, H] block states; k_ctx/v_ctx [B, Hkv, Tc, D]; mask [B|1, Tq, Tc+Tq] or None."""
-        q, kv = self.attention_inputs(x, cos, sin)
+        x, q, kv = self.attention_inputs(x, None, cos, sin)
         k, v = torch.cat([k_ctx, kv[:, 0]], dim=2), torch.cat([v_ctx, kv[:, 1]], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                              enable_gqa=q.shape[1] != k.shape[1])
-        return self.attention_output(x, att)
+        x, delta = self.attention_output(x, att)
+        return x + delta
 
 
 class Drafter(nn.Module):
@@ -94,14 +95,15 @@ class Drafter(nn.Module):
         mask = TreeMask.full(x.shape[0], x.device)
         h = x[None]  # [1, Tq, H]
         slots = cache_slots(self.ctx_len, x.shape[0], x.device)
+        delta = None  # as in Target.forward: each MLP output is added at the next layer's start
         for li, layer in enumerate(self.layers):
             # the block's K/V go to scratch slots ctx_len… of the context cache, so one attention
             # call sees the committed context and the block alike
-            q, kv = self._attention_inputs(layer, h, cos, sin)
+            h, q, kv = self._attention_inputs(layer, h, delta, cos, sin)
             write_slots(self.kv[li], slots, kv[0])
             att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, "sdpa", self.window)
-            h = self._attention_output(layer, h, att[None])
-        return self.norm(h)[0]
+            h, delta = self._attention_output(layer, h, att[None])
+        return self.norm(h + delta)[0]
 
     def compile_layers(self, **options) -> "Drafter":
         """Fuse each layer's elementwise work with torch.compile (see Target.compile_layers)."""

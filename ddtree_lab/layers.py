@@ -109,17 +109,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, intermediate)
 
-    def attention_inputs(self, x, cos, sin):
-        """x [B, T, H] -> q [B, Hq, T, D], kv [B, 2, Hkv, T, D] (normed, RoPE applied). K and V come
-        stacked so the cache takes them in one write (compiled, the stack fuses into the RoPE kernel)."""
+    def attention_inputs(self, x, delta, cos, sin):
+        """x [B, T, H] residual stream, delta [B, T, H] (the previous layer's MLP output, not yet
+        added) or None -> (x + delta, q [B, Hq, T, D], kv [B, 2, Hkv, T, D]), normed, RoPE applied.
+        Adding delta here lets one compiled kernel do the residual add and the norm; K and V come
+        stacked so the cache takes them in one write."""
+        if delta is not None:
+            x = x + delta
         q, k, v = self.qkv.project(self.input_layernorm(x))
-        return self.qkv.norm_rope_q(q, cos, sin), torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
+        return x, self.qkv.norm_rope_q(q, cos, sin), torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
 
     def attention_output(self, x, att):
-        """x [B, T, H], att [B, Hq, T, D] -> the layer's output [B, T, H]."""
+        """x [B, T, H], att [B, Hq, T, D] -> (x after attention, the MLP's output): the layer's output
+        is their sum, left to the next layer's attention_inputs (or the caller) to add."""
         B, T = x.shape[:2]
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.mlp(self.post_attention_layernorm(x))
 
 
 def compiled_layer_ops(**options):

@@ -82,13 +82,17 @@ class Target(nn.Module):
         slots = cache_slots(past_len, T, tokens.device)
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
+        delta = None  # the last MLP output, added at the start of the next layer (fused with its norm)
         for li, blk in enumerate(self.layers):
-            q, kv = self._attention_inputs(blk, x, cos, sin)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
+            x, q, kv = self._attention_inputs(blk, x, delta, cos, sin)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
+            if li - 1 in wanted:  # x is now layer li-1's output
+                captured[wanted[li - 1]] = x[0]
             write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D]
             att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], past_len, mask, self.attention)  # [Hq, T, D]
-            x = self._attention_output(blk, x, att[None])
-            if li in wanted:
-                captured[wanted[li]] = x[0]
+            x, delta = self._attention_output(blk, x, att[None])
+        x = x + delta
+        if len(self.layers) - 1 in wanted:
+            captured[wanted[len(self.layers) - 1]] = x[0]
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(T, 0)
         out = x[0] if logits_rows is None else x[0, logits_rows]
         return self.lm_head_logits(self.norm(out)), hidden
@@ -103,11 +107,12 @@ class Target(nn.Module):
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
-            q, kv = blk.attention_inputs(x, cos, sin)
+            x, q, kv = blk.attention_inputs(x, None, cos, sin)
             k, v = kv.unbind(1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=q.shape[1] != k.shape[1])
-            x = blk.attention_output(x, att)
+            x, delta = blk.attention_output(x, att)
+            x = x + delta
             if li in wanted:
                 captured[wanted[li]] = x
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(B, T, 0)
