@@ -164,16 +164,18 @@ def _have_triton() -> bool:
     return True
 
 
-def ancestor_matrix(parents_with_root: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents_with_root [T] (entry 0 = root, its own parent) -> anc [T, T] bool, anc[i, j] = j is on
-    i's root path (i included).
+def ancestor_matrix(parents_with_root: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parents_with_root [T] (entry 0 = root, its own parent, or -1; parents[i] < i) -> anc [T, T]
+    bool, anc[i, j] = j is on i's root path (i included). max_depth: the deepest node's depth, if
+    known (default T - 1, any tree).
 
     Pointer doubling: after step k each row holds the ancestors at distance < 2^k, so
     ceil(log2(max_depth + 1)) steps cover every path. Fixed step count, no host sync.
     """
     T = parents_with_root.shape[0]
+    max_depth = T - 1 if max_depth is None else max_depth
     anc = torch.eye(T, dtype=torch.bool, device=parents_with_root.device)
-    jump = parents_with_root  # [T]: the 2^k-th ancestor (the root points to itself)
+    jump = parents_with_root.long().clamp(min=0)  # [T]: the 2^k-th ancestor (the root points to itself)
     for _ in range(max(1, math.ceil(math.log2(max_depth + 1)))):
         anc = anc | anc[jump]
         jump = jump[jump]

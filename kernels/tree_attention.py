@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree_lab.tree import ancestor_matrix  # noqa: F401  (re-exported: the mask helpers live together here)
+
 LOG2E = 1.4426950408889634
 
 
@@ -29,24 +31,6 @@ def _interpret() -> bool:
 # --------------------------------------------------------------------------------------------
 # mask helpers (plain torch, vectorised, no host sync)
 # --------------------------------------------------------------------------------------------
-
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """parents: int [T], parents[0] = -1 (root), parents[i] < i -> anc bool [T, T].
-
-    anc[i, j] = j is an ancestor-or-self of i. Pointer doubling: after step k, anc[i] holds the
-    ancestors at distance < 2^k; jumps past the root stop at the root, whose row is {root}, so
-    rows never gain a non-ancestor. ceil(log2(T)) + 1 steps cover any depth < T.
-    """
-    T = parents.shape[0]
-    dev = parents.device
-    jump = parents.to(torch.int64).clamp(min=0)  # [T] 1-step ancestor; root points to itself
-    anc = torch.eye(T, dtype=torch.bool, device=dev)  # distance 0
-    steps = max(1, math.ceil(math.log2(max(T, 2)))) + 1
-    for _ in range(steps):
-        anc = anc | anc[jump]  # [T, T] row i |= row of its 2^k-th ancestor
-        jump = jump[jump]  # [T] 2^(k+1)-th ancestor
-    return anc
-
 
 def pack_mask(anc: torch.Tensor) -> torch.Tensor:
     """anc bool [T, T] -> int32 [T, ceil(T/32)]; bit (j % 32) of word j // 32 of row i = anc[i, j]."""
