@@ -289,8 +289,8 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--attention", default="triton")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
-    p.add_argument("--tree-build", choices=["auto", "sort", "count"], default="auto",
-                   help="how trees are built: auto (count on CUDA for beams ≤ 128), sort (torch), count (Triton)")
+    p.add_argument("--tree-kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="who builds, masks and walks trees: auto (Triton on CUDA), torch, or triton")
 
 
 def add_bench_args(p) -> None:
@@ -328,10 +328,10 @@ def add_bench_args(p) -> None:
 
 
 def run_bench_cli(args) -> int:
-    if getattr(args, "tree_build", "auto") != "auto":
+    if getattr(args, "tree_kernels", "auto") != "auto":
         from . import tree
 
-        tree.DEFAULT_METHOD = args.tree_build
+        tree.TREE_KERNELS = args.tree_kernels
     if args.bench == "kernels":
         if not torch.cuda.is_available():
             raise ValueError("bench kernels needs a CUDA GPU")
@@ -348,7 +348,7 @@ def run_bench_cli(args) -> int:
                          compile=args.compile)
         prompts = [p["prompt"] for p in load_prompts(args.prompts, args.n_prompts)]
         result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(), "compile": args.compile,
-                  "tree_build": args.tree_build,
+                  "tree_kernels": args.tree_kernels,
                   "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                   **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens)}
     elif args.bench == "profile":
@@ -363,13 +363,13 @@ def run_bench_cli(args) -> int:
                       f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
                       for s, v in row["stages"].items()), file=sys.stderr, flush=True)
         result = {"kind": "profile", "environment": environment(), "model": args.model, "dtype": args.dtype,
-                  "attention": args.attention, "compile": args.compile, "tree_build": args.tree_build, "rows": rows}
+                  "attention": args.attention, "compile": args.compile, "tree_kernels": args.tree_kernels, "rows": rows}
     else:
         start = time.perf_counter()
         result = {"kind": "e2e", "environment": environment(),
                   **run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention,
                             args.device, args.compile)}
-        result["tree_build"] = args.tree_build
+        result["tree_kernels"] = args.tree_kernels
         result["bench_seconds"] = time.perf_counter() - start
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)

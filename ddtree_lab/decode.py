@@ -20,7 +20,7 @@ from .attention import TreeMask
 from .checkpoint import Pair
 from .prompts import encode_prompt
 from .trace import STAGES, GenerationResult, RoundTrace, StageClock
-from .tree import DraftTree, ancestor_matrix, build_tree, check_budget, tree_size
+from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -74,8 +74,6 @@ class RoundProgram:
         self.block_offsets = torch.arange(span, **long)
         if method != "ar":
             self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
-            self.node_ids = torch.arange(self.T, device=device)
-            self.is_root = self.node_ids == 0
             # The accepted nodes' target features, for the drafter's context at the next draft.
             feat = len(self.layers) * self.target.cfg.hidden_size
             self.ctx_hidden = torch.zeros(span, feat, device=device, dtype=pair.dtype)
@@ -127,27 +125,18 @@ class RoundProgram:
         self.tokens = torch.cat([self.bonus, self.tree.tokens])                   # [T], root first
         self.parents = torch.cat([self.tree.parents.new_zeros(1), self.tree.parents])
         self.depths = torch.cat([self.tree.depths.new_zeros(1), self.tree.depths])
-        self.anc = ancestor_matrix(self.parents, self.L)                          # [T, T]
+        self.anc, self.mask_bits = tree_masks(self.parents, self.L)               # [T, T], packed or None
 
     def verify(self) -> None:
         # one target forward over the tree at positions n + depth, ancestor-only attention
         self.logits, self.hidden = self.target(self.tokens, self.n + self.depths, self.n,
-                                               TreeMask(self.anc), self.layers)
+                                               TreeMask(self.anc, self.mask_bits), self.layers)
 
     def commit(self) -> None:
         # Walk: a node is accepted iff every node on its root path carries its parent's target choice.
-        T = self.T
         choice = self.choose(self.logits, self.choose.noise)                      # [T]
-        matched = (self.tokens == choice[self.parents]) | self.is_root           # the root is given
-        accepted = ~(self.anc & ~matched[None, :]).any(dim=1)                     # [T]
-        # index_select with a [1] tensor, not t[0-dim tensor] (which would read the index on the host)
-        deepest = torch.where(accepted, self.depths, -1).argmax().view(1)
-        # The path, root first: the deepest node's ancestor j goes to slot depths[j]; other nodes go to
-        # a spare slot L+1, and slots past the path keep T-1 (any valid index: nothing reads them as path).
-        slot = torch.where(self.anc.index_select(0, deepest)[0], self.depths, self.L + 1)  # [T]
-        path = self.node_ids.new_full((self.L + 2,), T - 1).scatter_(0, slot, self.node_ids)
-        self.path = path[: self.L + 1]                                            # [L+1], first a valid
-        self.a = self.depths.index_select(0, deepest) + 1                       # [1]
+        self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
+        deepest = self.path.index_select(0, self.a - 1)                           # [1]
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path)
         self.ctx_hidden.copy_(self.hidden.index_select(0, self.path))

@@ -83,7 +83,15 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
-DEFAULT_METHOD: str | None = None  # None: "count" on CUDA when the beam fits, else "sort" (bench sets it to compare)
+# Which code builds, masks and walks trees: "triton" (kernels/tree_build.py, tree_walk.py), "torch"
+# (this file), or None: Triton on CUDA devices when it is installed. `bench --tree-kernels` sets it.
+TREE_KERNELS: str | None = None
+
+
+def use_triton(device: torch.device) -> bool:
+    if TREE_KERNELS is not None:
+        return TREE_KERNELS == "triton"
+    return torch.device(device).type == "cuda" and _have_triton()
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
@@ -92,7 +100,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
 
     method: "sort" (torch, this function, any size) or "count" (the Triton kernels of
     kernels/tree_build.py, beams up to 128 wide: the same tree in L + 1 launches). Default: "count"
-    on a CUDA device when the beam fits, else "sort"."""
+    where `use_triton` says so and the beam fits, else "sort"."""
     check_budget(budget, topk)
     L, V = draft_logits.shape
     K = min(topk or budget, budget, V)
@@ -105,9 +113,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     W = min(budget, n)
     cand_slot, cand_rank = beam_candidates(W, K, device)  # [M] each, M ≈ W ln W
     fits = W <= COUNTING_MAX_WIDTH and K <= COUNTING_MAX_WIDTH
-    if method is None:  # the bench-wide choice where it applies, else by device and beam width
-        method = DEFAULT_METHOD if DEFAULT_METHOD == "sort" or (DEFAULT_METHOD == "count" and fits) else (
-            "count" if device.type == "cuda" and fits and _have_triton() else "sort")
+    if method is None:
+        method = "count" if fits and use_triton(device) else "sort"
     if method == "count":
         if not fits:
             raise ValueError(f"build_tree(method='count') takes beams up to {COUNTING_MAX_WIDTH} wide, not {W}")
@@ -162,6 +169,36 @@ def _have_triton() -> bool:
     except ImportError:
         return False
     return True
+
+
+def tree_masks(parents_with_root: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (anc bool [T, T], its rows packed as the verify kernel's bits, or None to pack them later).
+    One Triton launch where `use_triton` says so; else ancestor_matrix."""
+    if use_triton(parents_with_root.device):
+        from .kernels.tree_walk import tree_masks as walk_masks
+
+        return walk_masks(parents_with_root, max_depth)
+    return ancestor_matrix(parents_with_root, max_depth), None
+
+
+def accept_path(tokens, parents, depths, choice, anc, max_depth: int):
+    """The round's outcome, all [T] with the root at 0 (its own parent): a node is accepted when every
+    node on its root path, the root aside, carries its parent's target choice. -> (path [max_depth+1]:
+    the root … the deepest accepted node, then T-1 as filler; a [1]: how many nodes the path holds)."""
+    if use_triton(tokens.device):
+        from .kernels.tree_walk import accept_path as walk_path
+
+        return walk_path(tokens, parents, depths, choice, max_depth)
+    T = tokens.shape[0]
+    ids = torch.arange(T, device=tokens.device)
+    matched = (tokens == choice[parents]) | (ids == 0)                       # the root is given
+    accepted = ~(anc & ~matched[None, :]).any(dim=1)                          # [T]
+    # index_select with a [1] tensor, not t[0-dim tensor] (which would read the index on the host)
+    deepest = torch.where(accepted, depths, -1).argmax().view(1)
+    # the deepest node's ancestor j goes to slot depths[j]; other nodes go to a spare slot
+    slot = torch.where(anc.index_select(0, deepest)[0], depths, max_depth + 1)  # [T]
+    path = ids.new_full((max_depth + 2,), T - 1).scatter_(0, slot, ids)[: max_depth + 1]
+    return path, depths.index_select(0, deepest) + 1
 
 
 def ancestor_matrix(parents_with_root: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:

@@ -63,16 +63,17 @@ def test_source_digest_is_stable():
     assert source_digest() == source_digest()
 
 
-def test_tree_build_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch):
+def test_tree_kernels_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch):
     from ddtree_lab import tree
 
-    monkeypatch.setattr(tree, "DEFAULT_METHOD", None)  # run_bench_cli sets the module-wide choice
+    monkeypatch.setattr(tree, "TREE_KERNELS", None)  # run_bench_cli sets the module-wide choice
     calls = []
     real = tree.beam_candidates
     monkeypatch.setattr(tree, "beam_candidates", lambda *a: calls.append(a) or real(*a))
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
-                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--tree-build", "count")
-    assert res["tree_build"] == "count" and tree.DEFAULT_METHOD == "count" and calls
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton")
+    assert res["tree_kernels"] == "triton" and tree.TREE_KERNELS == "triton" and calls
+    assert tree.use_triton("cpu")  # chosen explicitly: the interpreter runs the kernels here
     a = torch.randn(3, 50)
     assert torch.equal(tree.build_tree(a, 8).tokens, tree.build_tree(a, 8, method="sort").tokens)
     assert tree.build_tree(torch.randn(2, 300), 200).tokens.shape[0] == 200  # too wide to count: sorts

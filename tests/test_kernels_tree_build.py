@@ -56,11 +56,11 @@ def test_counting_refuses_wide_beams_and_unknown_methods():
     assert torch.equal(build_tree(logits, 200, None).tokens, build_tree(logits, 200, None, method="sort").tokens)
 
 
-def test_decoding_with_the_counting_build_matches_ar(tiny_pair, monkeypatch):
+def test_decoding_with_the_tree_kernels_matches_ar(tiny_pair, monkeypatch):
     import ddtree_lab as dl
     from ddtree_lab import tree
 
-    monkeypatch.setattr(tree, "DEFAULT_METHOD", "count")  # what the GPU default does, here on the interpreter
+    monkeypatch.setattr(tree, "TREE_KERNELS", "triton")  # the GPU default (build, masks, walk), interpreted
     prompt = [5, 17, 42, 8, 99, 3]
     ar = dl.generate(tiny_pair, prompt, method="ar", max_new_tokens=12)
     for budget in (3, 16):
