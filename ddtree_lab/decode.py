@@ -138,7 +138,7 @@ class RoundProgram:
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
         deepest = self.path.index_select(0, self.a - 1)                           # [1]
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
-        self.target.compact_cache(self.n, self.path)
+        self.target.compact_cache(self.n, self.path, self.a)
         self.ctx_hidden.copy_(self.hidden.index_select(0, self.path))
         self.ctx_pos.copy_(self.n + self.block_offsets)
         self.ctx_count.copy_(self.a)

@@ -118,9 +118,17 @@ class Target(nn.Module):
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(B, T, 0)
         return self.lm_head_logits(self.norm(x)), hidden
 
-    def compact_cache(self, past_len, src: torch.Tensor) -> None:
-        """Move cache slots past_len + src[i] to past_len + i (src ascending, src[i] >= i), all layers.
+    def compact_cache(self, past_len, src: torch.Tensor, count=None) -> None:
+        """Move cache slots past_len + src[i] to past_len + i (src ascending, src[i] >= i), all layers,
+        for i < count (default all; int or device tensor). One Triton launch where the tree kernels
+        run in Triton (kernels/kv_compact.py); else a gather that copies before the scatter writes, so
+        overlapping moves are safe (it moves every entry: those past count land in scratch slots)."""
+        from .tree import use_triton
 
-        The gather copies before the scatter writes, so overlapping moves are safe."""
+        if use_triton(src.device):
+            from .kernels.kv_compact import compact_kv
+
+            compact_kv(self.kv, past_len, src, src.shape[0] if count is None else count)
+            return
         dst = past_len + torch.arange(src.shape[0], device=src.device)
         self.kv.index_copy_(3, dst, self.kv.index_select(3, past_len + src))

@@ -83,8 +83,9 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
-# Which code builds, masks and walks trees: "triton" (kernels/tree_build.py, tree_walk.py), "torch"
-# (this file), or None: Triton on CUDA devices when it is installed. `bench --tree-kernels` sets it.
+# Which code builds, masks and walks trees and compacts the KV cache after the walk: "triton"
+# (kernels/tree_build.py, tree_walk.py, kv_compact.py), "torch" (this file, Target.compact_cache), or
+# None: Triton on CUDA devices when it is installed. `bench --tree-kernels` sets it.
 TREE_KERNELS: str | None = None
 
 
