@@ -99,7 +99,7 @@ def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="trit
         with torch.no_grad():
             for name, p in m.named_parameters():
                 p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-        m.rotary = type(m.rotary)(cfg.head_dim, cfg.rope).to(device)
+        m.rotary = type(m.rotary)(cfg.head_dim, cfg.rope, m.rotary.max_positions).to(device)
         models.append(m.eval().requires_grad_(False))
     target, drafter = models
     target.set_attention(attention)

@@ -194,7 +194,7 @@ def _load(kind: str, directory, device, dtype, read_config, model_cls, mapping):
     if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
         reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
     _fill(model, reader, mapping(cfg))
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope)  # a buffer, not stored in checkpoints
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

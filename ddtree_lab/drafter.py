@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, cache_slots, tree_attention, write_slots
 from .config import DrafterConfig
-from .layers import DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
+from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
 
 class DrafterLayer(DecoderLayer):
@@ -46,7 +46,7 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
         self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
         self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output

@@ -21,18 +21,39 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Rotary(nn.Module):
-    """RoPE tables computed for arbitrary (tree) positions; the half-split convention of HF models."""
+ROPE_SLACK = 256  # positions past the context a round may touch: a tree or block is ≤ block_size deep
 
-    def __init__(self, head_dim: int, rope: RopeConfig):
+
+class Rotary(nn.Module):
+    """RoPE for arbitrary (tree) positions; the half-split convention of HF models.
+
+    With `max_positions`, the cos/sin rows of every position below it are computed once per device
+    and dtype (the same arithmetic as per call), so a forward gathers its rows in two launches instead
+    of computing them in seven. Models give the context length plus ROPE_SLACK, room for the trees
+    and draft blocks that run past the last position of a full context."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int = 0):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self.max_positions = max_positions
+        self._tables: dict = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+    def compute(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions [..., T] -> cos, sin [..., T, D]
         freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        if not self.max_positions:
+            return self.compute(positions, dtype)
+        key = (self.inv_freq.device, dtype)
+        if key not in self._tables:  # the first call (an eager warm-up before any graph capture)
+            self._tables[key] = self.compute(torch.arange(self.max_positions, device=self.inv_freq.device), dtype)
+        cos, sin = self._tables[key]  # [P, D]
+        flat = positions.reshape(-1)
+        shape = (*positions.shape, cos.shape[-1])
+        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

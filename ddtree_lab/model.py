@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
-from .layers import DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
+from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
 
 class Block(DecoderLayer):
@@ -31,7 +31,7 @@ class Target(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
         self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
         self.attention = "sdpa"
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output

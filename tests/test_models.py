@@ -107,3 +107,27 @@ def test_reads_transformers_4_and_5_rope_keys(tmp_path):
     with pytest.raises(ValueError, match="yarn"):
         target_config_from_hf(bad, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(old))
+
+
+def test_rotary_table_rows_equal_computed_rows():
+    from ddtree_lab.config import RopeConfig
+    from ddtree_lab.layers import Rotary
+
+    rope = Rotary(16, RopeConfig(theta=10000.0), max_positions=300)
+    pos = torch.tensor([[0, 5, 299], [17, 17, 1]])
+    for dtype in (torch.float32, torch.float16):
+        got, want = rope(pos, dtype), rope.compute(pos, dtype)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].shape == (2, 3, 16)
+
+
+def test_decoding_to_the_last_position_of_the_context(tmp_path):
+    # a full context: the last round's tree sits past max_position_embeddings (inside the RoPE slack)
+    import ddtree_lab as dl
+    from ddtree_lab.testing import make_tiny_pair
+
+    t, d = make_tiny_pair(tmp_path, max_position_embeddings=48)
+    pair = dl.load_pair(target=t, drafter=d)
+    prompt = list(range(3, 35))
+    ar = dl.generate(pair, prompt, method="ar", max_new_tokens=16, stop=[])
+    tree = dl.generate(pair, prompt, method="ddtree", budget=16, max_new_tokens=16, stop=[])
+    assert tree.tokens == ar.tokens and len(ar.tokens) == 16
