@@ -32,6 +32,11 @@ class TreeMask:
         """Every new token sees every other (the drafter's non-causal block)."""
         return cls(torch.ones(T, T, dtype=torch.bool, device=device))
 
+    def fresh(self) -> "TreeMask":
+        """The same relation (and packed bits, if made) for another forward, without the dense masks
+        cached for this one: those depend on past_len, which moves between rounds."""
+        return TreeMask(self.anc, self._bits)
+
     @property
     def bits(self) -> torch.Tensor:
         # int32 [T, ceil(T/32)]: bit j%32 of word j//32 of row i = anc[i, j]

@@ -103,6 +103,7 @@ def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="trit
         models.append(m.eval().requires_grad_(False))
     target, drafter = models
     target.set_attention(attention)
+    drafter.set_attention(attention)
     if compile:
         target.compile_layers()
         drafter.compile_layers()

@@ -265,6 +265,7 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
         drafter_dir = Path(drafter)
         dmodel = load_drafter(drafter_dir, device, dtype)
         check_pair(tmodel.cfg, dmodel.cfg, where=f"drafter {drafter_dir}")
+        dmodel.set_attention(attention)
         if compile:
             dmodel.compile_layers()
     tok, tcfg = load_tokenizer(target_dir)

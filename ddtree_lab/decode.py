@@ -72,6 +72,9 @@ class RoundProgram:
         self.a = torch.ones(1, **long)
         span = self.L + 1
         self.block_offsets = torch.arange(span, **long)
+        self.ar_mask = TreeMask.causal(1, device)  # one token sees the cache; its packed bits are made once
+        if self.target.attention == "triton":
+            self.ar_mask.bits
         if method != "ar":
             self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
             # The accepted nodes' target features, for the drafter's context at the next draft.
@@ -106,7 +109,7 @@ class RoundProgram:
 
     # ------------------------------------------------------------------ AR: one target step
     def ar_step(self) -> None:
-        logits, _ = self.target(self.bonus, self.n, self.n, TreeMask.causal(1, self.device))
+        logits, _ = self.target(self.bonus, self.n, self.n, self.ar_mask.fresh())
         self.bonus.copy_(self.choose(logits, self.choose.noise))
         self.n += 1
         self._emit(self.bonus, 1)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, cache_slots, tree_attention, write_slots
+from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import DrafterConfig
 from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
 
@@ -52,6 +52,11 @@ class Drafter(nn.Module):
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
         self._context_kv = DrafterLayer.context_kv
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
+        self.attention = "sdpa"  # as the target's (load_pair sets both); a window always uses sdpa
+        self._block_masks: dict = {}  # the block's all-to-all mask per (size, device), packed once
+
+    def set_attention(self, backend: str) -> None:
+        self.attention = check_backend(backend)
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[..., k*H] concatenated target layer outputs -> [..., H] context features."""
@@ -92,7 +97,12 @@ class Drafter(nn.Module):
     def draft(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [Tq, H] block input embeddings at `positions` [Tq] -> hidden [Tq, H] (final-normed)."""
         cos, sin = self.rotary(positions, x.dtype)
-        mask = TreeMask.full(x.shape[0], x.device)
+        key = (x.shape[0], x.device)
+        if key not in self._block_masks:  # first call: an eager warm-up, before any graph capture
+            self._block_masks[key] = TreeMask.full(x.shape[0], x.device)
+            if self.attention == "triton":
+                self._block_masks[key].bits  # packed once, reused by every later forward
+        mask = self._block_masks[key].fresh()
         h = x[None]  # [1, Tq, H]
         slots = cache_slots(self.ctx_len, x.shape[0], x.device)
         delta = None  # as in Target.forward: each MLP output is added at the next layer's start
@@ -101,7 +111,7 @@ class Drafter(nn.Module):
             # call sees the committed context and the block alike
             h, q, kv = self._attention_inputs(layer, h, delta, cos, sin)
             write_slots(self.kv[li], slots, kv[0])
-            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, "sdpa", self.window)
+            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.attention, self.window)
             h, delta = self._attention_output(layer, h, att[None])
         return self.norm(h + delta)[0]
 
