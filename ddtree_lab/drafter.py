@@ -29,7 +29,7 @@ class DrafterLayer(DecoderLayer):
 
     def block(self, x, cos, sin, k_ctx, v_ctx, mask=None):
         """x [B, Tq, H] block states; k_ctx/v_ctx [B, Hkv, Tc, D]; mask [B|1, Tq, Tc+Tq] or None."""
-        x, q, kv = self.attention_inputs(x, None, cos, sin)
+        x, q, kv = self.attention_inputs(x, torch.zeros_like(x), cos, sin)
         k, v = torch.cat([k_ctx, kv[:, 0]], dim=2), torch.cat([v_ctx, kv[:, 1]], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                              enable_gqa=q.shape[1] != k.shape[1])
@@ -51,6 +51,7 @@ class Drafter(nn.Module):
         self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
         self._context_kv = DrafterLayer.context_kv
+        self._norm = RMSNorm.forward
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
         self.attention = "sdpa"  # as the target's (load_pair sets both); a window always uses sdpa
         self._block_masks: dict = {}  # the block's all-to-all mask per (size, device), packed once
@@ -60,7 +61,7 @@ class Drafter(nn.Module):
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[..., k*H] concatenated target layer outputs -> [..., H] context features."""
-        return self.hidden_norm(self.fc(target_hidden))
+        return self._norm(self.hidden_norm, self.fc(target_hidden))
 
     # ------------------------------------------------------------------ training / reference forward
     def forward(self, x, q_pos, ctx, ctx_pos, mask=None):
@@ -105,7 +106,7 @@ class Drafter(nn.Module):
         mask = self._block_masks[key].fresh()
         h = x[None]  # [1, Tq, H]
         slots = cache_slots(self.ctx_len, x.shape[0], x.device)
-        delta = None  # as in Target.forward: each MLP output is added at the next layer's start
+        delta = torch.zeros_like(h)  # as in Target.forward: each MLP output is added at the next layer's start
         for li, layer in enumerate(self.layers):
             # the block's K/V go to scratch slots ctx_len… of the context cache, so one attention
             # call sees the committed context and the block alike
@@ -113,10 +114,10 @@ class Drafter(nn.Module):
             write_slots(self.kv[li], slots, kv[0])
             att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.attention, self.window)
             h, delta = self._attention_output(layer, h, att[None])
-        return self.norm(h + delta)[0]
+        return self._norm(self.norm, h + delta)[0]
 
     def compile_layers(self, **options) -> "Drafter":
         """Fuse each layer's elementwise work with torch.compile (see Target.compile_layers)."""
-        self._attention_inputs, self._attention_output = compiled_layer_ops(**options)
+        self._attention_inputs, self._attention_output, self._norm = compiled_layer_ops(**options)
         self._context_kv = torch.compile(DrafterLayer.context_kv, **options)
         return self

@@ -132,11 +132,11 @@ class DecoderLayer(nn.Module):
 
     def attention_inputs(self, x, delta, cos, sin):
         """x [B, T, H] residual stream, delta [B, T, H] (the previous layer's MLP output, not yet
-        added) or None -> (x + delta, q [B, Hq, T, D], kv [B, 2, Hkv, T, D]), normed, RoPE applied.
-        Adding delta here lets one compiled kernel do the residual add and the norm; K and V come
-        stacked so the cache takes them in one write."""
-        if delta is not None:
-            x = x + delta
+        added; zeros before the first layer) -> (x + delta, q [B, Hq, T, D], kv [B, 2, Hkv, T, D]),
+        normed, RoPE applied. Adding delta here lets one compiled kernel do the residual add and the
+        norm; K and V come stacked so the cache takes them in one write. (A tensor, never None: one
+        compiled variant fewer per shape.)"""
+        x = x + delta
         q, k, v = self.qkv.project(self.input_layernorm(x))
         return x, self.qkv.norm_rope_q(q, cos, sin), torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
 
@@ -149,8 +149,10 @@ class DecoderLayer(nn.Module):
 
 
 def compiled_layer_ops(**options):
-    """(attention_inputs, attention_output) compiled once, to call as fn(layer, …) on any layer."""
+    """(attention_inputs, attention_output, norm) compiled once, to call as fn(module, …) on any layer
+    or RMSNorm: a norm left eager is ~7 small kernels, compiled it is one."""
     import torch
 
     return (torch.compile(DecoderLayer.attention_inputs, **options),
-            torch.compile(DecoderLayer.attention_output, **options))
+            torch.compile(DecoderLayer.attention_output, **options),
+            torch.compile(RMSNorm.forward, **options))

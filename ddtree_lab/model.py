@@ -35,12 +35,13 @@ class Target(nn.Module):
         self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
         self.attention = "sdpa"
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
+        self._norm = RMSNorm.forward
 
     def compile_layers(self, **options) -> "Target":
         """Fuse each layer's elementwise work with torch.compile (one compiled function serves every
         layer: modules are graph inputs, not constants). The first calls compile; graph capture's
         warm-up takes care of that."""
-        self._attention_inputs, self._attention_output = compiled_layer_ops(**options)
+        self._attention_inputs, self._attention_output, self._norm = compiled_layer_ops(**options)
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -82,7 +83,7 @@ class Target(nn.Module):
         slots = cache_slots(past_len, T, tokens.device)
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
-        delta = None  # the last MLP output, added at the start of the next layer (fused with its norm)
+        delta = torch.zeros_like(x)  # the last MLP output, added at the next layer's start (fused with its norm)
         for li, blk in enumerate(self.layers):
             x, q, kv = self._attention_inputs(blk, x, delta, cos, sin)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
             if li - 1 in wanted:  # x is now layer li-1's output
@@ -95,7 +96,7 @@ class Target(nn.Module):
             captured[wanted[len(self.layers) - 1]] = x[0]
         hidden = torch.cat(captured, dim=-1) if captured else x.new_zeros(T, 0)
         out = x[0] if logits_rows is None else x[0, logits_rows]
-        return self.lm_head_logits(self.norm(out)), hidden
+        return self.lm_head_logits(self._norm(self.norm, out)), hidden
 
     # ------------------------------------------------------------------ training forward
     def forward_train(self, tokens: torch.Tensor, hidden_layers: list[int] = ()):
@@ -107,7 +108,7 @@ class Target(nn.Module):
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
-            x, q, kv = blk.attention_inputs(x, None, cos, sin)
+            x, q, kv = blk.attention_inputs(x, torch.zeros_like(x), cos, sin)
             k, v = kv.unbind(1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=q.shape[1] != k.shape[1])
