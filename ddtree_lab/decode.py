@@ -20,7 +20,7 @@ from .attention import TreeMask
 from .checkpoint import Pair
 from .prompts import encode_prompt
 from .trace import STAGES, GenerationResult, RoundTrace, StageClock
-from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size
+from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size, use_triton
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -139,13 +139,23 @@ class RoundProgram:
         # Walk: a node is accepted iff every node on its root path carries its parent's target choice.
         choice = self.choose(self.logits, self.choose.noise)                      # [T]
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
-        deepest = self.path.index_select(0, self.a - 1)                           # [1]
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path, self.a)
         self.ctx_hidden.copy_(self.hidden.index_select(0, self.path))
+        if use_triton(self.device):
+            from .kernels.commit import advance_round
+
+            advance_round(self.tokens, self.path, self.a, choice, self.n, self.bonus, self.out, self.out_len,
+                          self.taus, self.round_idx, self.ctx_pos, self.ctx_count, self.L)
+        else:
+            self.advance_reference(choice)
+
+    def advance_reference(self, choice: torch.Tensor) -> None:
+        """Emit the matched chain, then the next bonus (the target's choice at the deepest accepted
+        node); hand the drafter positions n … n+L, of which a are new context; advance n."""
+        deepest = self.path.index_select(0, self.a - 1)                           # [1]
         self.ctx_pos.copy_(self.n + self.block_offsets)
         self.ctx_count.copy_(self.a)
-        # Emit the matched chain, then the next bonus (the target's choice at the deepest node).
         self.bonus.copy_(choice.index_select(0, deepest))
         chain = self.tokens[self.path[1:]]                                        # [L]
         emit = torch.cat([chain, chain.new_zeros(1)])

@@ -70,8 +70,9 @@ def test_tree_kernels_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch)
     calls = []
     real = tree.beam_candidates
     monkeypatch.setattr(tree, "beam_candidates", lambda *a: calls.append(a) or real(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: a GPU, or the interpreter
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
-                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton")
+                "--device", device, "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton")
     assert res["tree_kernels"] == "triton" and tree.TREE_KERNELS == "triton" and calls
     assert tree.use_triton("cpu")  # chosen explicitly: the interpreter runs the kernels here
     a = torch.randn(3, 50)

@@ -45,6 +45,10 @@ CASES = [
     ("tree_walk", "_accept_kernel",
      {"Tokens": "*i64", "Parents": "*i64", "Depths": "*i64", "Choice": "*i64", "Path": "*i64", "A": "*i64",
       "T": "i32", "L": "i32"}, {"BLOCK_T": 128, "BLOCK_P": 16}),
+    ("commit", "_advance_kernel",
+     {"Tokens": "*i64", "Path": "*i64", "A": "*i64", "Choice": "*i64", "N": "*i64", "Bonus": "*i64", "Out": "*i64",
+      "OutLen": "*i64", "Taus": "*i64", "RoundIdx": "*i64", "CtxPos": "*i64", "CtxCount": "*i64", "L": "i32"},
+     {"BLOCK": 16}),
 ]
 
 

@@ -56,14 +56,15 @@ def test_counting_refuses_wide_beams_and_unknown_methods():
     assert torch.equal(build_tree(logits, 200, None).tokens, build_tree(logits, 200, None, method="sort").tokens)
 
 
-def test_decoding_with_the_tree_kernels_matches_ar(tiny_pair, monkeypatch):
+def test_decoding_with_the_tree_kernels_matches_ar(tiny_dirs, monkeypatch):
     import ddtree_lab as dl
     from ddtree_lab import tree
 
-    monkeypatch.setattr(tree, "TREE_KERNELS", "triton")  # the GPU default (build, masks, walk), interpreted
+    monkeypatch.setattr(tree, "TREE_KERNELS", "triton")  # the GPU default (build, masks, walk), interpreted here
+    pair = dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1], device=DEVICE)
     prompt = [5, 17, 42, 8, 99, 3]
-    ar = dl.generate(tiny_pair, prompt, method="ar", max_new_tokens=12)
+    ar = dl.generate(pair, prompt, method="ar", max_new_tokens=12)
     for budget in (3, 16):
-        res = dl.generate(tiny_pair, prompt, method="ddtree", budget=budget, max_new_tokens=12)
+        res = dl.generate(pair, prompt, method="ddtree", budget=budget, max_new_tokens=12)
         assert res.tokens == ar.tokens
         assert all(r.tree is not None and len(r.tree) == budget for r in res.rounds)

@@ -54,3 +54,42 @@ def test_accepted_path_equals_torch_walk(T, L, monkeypatch):
         k = int(a)
         assert depths[path[:k]].tolist() == list(range(k))
         assert all(int(parents[path[i + 1]]) == int(path[i]) for i in range(k - 1))
+
+
+@pytest.fixture(scope="module")
+def device_pair(tiny_dirs):
+    import ddtree_lab as dl
+
+    return dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1], device=DEVICE)  # kernels need its device
+
+
+def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch):
+    """The commit kernel vs RoundProgram.advance_reference on random round outcomes."""
+    from ddtree_lab.decode import RoundProgram
+    from ddtree_lab.kernels.commit import advance_round
+
+    monkeypatch.setattr(tree, "TREE_KERNELS", "torch")
+    prog = RoundProgram(device_pair, "ddtree", 12, None, 0.0, out_capacity=80, max_rounds=20)
+    L, T = prog.L, prog.T
+    g = torch.Generator().manual_seed(3)
+    for trial in range(5):
+        parents, depths = random_tree(T, L, g)
+        prog.tokens = torch.randint(0, 50, (T,), generator=g).to(DEVICE)
+        choice = torch.randint(0, 50, (T,), generator=g).to(DEVICE)
+        anc = tree.ancestor_matrix(parents, L)
+        prog.path, prog.a = tree.accept_path(prog.tokens, parents, depths, choice, anc, L)
+        start = [torch.tensor([10 + trial]), torch.tensor([7]), torch.tensor([3 + 2 * trial]), torch.tensor([trial])]
+        state = {}
+        for name in ("ref", "kernel"):
+            for t, v in zip((prog.n, prog.bonus, prog.out_len, prog.round_idx), start):
+                t.copy_(v.to(DEVICE))
+            for t in (prog.out, prog.taus, prog.ctx_pos, prog.ctx_count):
+                t.zero_()
+            if name == "ref":
+                prog.advance_reference(choice)
+            else:
+                advance_round(prog.tokens, prog.path, prog.a, choice, prog.n, prog.bonus, prog.out, prog.out_len,
+                              prog.taus, prog.round_idx, prog.ctx_pos, prog.ctx_count, L)
+            state[name] = [t.clone() for t in (prog.n, prog.bonus, prog.out, prog.out_len, prog.taus,
+                                               prog.round_idx, prog.ctx_pos, prog.ctx_count)]
+        assert all(torch.equal(x, y) for x, y in zip(state["ref"], state["kernel"]))
