@@ -126,7 +126,7 @@ class Target(nn.Module):
         overlapping moves are safe (it moves every entry: those past count land in scratch slots)."""
         from .tree import use_triton
 
-        if use_triton(src.device):
+        if use_triton(src.device) and self.cfg.head_dim in (16, 32, 64, 128, 256):  # the kernel's head dims
             from .kernels.kv_compact import compact_kv
 
             compact_kv(self.kv, past_len, src, src.shape[0] if count is None else count)
