@@ -72,9 +72,9 @@ class RoundProgram:
         self.a = torch.ones(1, **long)
         span = self.L + 1
         self.block_offsets = torch.arange(span, **long)
-        self.ar_mask = TreeMask.causal(1, device)  # one token sees the cache; its packed bits are made once
+        self.ar_mask = TreeMask.causal(1, device)  # one token sees the cache (same mask every step)
         if self.target.attention == "triton":
-            self.ar_mask.bits
+            self.ar_mask.bits  # packed now, once, outside any graph capture
         if method != "ar":
             self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
             # The accepted nodes' target features, for the drafter's context at the next draft.
