@@ -24,6 +24,8 @@ def _advance_kernel(Tokens, Path, A, Choice, N, Bonus, Out, OutLen, Taus, RoundI
     bonus = tl.load(Choice + tl.load(Path + a - 1))
     chain = tl.load(Tokens + tl.load(Path + k + 1, mask=k < L, other=0), mask=k < L, other=0)
     emit = tl.where(k == a - 1, bonus, chain)
+    # n, out_len and round_idx are read above and written below: every thread reads before any writes
+    tl.debug_barrier()
     tl.store(Out + out_len + k, emit, mask=live)
     tl.store(CtxPos + k, n + k, mask=live)
     tl.store(CtxCount, a)
@@ -37,4 +39,4 @@ def _advance_kernel(Tokens, Path, A, Choice, N, Bonus, Out, OutLen, Taus, RoundI
 def advance_round(tokens, path, a, choice, n, bonus, out, out_len, taus, round_idx, ctx_pos, ctx_count, L: int):
     """All device tensors; the last eight are the round state, updated in place."""
     _advance_kernel[(1,)](tokens, path, a, choice, n, bonus, out, out_len, taus, round_idx, ctx_pos, ctx_count, L,
-                          BLOCK=max(16, triton.next_power_of_2(L + 1)))
+                          BLOCK=max(16, triton.next_power_of_2(L + 1)), num_warps=1)
