@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
 from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
+from .tree import use_triton
 
 
 class Block(DecoderLayer):
@@ -124,8 +125,6 @@ class Target(nn.Module):
         for i < count (default all; int or device tensor). One Triton launch where the tree kernels
         run in Triton (kernels/kv_compact.py); else a gather that copies before the scatter writes, so
         overlapping moves are safe (it moves every entry: those past count land in scratch slots)."""
-        from .tree import use_triton
-
         if use_triton(src.device) and self.cfg.head_dim in (16, 32, 64, 128, 256):  # the kernel's head dims
             from .kernels.kv_compact import compact_kv
 

@@ -16,6 +16,7 @@ W·ln W candidates (≈280 for W = 64, ≈7,300 for 1024) instead of W·K, with 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -164,6 +165,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     )
 
 
+@functools.cache
 def _have_triton() -> bool:
     try:
         import triton  # noqa: F401
