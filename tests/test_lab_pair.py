@@ -65,6 +65,24 @@ def test_block_loss_weights_and_chain_tau():
     assert float(loss) > 0
 
 
+def test_compiled_block_loss_matches_eager():
+    """Training compiles the loss on CUDA; the compiled loss and its gradient must equal the eager ones."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 15, 257, requires_grad=True)
+    labels = torch.randint(0, 257, (2, 3, 15))
+    labels[0, 1, 4:] = -100  # past a response's end
+    soft = torch.randn(2, 3, 15, 257)
+    w = position_weights(16, 7.0)
+    eager = block_loss(logits, labels, w, soft, 0.5)
+    compiled = torch.compile(block_loss)(logits, labels, w, soft, 0.5)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    (ge,) = torch.autograd.grad(eager[0], logits)
+    (gc,) = torch.autograd.grad(compiled[0], logits)
+    torch.testing.assert_close(ge, gc, rtol=1e-5, atol=1e-7)
+    assert ge.abs().sum() > 0
+
+
 def test_drafter_block_attends_only_to_past_context():
     """Changing context features at or after the anchor must not change the block's output."""
     t = _tiny_target()

@@ -84,6 +84,7 @@ class LabConfig:
     drafter_seconds: float = 150.0
     gamma: float = 7.0                    # loss weight of slot k: exp(-(k-1)/gamma)
     soft_weight: float = 0.0              # mix of KL to the target's distribution into the loss
+    compile_loss: bool = True             # on CUDA, torch.compile the loss (see train_drafters)
     variants: str = "soft_weight=0.5"     # extra drafters trained on the same batches, ';'-separated
     drafter_init: str = ""                # warm start the main drafter: a DFlash dir or a work-dir safetensors
     target_from: str = ""                 # use this HF target dir when the work dir has no trained target
@@ -446,6 +447,9 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
     weights = position_weights(bs, cfg.gamma, device)
     n_params = {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()}
     log(f"drafter: variants {variants}, params {n_params}, {pool_desc}")
+    # The loss reads [B, A, bs-1, vocab] logits a dozen times in eager mode (log-softmax, KL, their
+    # gradients: ~6 GB each at the SmolLM2 batch); compiled, those passes fuse into a few kernels.
+    loss_fn = torch.compile(block_loss) if device.type == "cuda" and cfg.compile_loss else block_loss
     t0, t_mark, s_mark = time.time(), time.time(), step
     run = {n: [0.0, torch.zeros(bs - 1, device=device), 0.0, 0] for n in drafters}
     while total == 0 or step < total:
@@ -469,7 +473,14 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
             with autocast(device):
                 logits, labels = block_logits(target, d, seq, hid, anchors, mask_id, lengths)
             w = weights if v["gamma"] == cfg.gamma else position_weights(bs, v["gamma"], device)
-            loss, acc, tau = block_loss(logits, labels, w, soft, v["soft_weight"])
+            try:
+                loss, acc, tau = loss_fn(logits, labels, w, soft, v["soft_weight"])
+            except Exception as e:  # a compiler failure must not cost the run: train on in eager mode
+                if loss_fn is block_loss:
+                    raise
+                log(f"drafter: compiled loss failed ({type(e).__name__}: {e}); eager from here")
+                loss_fn = block_loss
+                loss, acc, tau = loss_fn(logits, labels, w, soft, v["soft_weight"])
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)

@@ -79,7 +79,7 @@ def pack(target: Path, out: Path, part_mib: float = 30.0, log=print) -> dict:
             entries[name] = e
     limit = part_mib * 2**20
     parts, cur, size = [], {}, 0
-    for k, t in blobs:
+    for k, t in _split_rows(blobs, limit):
         nb = t.numel() * t.element_size()
         if cur and size + nb > limit:
             parts.append(cur)
@@ -105,6 +105,30 @@ def pack(target: Path, out: Path, part_mib: float = 30.0, log=print) -> dict:
     return {"parts_mib": sizes, "kinds": kinds}
 
 
+def _split_rows(blobs: list, limit: float) -> list:
+    """A blob larger than a part (the 27 MiB int8 embedding) travels as row chunks 'name#0', 'name#1', …"""
+    out = []
+    for k, t in blobs:
+        row_bytes = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+        if t.dim() == 0 or t.numel() * t.element_size() <= limit or row_bytes > limit:
+            out.append((k, t))
+            continue
+        rows = max(1, int(limit // row_bytes))
+        out += [(f"{k}#{i}", c) for i, c in enumerate(t.split(rows))]
+    return out
+
+
+def _join_rows(blobs: dict) -> dict:
+    """Inverse of _split_rows: concatenates 'name#i' chunks in order of i."""
+    chunks: dict[str, dict[int, torch.Tensor]] = {}
+    for k in [k for k in blobs if "#" in k]:
+        name, _, i = k.rpartition("#")
+        chunks.setdefault(name, {})[int(i)] = blobs.pop(k)
+    for name, c in chunks.items():
+        blobs[name] = torch.cat([c[i] for i in range(len(c))])
+    return blobs
+
+
 def unpack(sources: list[Path], out: Path, log=print) -> Path:
     """sources: the pack dir, or its part folders (wherever each travelled). Rebuilds and checks out/."""
     from safetensors.torch import load_file, save_file
@@ -120,6 +144,7 @@ def unpack(sources: list[Path], out: Path, log=print) -> Path:
     blobs = {}
     for d in dirs:
         blobs.update(load_file(str(d / "weights.safetensors")))
+    blobs = _join_rows(blobs)
     sd = {}
     for name, e in manifest["tensors"].items():
         if e["kind"] == "q4_1":

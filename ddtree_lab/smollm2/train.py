@@ -54,6 +54,7 @@ class SmolConfig:
     drafter_seconds: float = 200.0
     gamma: float = 7.0
     soft_weight: float = 0.5              # the lab pair's winning variant: half KL to the target's distribution
+    compile_loss: bool = True             # on CUDA, torch.compile the loss (ddtree_lab.lab.train.train_drafters)
     variants: str = ""
     drafter_init: str = ""
     # evaluation
