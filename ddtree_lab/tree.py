@@ -84,6 +84,10 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
+# The default uses counting only where it beats the sort: on the H200 (random:qwen3-8b, compiled) the
+# tree build took 0.29 ms counting vs 0.47 sorting at budget 16, but 1.12 vs 0.67 at 64 and 2.72 vs 0.70
+# at 128 (docs/performance.md).
+COUNTING_DEFAULT_MAX_WIDTH = 16
 # Which code builds, masks and walks trees and compacts the KV cache after the walk: "triton"
 # (kernels/tree_build.py, tree_walk.py, kv_compact.py), "torch" (this file, Target.compact_cache), or
 # None: Triton on CUDA devices when it is installed. `bench --tree-kernels` sets it.
@@ -102,7 +106,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
 
     method: "sort" (torch, this function, any size) or "count" (the Triton kernels of
     kernels/tree_build.py, beams up to 128 wide: the same tree in L + 1 launches). Default: "count"
-    where `use_triton` says so and the beam fits, else "sort"."""
+    where `use_triton` says so and the beam is at most COUNTING_DEFAULT_MAX_WIDTH wide, else "sort"."""
     check_budget(budget, topk)
     L, V = draft_logits.shape
     K = min(topk or budget, budget, V)
@@ -116,7 +120,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     cand_slot, cand_rank = beam_candidates(W, K, device)  # [M] each, M ≈ W ln W
     fits = W <= COUNTING_MAX_WIDTH and K <= COUNTING_MAX_WIDTH
     if method is None:
-        method = "count" if fits and use_triton(device) else "sort"
+        method = "count" if W <= COUNTING_DEFAULT_MAX_WIDTH and fits and use_triton(device) else "sort"
     if method == "count":
         if not fits:
             raise ValueError(f"build_tree(method='count') takes beams up to {COUNTING_MAX_WIDTH} wide, not {W}")
