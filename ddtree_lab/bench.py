@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import bisect
 import json
 import platform
 import subprocess
@@ -237,7 +238,13 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
 def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,
                    rounds: int = 8, top: int = 25) -> dict:
     """Kernels launched and their microseconds, per stage per round, from eager rounds under
-    torch.profiler. A kernel belongs to the stage whose annotation spans its launch on the host."""
+    torch.profiler.
+
+    On a GPU every device event counts (torch's kernels, Triton's, copies), attributed by its start
+    on the GPU to the stage running then: the rounds run with a synchronisation after each stage
+    (`generate(profile=True)`), so a stage's kernels start after its host span begins and before the
+    next stage's does. (Triton kernels are launched outside any torch op, so attributing kernels to
+    the op that launched them would miss them.) On the CPU the outermost ops of each stage count."""
     from torch.profiler import ProfilerActivity, profile
 
     from .decode import generate
@@ -245,33 +252,22 @@ def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, pair.target.cfg.vocab_size - 2, (prompt_len,), generator=g).tolist()
-    kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[], cuda_graphs=False)
+    on_gpu = pair.device.type == "cuda"
+    kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[], cuda_graphs=False,
+              profile=on_gpu)
     generate(pair, prompt, **kw)  # warm-up (compiles, autotunes)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pair.device.type == "cuda" else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=acts) as prof:
         res = generate(pair, prompt, **kw)
-    events = list(prof.events())
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name in STAGES)
-    on_gpu = pair.device.type == "cuda"
+    work = _device_work(prof, STAGES) if on_gpu else _cpu_work(prof, STAGES)
     per_stage = {s: {"kernels": 0, "us": 0.0} for s in STAGES}
     by_name: dict[tuple, list] = {}  # (stage, kernel) -> [us, count]
-    for e in events:
-        if on_gpu:  # GPU kernels, by the host op that launched them
-            work = [(k.name, k.duration) for k in e.kernels]
-        else:  # on the CPU, the outermost ops of a stage stand in for kernels
-            parent = e.cpu_parent
-            work = [(e.name, e.cpu_time_total)] if parent is not None and parent.name in STAGES else []
-        if not work:
-            continue
-        stage = next((name for a, b, name in spans if a <= e.time_range.start <= b), None)
-        if stage is None:
-            continue  # prefill and the host reads between rounds
-        for name, us in work:
-            per_stage[stage]["kernels"] += 1
-            per_stage[stage]["us"] += us
-            agg = by_name.setdefault((stage, name), [0.0, 0])
-            agg[0] += us
-            agg[1] += 1
+    for stage, name, us in work:
+        per_stage[stage]["kernels"] += 1
+        per_stage[stage]["us"] += us
+        agg = by_name.setdefault((stage, name), [0.0, 0])
+        agg[0] += us
+        agg[1] += 1
     n = len(res.acceptance_lengths)
     stages = {s: {"kernels_per_round": v["kernels"] / n, "us_per_round": v["us"] / n}
               for s, v in per_stage.items() if v["kernels"]}
@@ -282,6 +278,36 @@ def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_
             "kernels_per_round": sum(v["kernels_per_round"] for v in stages.values()),
             "top_kernels": [{"name": name[:120], "stage": stage, "us_per_round": v[0] / n, "per_round": v[1] / n,
                              "share": v[0] / n / total} for (stage, name), v in tops]}
+
+
+def _device_work(prof, stage_names) -> list[tuple[str, str, float]]:
+    """(stage, kernel name, µs) for every GPU event that starts inside a stage's window: from the
+    stage span's start to the next span's start (prefill and the host reads have no stage)."""
+    from torch.autograd import DeviceType
+
+    events = prof.profiler.kineto_results.events()
+    spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
+                   if e.device_type() == DeviceType.CPU and e.name() in stage_names + ("prefill",))
+    starts = [a for a, _, _ in spans]
+    out = []
+    for e in events:
+        if e.device_type() != DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        i = bisect.bisect_right(starts, e.start_ns()) - 1
+        if i < 0 or spans[i][2] == "prefill":
+            continue
+        out.append((spans[i][2], e.name(), e.duration_ns() / 1e3))
+    return out
+
+
+def _cpu_work(prof, stage_names) -> list[tuple[str, str, float]]:
+    """On the CPU the outermost ops of a stage stand in for kernels."""
+    out = []
+    for e in prof.events():
+        parent = e.cpu_parent
+        if parent is not None and parent.name in stage_names:
+            out.append((parent.name, e.name, e.cpu_time_total))
+    return out
 
 
 def _add_runtime_args(p) -> None:

@@ -78,3 +78,26 @@ def test_tree_kernels_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch)
     a = torch.randn(3, 50)
     assert torch.equal(tree.build_tree(a, 8).tokens, tree.build_tree(a, 8, method="sort").tokens)
     assert tree.build_tree(torch.randn(2, 300), 200).tokens.shape[0] == 200  # too wide to count: sorts
+
+
+def test_device_kernels_go_to_the_stage_running_when_they_start():
+    """GPU events (Triton's too, launched outside torch ops) are attributed by their GPU start time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from ddtree_lab.bench import _device_work
+    from ddtree_lab.trace import STAGES
+
+    def ev(name, dev, start, end):
+        return SimpleNamespace(name=lambda: name, device_type=lambda: dev, start_ns=lambda: start,
+                               end_ns=lambda: end, duration_ns=lambda: end - start)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [ev("prefill", cpu, 0, 10), ev("draft", cpu, 20, 25), ev("tree_build", cpu, 40, 45),
+              ev("aten::mm", cpu, 21, 22),                                   # a host op: not device work
+              ev("prefill_gemm", gpu, 5, 15), ev("drafter_gemm", gpu, 26, 35),  # runs after draft's span ends
+              ev("_beam_step_kernel", gpu, 41, 50), ev("empty", gpu, 60, 60)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    work = _device_work(prof, STAGES)
+    assert work == [("draft", "drafter_gemm", 0.009), ("tree_build", "_beam_step_kernel", 0.009)]
