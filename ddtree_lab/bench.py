@@ -280,6 +280,9 @@ def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_
                              "share": v[0] / n / total} for (stage, name), v in tops]}
 
 
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto activity types that are device work
+
+
 def _device_work(prof, stage_names) -> list[tuple[str, str, float]]:
     """(stage, kernel name, µs) for every GPU event that starts inside a stage's window: from the
     stage span's start to the next span's start (prefill and the host reads have no stage)."""
@@ -291,13 +294,23 @@ def _device_work(prof, stage_names) -> list[tuple[str, str, float]]:
     starts = [a for a, _, _ in spans]
     out = []
     for e in events:
-        if e.device_type() != DeviceType.CUDA or e.duration_ns() <= 0:
+        # kernels and copies only: not the GPU mirror of annotations, nor synchronisation waits
+        if e.device_type() != DeviceType.CUDA or e.duration_ns() <= 0 or not _is_device_work(e, stage_names):
             continue
         i = bisect.bisect_right(starts, e.start_ns()) - 1
         if i < 0 or spans[i][2] == "prefill":
             continue
         out.append((spans[i][2], e.name(), e.duration_ns() / 1e3))
     return out
+
+
+def _is_device_work(e, stage_names) -> bool:
+    if hasattr(e, "activity_type"):  # newer torch says what the event is
+        return e.activity_type() in GPU_WORK
+    # older: leave out annotations mirrored on the GPU and synchronisation waits by their names
+    name = e.name()
+    return name not in stage_names + ("prefill",) and "sync" not in name.lower() and not (
+        hasattr(e, "is_user_annotation") and e.is_user_annotation())
 
 
 def _cpu_work(prof, stage_names) -> list[tuple[str, str, float]]:

@@ -89,15 +89,16 @@ def test_device_kernels_go_to_the_stage_running_when_they_start():
     from ddtree_lab.bench import _device_work
     from ddtree_lab.trace import STAGES
 
-    def ev(name, dev, start, end):
+    def ev(name, dev, start, end, kind="kernel"):
         return SimpleNamespace(name=lambda: name, device_type=lambda: dev, start_ns=lambda: start,
-                               end_ns=lambda: end, duration_ns=lambda: end - start)
+                               end_ns=lambda: end, duration_ns=lambda: end - start, activity_type=lambda: kind)
 
     cpu, gpu = DeviceType.CPU, DeviceType.CUDA
     events = [ev("prefill", cpu, 0, 10), ev("draft", cpu, 20, 25), ev("tree_build", cpu, 40, 45),
               ev("aten::mm", cpu, 21, 22),                                   # a host op: not device work
               ev("prefill_gemm", gpu, 5, 15), ev("drafter_gemm", gpu, 26, 35),  # runs after draft's span ends
-              ev("_beam_step_kernel", gpu, 41, 50), ev("empty", gpu, 60, 60)]
+              ev("_beam_step_kernel", gpu, 41, 50), ev("empty", gpu, 60, 60),
+              ev("draft", gpu, 20, 39, "gpu_user_annotation"), ev("sync", gpu, 36, 39, "cuda_sync")]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
     work = _device_work(prof, STAGES)
     assert work == [("draft", "drafter_gemm", 0.009), ("tree_build", "_beam_step_kernel", 0.009)]
