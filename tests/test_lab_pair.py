@@ -153,6 +153,15 @@ def test_fast_tau_matches_engine(tiny_run):
                              trace=False).acceptance_lengths
     assert fast.per_method["dflash"] == eng_d
     assert fast.per_method["ddtree4"] == eng_t
+    # Every output position's chain; the rounds are the chains at the positions where rounds start.
+    rounds = []
+    for chain in fast.per_anchor:
+        assert all(1 <= c <= 16 for c in chain)
+        n = 0
+        while n < len(chain):
+            rounds.append(chain[n])
+            n += chain[n]
+    assert rounds == eng_d
 
 
 # ----------------------------------------------------------------------------- the shipped pair

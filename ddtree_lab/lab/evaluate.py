@@ -57,6 +57,14 @@ def _walk(tree, truth: list[int]) -> int:
 class TauResult:
     per_method: dict = field(default_factory=dict)   # method -> list of τ (all rounds, all prompts)
     per_prompt: dict = field(default_factory=dict)   # method -> list of per-prompt mean τ
+    # Per prompt, DFlash's chain τ at every position of the output, as training measures it. The
+    # engine's rounds start only where the last one ended, right after a token the drafter missed,
+    # so their mean (per_method["dflash"]) is lower: the gap says how much the start positions cost.
+    per_anchor: list = field(default_factory=list)
+
+    def anchor_mean(self) -> float:
+        xs = [t for p in self.per_anchor for t in p]
+        return float(np.mean(xs)) if xs else float("nan")
 
     def mean(self, method: str) -> float:
         xs = self.per_method.get(method, [])
@@ -92,6 +100,11 @@ def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets
         n_out = n_new
         if eos_id is not None and eos_id in toks[P:P + n_new]:
             n_out = toks[P:P + n_new].index(eos_id) + 1  # the engine stops after emitting EOS
+        # DFlash's chain at every anchor where a round could start (P … P+n_out-2), judged like a round
+        A = n_out - 1
+        pos = torch.arange(P, P + A, device=device)[:, None] + torch.arange(1, L + 1, device=device)  # [A, L]
+        hits = logits[:A].argmax(-1) == seq[0][pos]
+        res.per_anchor.append((1 + torch.cumprod(hits.int(), -1).sum(-1)).tolist())
         for m in methods:
             taus, n = [], P  # n = position of the bonus token; the prefill emitted toks[P]
             while n - P + 1 < n_out:

@@ -518,6 +518,7 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
             save_state(state_path, {"models": {n: d.state_dict() for n, d in drafters.items()},
                                     "opts": {n: o.state_dict() for n, o in opts.items()}, "step": step,
                                     "total": total, "seconds": trained_s + time.time() - t0, "history": hist})
+    train_seconds = trained_s + time.time() - t0
     # Quick τ on held-out prompts for every variant; the best DFlash τ ships.
     prompts = eval_prompts()
     results = {}
@@ -529,12 +530,15 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
             continue
         te = time.time()
         r = fast_tau(target, d, prompts, cfg.n_new, cfg.budgets, eos_id=eos_id, device=device)
-        results[name] = {"tau": r.summary(), "config": variants[name], "params": n_params[name]}
-        log(f"drafter {name}: quick τ on {len(prompts)} held-out prompts {r.summary()} ({time.time() - te:.0f}s)")
+        results[name] = {"tau": r.summary(), "dflash_tau_every_position": round(r.anchor_mean(), 3),
+                         "config": variants[name], "params": n_params[name]}
+        log(f"drafter {name}: quick τ on {len(prompts)} held-out prompts {r.summary()}; DFlash chain at every "
+            f"position {r.anchor_mean():.2f} ({time.time() - te:.0f}s)")
     best = max(results, key=lambda n: results[n]["tau"]["dflash"])
     shutil.copy(work / f"drafter_{best}.safetensors", work / "drafter_final.safetensors")
     (work / "drafter_final.json").write_text(json.dumps(variants[best]) + "\n")
-    summary = {"variants": results, "chosen": best, "steps": step, "seconds": trained_s + time.time() - t0,
+    summary = {"variants": results, "chosen": best, "steps": step, "seconds": train_seconds,
+               "eval_seconds": trained_s + time.time() - t0 - train_seconds,
                "history": hist, "anchors_per_seq": cfg.anchors, "batch": cfg.drafter_batch}
     (work / "drafter_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"drafter: chose '{best}'")

@@ -1,11 +1,16 @@
 """CPU figures that size the GPU training plan: batched greedy generation and one drafter step.
 
     DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.smollm2.measure [--batches 1,4,8] [--new 48]
+    DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.smollm2.measure --tau 4 [--drafter DIR]
 
 Generation runs `greedy_extend` (left-padded chat prompts, as the pool stage does) on the pulled target
 and reports new tokens per second and seconds per 1k new tokens per batch size; it also checks that a
 padded batch yields the same tokens as each prompt alone. The drafter step is the training step of the
 shipped configuration at a small batch.
+
+`--tau N` measures instead where a drafter's acceptance goes (T = 0, float32, `fast_tau`): on N held-out
+prompts per set and on 3N training-style prompts (`train_prompts.build`, seed 0, as the pool stage composes
+them), DFlash τ per engine round and DFlash's chain at every position of the output.
 """
 from __future__ import annotations
 
@@ -87,16 +92,42 @@ def measure_drafter_step(tdir, batch: int = 2, seq: int = 256, anchors: int = 16
             "step_s": round(t_all, 2), "drafter_params": n, "drafter_bf16_mib": round(2 * n / 2**20, 2)}
 
 
+def measure_tau_gap(tdir, drafter_dir=None, n_per_set: int = 4, n_new: int = 128) -> dict:
+    from ..checkpoint import load_drafter
+    from ..lab.evaluate import fast_tau
+    from . import DRAFTER_DIR, PROMPT_SETS, load_prompts
+    cfg = make_config("smollm2")
+    _, encode, eos = tokenizer_and_chat(tdir)
+    target = frozen_target(cfg, tdir, "cpu")
+    drafter = load_drafter(drafter_dir or DRAFTER_DIR).float().eval()
+    sets = {"held-out": [encode(r["messages"]) for s in PROMPT_SETS for r in load_prompts(s)[:n_per_set]],
+            "training-style": [encode(r["messages"]) for r in train_prompts.build(3 * n_per_set, seed=0)]}
+    out = {}
+    for name, prompts in sets.items():
+        r = fast_tau(target, drafter, prompts, n_new, budgets=(), eos_id=eos, device=torch.device("cpu"))
+        out[name] = {"prompts": len(prompts), "rounds": len(r.per_method["dflash"]),
+                     "dflash_tau_per_round": round(r.mean("dflash"), 3),
+                     "dflash_tau_every_position": round(r.anchor_mean(), 3)}
+        print(f"{name}: {out[name]}", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddtree_lab.smollm2.measure", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None)
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--tau", type=int, default=0, metavar="N",
+                   help="instead: DFlash τ per round vs at every position, N held-out prompts per set")
+    p.add_argument("--drafter", default=None, help="--tau: drafter dir (default: the shipped one)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     tdir = a.target or target_dir()
+    if a.tau:
+        print(json.dumps(measure_tau_gap(tdir, a.drafter, a.tau)))
+        return 0
     res = {"generation": measure_generation(tdir, tuple(int(b) for b in a.batches.split(",")), a.new),
            "drafter_step": measure_drafter_step(tdir)}
     print(json.dumps(res))
