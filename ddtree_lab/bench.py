@@ -331,6 +331,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
     p.add_argument("--tree-kernels", choices=["auto", "torch", "triton"], default="auto",
                    help="who builds, masks and walks trees: auto (Triton on CUDA), torch, or triton")
+    p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
+                   help="which tree build runs where it takes the beam (sort elsewhere): the torch sort, the "
+                        "counting kernels or the one-launch kernel; auto: tree.build_tree's measured choice")
 
 
 def add_bench_args(p) -> None:
@@ -372,6 +375,10 @@ def run_bench_cli(args) -> int:
         from . import tree
 
         tree.TREE_KERNELS = args.tree_kernels
+    if getattr(args, "tree_build", "auto") != "auto":
+        from . import tree
+
+        tree.TREE_BUILD = args.tree_build
     if args.bench == "kernels":
         if not torch.cuda.is_available():
             raise ValueError("bench kernels needs a CUDA GPU")
@@ -411,6 +418,7 @@ def run_bench_cli(args) -> int:
                             args.device, args.compile)}
         result["tree_kernels"] = args.tree_kernels
         result["bench_seconds"] = time.perf_counter() - start
+    result["tree_build"] = getattr(args, "tree_build", "auto")
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

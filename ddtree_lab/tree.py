@@ -84,10 +84,14 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
+FUSED_MAX_WIDTH = 256     # kernels/tree_build.py: one program sorts all L·W beam entries in registers
 # The default uses counting only where it beats the sort: on the H200 (random:qwen3-8b, compiled) the
 # tree build took 0.29 ms counting vs 0.47 sorting at budget 16, but 1.12 vs 0.67 at 64 and 2.72 vs 0.70
 # at 128 (docs/performance.md).
 COUNTING_DEFAULT_MAX_WIDTH = 16
+# Which build the default picks, for comparing them (`bench --tree-build`): "sort", "count" or "fused"
+# wherever that build takes the beam (the sort elsewhere), or None for the measured choice above.
+TREE_BUILD: str | None = None
 # Which code builds, masks and walks trees and compacts the KV cache after the walk: "triton"
 # (kernels/tree_build.py, tree_walk.py, kv_compact.py), "torch" (this file, Target.compact_cache), or
 # None: Triton on CUDA devices when it is installed. `bench --tree-kernels` sets it.
@@ -104,9 +108,10 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
                method: str | None = None) -> DraftTree:
     """draft_logits [L, V] (depths 1..L) -> the `budget` most likely rank prefixes as a DraftTree.
 
-    method: "sort" (torch, this function, any size) or "count" (the Triton kernels of
-    kernels/tree_build.py, beams up to 128 wide: the same tree in L + 1 launches). Default: "count"
-    where `use_triton` says so and the beam is at most COUNTING_DEFAULT_MAX_WIDTH wide, else "sort"."""
+    method: "sort" (torch, this function, any size), "count" (kernels/tree_build.py, beams up to 128
+    wide: the same tree in L + 1 launches) or "fused" (the same, one launch, beams up to 256 wide).
+    Default: TREE_BUILD if set; else "count" where `use_triton` says so and the beam is at most
+    COUNTING_DEFAULT_MAX_WIDTH wide, else "sort"."""
     check_budget(budget, topk)
     L, V = draft_logits.shape
     K = min(topk or budget, budget, V)
@@ -118,18 +123,23 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     # Beam per depth: W slots (score, parent slot in the previous beam, rank). -inf marks empty slots.
     W = min(budget, n)
     cand_slot, cand_rank = beam_candidates(W, K, device)  # [M] each, M ≈ W ln W
-    fits = W <= COUNTING_MAX_WIDTH and K <= COUNTING_MAX_WIDTH
+    widest = {"count": COUNTING_MAX_WIDTH, "fused": FUSED_MAX_WIDTH}
+    fits = {m: W <= w and K <= w for m, w in widest.items()}
     if method is None:
-        method = "count" if W <= COUNTING_DEFAULT_MAX_WIDTH and fits and use_triton(device) else "sort"
-    if method == "count":
-        if not fits:
-            raise ValueError(f"build_tree(method='count') takes beams up to {COUNTING_MAX_WIDTH} wide, not {W}")
-        from .kernels.tree_build import beam_tree
+        if TREE_BUILD is not None:
+            method = TREE_BUILD if fits.get(TREE_BUILD, True) else "sort"
+        else:
+            method = "count" if W <= COUNTING_DEFAULT_MAX_WIDTH and fits["count"] and use_triton(device) else "sort"
+    if method in widest:
+        if not fits[method]:
+            raise ValueError(f"build_tree(method={method!r}) takes beams up to {widest[method]} wide, not {W}")
+        from .kernels import tree_build
 
-        fields = beam_tree(top_lp, top_tok, W, n, cand_slot, cand_rank)
+        build = tree_build.beam_tree if method == "count" else tree_build.fused_tree
+        fields = build(top_lp, top_tok, W, n, cand_slot, cand_rank)
         return DraftTree(**dict(zip(("tokens", "depths", "parents", "scores", "logprobs", "ranks"), fields)))
     if method != "sort":
-        raise ValueError(f"build_tree: method={method!r} is not 'sort' or 'count'")
+        raise ValueError(f"build_tree: method={method!r} is not 'sort', 'count' or 'fused'")
 
     # Rows are collected in lists and stacked once: fewer small kernels than row-by-row writes.
     first = min(K, W)

@@ -66,14 +66,18 @@ def test_source_digest_is_stable():
 def test_tree_kernels_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch):
     from ddtree_lab import tree
 
-    monkeypatch.setattr(tree, "TREE_KERNELS", None)  # run_bench_cli sets the module-wide choice
+    monkeypatch.setattr(tree, "TREE_KERNELS", None)  # run_bench_cli sets the module-wide choices
+    monkeypatch.setattr(tree, "TREE_BUILD", None)
     calls = []
     real = tree.beam_candidates
     monkeypatch.setattr(tree, "beam_candidates", lambda *a: calls.append(a) or real(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: a GPU, or the interpreter
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
-                "--device", device, "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton")
+                "--device", device, "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton",
+                "--tree-build", "fused")
     assert res["tree_kernels"] == "triton" and tree.TREE_KERNELS == "triton" and calls
+    assert res["tree_build"] == "fused" and tree.TREE_BUILD == "fused"
+    monkeypatch.setattr(tree, "TREE_BUILD", None)
     assert tree.use_triton("cpu")  # chosen explicitly: the interpreter runs the kernels here
     a = torch.randn(3, 50)
     assert torch.equal(tree.build_tree(a, 8).tokens, tree.build_tree(a, 8, method="sort").tokens)
