@@ -65,6 +65,19 @@ def test_block_loss_weights_and_chain_tau():
     assert float(loss) > 0
 
 
+def test_follow_up_anchors_start_where_a_round_would():
+    from ddtree_lab.lab.dflash import follow_up_anchors
+    V = 10
+    labels = torch.tensor([[[1, 2, 3], [4, 5, 6], [7, 8, 9]]])  # [B=1, A=3, L=3]
+    logits = torch.zeros(1, 3, 3, V)
+    logits[0, 0, 0, 1] = logits[0, 0, 1, 7] = 1.0  # anchor 0: slot 1 right, slot 2 wrong -> accepts 2
+    logits[0, 1, :, 0] = 1.0                         # anchor 1: nothing right -> accepts 1 (the bonus)
+    logits[0, 2, 0, 7] = logits[0, 2, 1, 8] = logits[0, 2, 2, 9] = 1.0  # all right -> 4, past the end
+    anchors = torch.tensor([[3, 10, 20]])
+    assert follow_up_anchors(logits, labels, anchors, 24).tolist() == [[5, 11, 20]]
+    assert follow_up_anchors(logits, labels, anchors, torch.tensor([12])).tolist() == [[5, 10, 20]]
+
+
 def test_compiled_block_loss_matches_eager():
     """Training compiles the loss on CUDA; the compiled loss and its gradient must equal the eager ones."""
     torch.manual_seed(0)

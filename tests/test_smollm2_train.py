@@ -52,7 +52,7 @@ def test_left_padded_generation_equals_alone(tmp_path):
     assert short.shape[1] == P + 1
 
 
-def test_tiny_pipeline_end_to_end(tmp_path):
+def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     import ddtree_lab as dl
     from ddtree_lab.smollm2.train import main
     work = tmp_path / "work"
@@ -96,6 +96,19 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     a, b = load_file(str(work / "drafter_final.safetensors")), load_file(str(work2 / "drafter_final.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (work2 / "drafter" / "model.safetensors").is_file()
+    # round_anchors: part of each row's anchors move to where a round from another anchor would end
+    from ddtree_lab.lab import train as lab_train
+    moved = []
+    real = lab_train.follow_up_anchors
+    monkeypatch.setattr(lab_train, "follow_up_anchors", lambda *a: moved.append(real(*a)) or moved[-1])
+    work3 = tmp_path / "work3"
+    work3.mkdir()
+    for f in ("prompts.jsonl", "pool.npz"):
+        (work3 / f).write_bytes((work / f).read_bytes())
+    main(["--preset", "tiny", "--work", str(work3), "--stages", "drafter", "--set", "round_anchors=0.5",
+          "--target", str(work / "tiny" / "target")])
+    assert json.loads((work3 / "drafter_summary.json").read_text())["steps"] == 6
+    assert len(moved) == 6 and all(m.shape[1] == 1 for m in moved)  # 1 of the tiny preset's 3 anchors
 
 
 def test_shipped_config_sizes():

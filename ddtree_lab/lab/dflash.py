@@ -131,6 +131,18 @@ def block_logits(target, drafter, tokens: torch.Tensor, target_hidden: torch.Ten
     return target.lm_head_logits(h), labels
 
 
+@torch.no_grad()
+def follow_up_anchors(logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, end) -> torch.Tensor:
+    """Where the engine's next round would start after a round at each anchor: anchor + its DFlash
+    acceptance (1 + the leading slots the drafter got right). logits [B, A, L, V], labels/anchors
+    [B, A]; end: sequence lengths [B] or one int. Rounds start right after a token the drafter missed,
+    which uniform anchors rarely hit; an anchor past end - 2 (no next token) stays where it was."""
+    hits = (logits.argmax(-1) == labels) & (labels >= 0)              # [B, A, L]
+    follow = anchors + 1 + torch.cumprod(hits.long(), -1).sum(-1)     # [B, A]
+    last = (end[:, None] if torch.is_tensor(end) else torch.tensor(end)).to(anchors.device) - 2
+    return torch.where(follow <= last, follow, anchors)
+
+
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """Loss weight of block slot k = 1 … bs-1: exp(-(k-1)/gamma); early slots decide acceptance."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
@@ -159,4 +171,5 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     return loss, acc, tau
 
 
-__all__ = ["greedy_extend", "block_inputs", "block_mask", "block_logits", "position_weights", "block_loss"]
+__all__ = ["greedy_extend", "block_inputs", "block_mask", "block_logits", "follow_up_anchors", "position_weights",
+           "block_loss"]

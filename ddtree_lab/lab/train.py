@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .corpus import CorpusConfig, build_corpus, default_root, load_corpus, load_tokenizer
-from .dflash import block_logits, block_loss, greedy_extend, position_weights
+from .dflash import block_logits, block_loss, follow_up_anchors, greedy_extend, position_weights
 
 PACKAGE_PAIR_DIR = Path(__file__).resolve().parent.parent / "lab_pair"
 
@@ -85,6 +85,7 @@ class LabConfig:
     gamma: float = 7.0                    # loss weight of slot k: exp(-(k-1)/gamma)
     soft_weight: float = 0.0              # mix of KL to the target's distribution into the loss
     compile_loss: bool = True             # on CUDA, torch.compile the loss (see train_drafters)
+    round_anchors: float = 0.0            # share of anchors (≤ 0.5) moved to where a round from another would end
     variants: str = "soft_weight=0.5"     # extra drafters trained on the same batches, ';'-separated
     drafter_init: str = ""                # warm start the main drafter: a DFlash dir or a work-dir safetensors
     target_from: str = ""                 # use this HF target dir when the work dir has no trained target
@@ -459,6 +460,14 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
         S = seq.shape[1]
         with torch.no_grad(), autocast(device):
             t_logits, hid = target.forward_train(seq, hidden_layers=layers)
+            if cfg.round_anchors > 0:
+                # Train where the engine's rounds start: the last k anchors move to where a round from
+                # the first k ends (by the main drafter), i.e. right after a token it missed.
+                k = min(int(anchors.shape[1] * cfg.round_anchors), anchors.shape[1] // 2)
+                first = anchors[:, :k]
+                lg, lb = block_logits(target, next(iter(drafters.values())), seq, hid, first, mask_id, lengths)
+                anchors = torch.cat([anchors[:, :-k], follow_up_anchors(lg, lb, first, S if lengths is None
+                                                                        else lengths.to(device))], 1) if k else anchors
             soft = None
             if any(v["soft_weight"] > 0 for v in variants.values()):
                 # The target's distribution for token p+k (k = 1 … bs-1) sits at position p+k-1.

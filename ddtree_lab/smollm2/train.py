@@ -55,6 +55,7 @@ class SmolConfig:
     gamma: float = 7.0
     soft_weight: float = 0.5              # the lab pair's winning variant: half KL to the target's distribution
     compile_loss: bool = True             # on CUDA, torch.compile the loss (ddtree_lab.lab.train.train_drafters)
+    round_anchors: float = 0.0            # share of anchors moved to where a round would start (LabConfig's)
     variants: str = ""
     drafter_init: str = ""
     # evaluation
