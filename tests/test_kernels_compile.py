@@ -29,6 +29,11 @@ CASES = [
       "BeamSlot": "*i32", "BeamRank": "*i32", "NodeOf": "*i32", "Tokens": "*i64", "Depths": "*i64",
       "Parents": "*i64", "Scores": "*fp32", "Logprobs": "*fp32", "Ranks": "*i64", "L": "i32", "W": "i32",
       "K": "i32", "M": "i32", "n": "i32"}, {"BLOCK_M": 512, "BLOCK_W": 64, "BLOCK_G": 1024}),
+    ("tree_build", "_fused_tree_kernel",  # the widest beam it takes: 15 depths x 256
+     {"TopLp": "*fp32", "TopTok": "*i64", "CandSlot": "*i64", "CandRank": "*i64", "BeamScore": "*fp32",
+      "BeamSlot": "*i32", "BeamRank": "*i32", "NodeOf": "*i32", "Tokens": "*i64", "Depths": "*i64",
+      "Parents": "*i64", "Scores": "*fp32", "Logprobs": "*fp32", "Ranks": "*i64", "L": "i32", "W": "i32",
+      "K": "i32", "M": "i32", "n": "i32"}, {"BLOCK_M": 2048, "BLOCK_W": 256, "BLOCK_G": 4096}),
     ("tree_walk", "_masks_kernel",
      {"Parents": "*i64", "Anc": "*i8", "Bits": "*i32", "T": "i32", "n_words": "i32", "L": "i32"},
      {"BLOCK_J": 128}),
@@ -51,16 +56,16 @@ except ImportError:
     print(json.dumps({"skip": "this triton has no ASTSource/GPUTarget compile API"})); sys.exit(0)
 kernels_dir, cases = sys.argv[1], json.loads(sys.argv[2])
 results = {}
-for module, kernel, signature, constexprs in cases:
+for i, (module, kernel, signature, constexprs) in enumerate(cases):
     try:
         spec = importlib.util.spec_from_file_location("_compile_" + module, f"{kernels_dir}/{module}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         src = ASTSource(fn=getattr(mod, kernel), signature={**signature, **{k: "constexpr" for k in constexprs}},
                         constexprs=constexprs)
-        results[kernel] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
-    except Exception as e:  # reported per kernel
-        results[kernel] = f"{type(e).__name__}: {e}"[:2000]
+        results[i] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+    except Exception as e:  # reported per case
+        results[i] = f"{type(e).__name__}: {e}"[:2000]
 print(json.dumps(results))
 """
 
@@ -77,7 +82,10 @@ def compiled():
     return results
 
 
-@pytest.mark.parametrize("kernel", [c[1] for c in CASES])
-def test_kernel_compiles_for_sm90(compiled, kernel):
-    result = compiled[kernel]
+IDS = [f"{c[1]}-{'-'.join(map(str, c[3].values()))}" for c in CASES]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
+def test_kernel_compiles_for_sm90(compiled, case):
+    result = compiled[str(case)]  # json keys are strings
     assert isinstance(result, int) and result > 1000, result  # the cubin's size, or the compiler's error
