@@ -105,10 +105,11 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     work3.mkdir()
     for f in ("prompts.jsonl", "pool.npz"):
         (work3 / f).write_bytes((work / f).read_bytes())
-    main(["--preset", "tiny", "--work", str(work3), "--stages", "drafter", "--set", "round_anchors=0.5",
-          "--target", str(work / "tiny" / "target")])
-    assert json.loads((work3 / "drafter_summary.json").read_text())["steps"] == 6
-    assert len(moved) == 6 and all(m.shape[1] == 1 for m in moved)  # 1 of the tiny preset's 3 anchors
+    main(["--preset", "tiny", "--work", str(work3), "--stages", "drafter", "--set", "variants=round_anchors=0.5",
+          "--target", str(work / "tiny" / "target")])  # an A/B: main (uniform anchors) and the variant
+    summary = json.loads((work3 / "drafter_summary.json").read_text())
+    assert summary["steps"] == 6 and set(summary["variants"]) == {"main", "round_anchors0.5"}
+    assert len(moved) == 6 and all(m.shape[1] == 1 for m in moved)  # the variant's, 1 of the tiny preset's 3
 
 
 def test_shipped_config_sizes():

@@ -363,9 +363,11 @@ def stage_pool(cfg: LabConfig, cache: Path, work: Path, device: torch.device) ->
 # ----------------------------------------------------------------------------- stage: drafter
 
 def parse_variants(cfg: LabConfig) -> dict[str, dict]:
-    """'main' uses the config; each extra variant 'k=v,k=v' overrides gamma/soft_weight/layers/lr."""
+    """'main' uses the config; each extra variant 'k=v,k=v' overrides gamma/soft_weight/layers/lr/
+    round_anchors (e.g. 'round_anchors=0.5' trains a second drafter on the same batches for an A/B)."""
     out = {"main": {"gamma": cfg.gamma, "soft_weight": cfg.soft_weight, "layers": cfg.drafter_layers,
-                    "lr": cfg.drafter_lr, "intermediate": cfg.drafter_intermediate}}
+                    "lr": cfg.drafter_lr, "intermediate": cfg.drafter_intermediate,
+                    "round_anchors": cfg.round_anchors}}
     for spec in filter(None, (s.strip() for s in cfg.variants.split(";"))):
         v = dict(out["main"])
         for kv in spec.split(","):
@@ -408,6 +410,29 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
     return train_drafters(cfg, target, new_drafter, sample, work, device, meta["mask_token_id"],
                           eval_prompts=lambda: load_eval_prompts(cache, tok, cfg.eval_prompts),
                           eos_id=meta["eos_token_id"], pool_desc=f"pool {sum(len(v) for v in pool.values())} seqs")
+
+
+@torch.no_grad()
+def soft_targets(t_logits: torch.Tensor, anchors: torch.Tensor, bs: int) -> torch.Tensor:
+    """The target's logits for block slots 1 … bs-1 of each anchor: [B, S, V] -> [B, A, bs-1, V]
+    (the distribution of token p+k sits at position p+k-1)."""
+    B, S, V = t_logits.shape
+    at = (anchors[..., None] + torch.arange(bs - 1, device=anchors.device)).flatten(1).clamp(max=S - 1)
+    return torch.gather(t_logits, 1, at[..., None].expand(-1, -1, V)).view(B, anchors.shape[1], bs - 1, V)
+
+
+@torch.no_grad()
+def round_start_anchors(target, drafter, seq, hid, anchors, share: float, mask_id: int, lengths):
+    """Train where the engine's rounds start: the last k = share·A anchors (at most half) move to where
+    a round from the first k ends under this drafter, i.e. right after a token it missed."""
+    k = min(int(anchors.shape[1] * share), anchors.shape[1] // 2)
+    if k == 0:
+        return anchors
+    first = anchors[:, :k]
+    with autocast(seq.device):
+        lg, lb = block_logits(target, drafter, seq, hid, first, mask_id, lengths)
+    end = seq.shape[1] if lengths is None else lengths.to(seq.device)
+    return torch.cat([anchors[:, :-k], follow_up_anchors(lg, lb, first, end)], 1)
 
 
 def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.device, mask_id: int,
@@ -457,30 +482,17 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
         seq, anchors, lengths = sample(step, g)
         seq, anchors = seq.to(device), anchors.to(device)
-        S = seq.shape[1]
         with torch.no_grad(), autocast(device):
             t_logits, hid = target.forward_train(seq, hidden_layers=layers)
-            if cfg.round_anchors > 0:
-                # Train where the engine's rounds start: the last k anchors move to where a round from
-                # the first k ends (by the main drafter), i.e. right after a token it missed.
-                k = min(int(anchors.shape[1] * cfg.round_anchors), anchors.shape[1] // 2)
-                first = anchors[:, :k]
-                lg, lb = block_logits(target, next(iter(drafters.values())), seq, hid, first, mask_id, lengths)
-                anchors = torch.cat([anchors[:, :-k], follow_up_anchors(lg, lb, first, S if lengths is None
-                                                                        else lengths.to(device))], 1) if k else anchors
-            soft = None
-            if any(v["soft_weight"] > 0 for v in variants.values()):
-                # The target's distribution for token p+k (k = 1 … bs-1) sits at position p+k-1.
-                at = (anchors[..., None] + torch.arange(bs - 1, device=device)).flatten(1).clamp(max=S - 1)  # [B, A*L]
-                soft = torch.gather(t_logits, 1, at[..., None].expand(-1, -1, t_logits.shape[-1]))
-                soft = soft.view(seq.shape[0], anchors.shape[1], bs - 1, -1)
         for name, d in drafters.items():
             v = variants[name]
             lr = lr_at(step, total or 10**9, cfg.drafter_warmup, v["lr"], 0.05)
             for gr in opts[name].param_groups:
                 gr["lr"] = lr
+            anc = round_start_anchors(target, d, seq, hid, anchors, v["round_anchors"], mask_id, lengths)
+            soft = soft_targets(t_logits, anc, bs) if v["soft_weight"] > 0 else None
             with autocast(device):
-                logits, labels = block_logits(target, d, seq, hid, anchors, mask_id, lengths)
+                logits, labels = block_logits(target, d, seq, hid, anc, mask_id, lengths)
             w = weights if v["gamma"] == cfg.gamma else position_weights(bs, v["gamma"], device)
             try:
                 loss, acc, tau = loss_fn(logits, labels, w, soft, v["soft_weight"])
