@@ -371,13 +371,11 @@ def add_bench_args(p) -> None:
 
 
 def run_bench_cli(args) -> int:
-    if getattr(args, "tree_kernels", "auto") != "auto":
-        from . import tree
+    from . import tree
 
+    if getattr(args, "tree_kernels", "auto") != "auto":
         tree.TREE_KERNELS = args.tree_kernels
     if getattr(args, "tree_build", "auto") != "auto":
-        from . import tree
-
         tree.TREE_BUILD = args.tree_build
     if args.bench == "kernels":
         if not torch.cuda.is_available():
