@@ -334,6 +334,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
                    help="which tree build runs where it takes the beam (sort elsewhere): the torch sort, the "
                         "counting kernels or the one-launch kernel; auto: tree.build_tree's measured choice")
+    p.add_argument("--attn-config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="Triton attention launch choices for the whole run (kernels/tree_attention.py: "
+                        "launch_config), e.g. min_chunk=128 waves=4 num_splits=8")
 
 
 def add_bench_args(p) -> None:
@@ -370,6 +373,20 @@ def add_bench_args(p) -> None:
     f.add_argument("--out", default="outputs/bench/profile.json")
 
 
+ATTN_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "num_splits", "waves", "min_chunk")
+
+
+def parse_attn_config(items: list[str]) -> dict:
+    """['min_chunk=128', 'waves=4'] -> {'min_chunk': 128, 'waves': 4.0}; unknown keys are refused."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in ATTN_CONFIG_KEYS or not value:
+            raise ValueError(f"--attn-config {item!r}: expected KEY=VALUE with KEY one of {', '.join(ATTN_CONFIG_KEYS)}")
+        out[key] = float(value) if key == "waves" else int(value)
+    return out
+
+
 def run_bench_cli(args) -> int:
     from . import tree
 
@@ -377,6 +394,11 @@ def run_bench_cli(args) -> int:
         tree.TREE_KERNELS = args.tree_kernels
     if getattr(args, "tree_build", "auto") != "auto":
         tree.TREE_BUILD = args.tree_build
+    attn_config = parse_attn_config(getattr(args, "attn_config", []))
+    if attn_config:
+        from .kernels.tree_attention import LAUNCH_OVERRIDES
+
+        LAUNCH_OVERRIDES.update(attn_config)
     if args.bench == "kernels":
         if not torch.cuda.is_available():
             raise ValueError("bench kernels needs a CUDA GPU")
@@ -417,6 +439,7 @@ def run_bench_cli(args) -> int:
         result["tree_kernels"] = args.tree_kernels
         result["bench_seconds"] = time.perf_counter() - start
     result["tree_build"] = getattr(args, "tree_build", "auto")
+    result["attn_config"] = attn_config
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
