@@ -6,9 +6,11 @@ drafter's context for those n positions (its own `ctx_len`; the last round's acc
 choice for position n, not yet cached). A round is four fixed-shape stages over static buffers —
 draft, tree_build, verify, commit — with no host synchronisation inside, so the same code runs
 eagerly (CPU, or GPU without graphs) and as captured CUDA graphs (one per stage, replayed; CUDA
-events between the stages time them without a sync). The host reads the new tokens after a round
-to stream text and stop at EOS. DFlash is the same round with topk=1 and budget = block_size-1;
-AR is a one-stage round of the target alone.
+events between the stages time them without a sync). The host reads the new tokens to stream
+text and stop at EOS; on a GPU it reads them one step behind (a copy to pinned memory is started
+after each round and finished after the next is queued), so the GPU never waits for the host, at
+the price of one round computed past the stop and discarded. DFlash is the same round with topk=1
+and budget = block_size-1; AR is a one-stage round of the target alone.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ from .trace import STAGES, GenerationResult, RoundTrace, StageClock
 from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size, use_triton
 
 METHODS = ("ar", "dflash", "ddtree")
+# How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one:
+# None = 1 on CUDA without tracing, else 0 (tests set it to run the lagged loop on the CPU too).
+HOST_READ_LAG: int | None = None
 
 
 class Chooser:
@@ -281,17 +286,20 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     if graphs and device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA device")
     sync_every = 1 if trace else max(1, int(sync_every))
+    lag = 0 if trace else HOST_READ_LAG if HOST_READ_LAG is not None else int(device.type == "cuda")
     stop_ids = set(pair.eos_token_ids if stop is None else stop)
     L = drafter.cfg.block_size - 1 if drafter is not None else 0
     if method == "dflash":
         budget, topk = L, 1
     span = L + 1 if method != "ar" else 1
     max_tree = budget + 1 if method == "ddtree" else span
-    # Room for the last host read's overshoot (sync_every rounds of up to L+1 tokens) and a tree.
-    slack = sync_every * span + max_tree + span + 1
+    # Room for the rounds queued past the last host read (up to (lag + 1) · sync_every rounds of up to
+    # L+1 tokens) and a tree.
+    ahead = (lag + 1) * sync_every
+    slack = ahead * span + max_tree + span + 1
     cache_len = -(-(len(prompt_ids) + max_new_tokens + slack) // 256) * 256
-    out_capacity = max_new_tokens + sync_every * span + span
-    max_rounds = max_new_tokens + sync_every + 1
+    out_capacity = max_new_tokens + ahead * span + span
+    max_rounds = max_new_tokens + ahead + 1
     target.setup_cache(cache_len)
     if drafter is not None:
         drafter.setup_cache(cache_len)
@@ -326,7 +334,13 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     tokens: list[int] = [int(program.out[0])]
     rounds: list[RoundTrace] = []
     n_rounds = 0
+    reads: list = []  # host reads in flight, oldest first, each `sync_every` rounds after the last
     while len(tokens) < max_new_tokens and not stop_ids.intersection(tokens):
+        if reads and len(tokens) + len(reads) * sync_every >= max_new_tokens:
+            # every queued round adds a token at least, so these reach the limit: wait, queue no more
+            tokens = _finish_read(reads[-1])
+            reads.clear()
+            continue
         for _ in range(sync_every):
             clock.round = n_rounds
             position, root = (int(program.n), int(program.bonus)) if trace else (0, 0)
@@ -338,23 +352,31 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
                 rounds.append(program.trace_round(n_rounds, position, root) if method != "ar" else
                               RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus)))
             n_rounds += 1
-        out_len = int(program.out_len)  # the host read: one sync per `sync_every` rounds
-        tokens = program.out[:out_len].tolist()
+        reads.append(_start_read(program))
+        if len(reads) > lag:  # the host waits for the oldest read: one sync per `sync_every` rounds
+            tokens = _finish_read(reads.pop(0))
         clock.mark("other")
+    if reads:  # rounds queued past a stop token: their tokens are trimmed below, their rounds not counted
+        tokens = _finish_read(reads[-1])
 
     wall = time.perf_counter() - start - capture_seconds
+    out, stop_reason = _trim(tokens, max_new_tokens, stop_ids)
+    acceptance = _rounds_needed(program.taus[:n_rounds].tolist(), len(out))
     totals, per_round = clock.resolve()
     totals.pop("capture", None)
     for r in rounds:
         r.stage_seconds = per_round.get(r.index, {})
+    for index, spent in per_round.items():  # rounds past the stop: overhead, not round time
+        if index >= len(acceptance):
+            for stage in (s for s in STAGES if s != "other"):
+                sec = spent.get(stage, 0.0)
+                totals[stage] -= sec
+                totals["other"] += sec
     totals["other"] += max(0.0, wall - sum(totals.values()))
-    acceptance = program.taus[:n_rounds].tolist()
-    produced = len(tokens)
-    out, stop_reason = _trim(tokens, max_new_tokens, stop_ids)
     return GenerationResult(
         method=method, prompt_tokens=prompt_ids, tokens=out, text=pair.decode(out),
         acceptance_lengths=acceptance, stage_seconds={s: totals.get(s, 0.0) for s in STAGES},
-        wall_seconds=wall, trimmed=produced - len(out), stop_reason=stop_reason,
+        wall_seconds=wall, trimmed=1 + sum(acceptance) - len(out), stop_reason=stop_reason,
         settings={"method": method, "budget": budget if method != "ar" else None,
                   "topk": topk, "max_new_tokens": max_new_tokens, "temperature": temperature,
                   "seed": seed, "draft_window": draft_window, "attention": target.attention,
@@ -362,6 +384,36 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
                   "cuda_graphs": graphs, "sync_every": sync_every, "capture_seconds": capture_seconds},
         rounds=rounds, prefill_seconds=prefill_seconds,
     )
+
+
+def _start_read(program: RoundProgram):
+    """Start copying [out_len, out …] to the host; on a GPU asynchronously, into pinned memory."""
+    if program.device.type != "cuda":
+        return torch.cat([program.out_len, program.out]), None
+    host = torch.empty(1 + program.out.shape[0], dtype=torch.long, pin_memory=True)
+    host[:1].copy_(program.out_len, non_blocking=True)
+    host[1:].copy_(program.out, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _finish_read(read) -> list[int]:
+    host, done = read
+    if done is not None:
+        done.synchronize()
+    return host[1:1 + int(host[0])].tolist()
+
+
+def _rounds_needed(taus: list[int], n_tokens: int) -> list[int]:
+    """The rounds that produced the first n_tokens (the prefill emitted one): rounds queued past the
+    stop, or past EOS inside a `sync_every` batch, are not counted."""
+    total = 1
+    for i, a in enumerate(taus):
+        if total >= n_tokens:
+            return taus[:i]
+        total += a
+    return taus
 
 
 def _trim(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], str]:

@@ -59,6 +59,34 @@ def test_stop_token_ends_generation(tiny_pair):
         assert res.tokens == ar.tokens[: first + 1] and res.stop_reason == "stop_token"
 
 
+@pytest.mark.parametrize("lag,sync_every", [(1, 1), (2, 1), (1, 3), (0, 3)])
+def test_lagged_host_reads_give_the_same_result(tiny_pair, monkeypatch, lag, sync_every):
+    """On a GPU the host reads the tokens one step behind while the next round runs; the rounds
+    queued past the stop are computed and discarded. Same tokens, same counted rounds and τ."""
+    from ddtree_lab import decode
+
+    ar = dl.generate(tiny_pair, [3, 4, 5], method="ar", max_new_tokens=30, stop=[])
+    stop_tok = ar.tokens[10]
+    for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 6)):
+        for max_new, stop in ((1, []), (9, []), (30, [stop_tok])):
+            monkeypatch.setattr(decode, "HOST_READ_LAG", 0)
+            want = dl.generate(tiny_pair, [3, 4, 5], method=method, budget=budget, max_new_tokens=max_new,
+                               stop=stop, trace=False)
+            monkeypatch.setattr(decode, "HOST_READ_LAG", lag)
+            got = dl.generate(tiny_pair, [3, 4, 5], method=method, budget=budget, max_new_tokens=max_new,
+                              stop=stop, trace=False, sync_every=sync_every)
+            assert got.tokens == want.tokens and got.stop_reason == want.stop_reason
+            assert got.acceptance_lengths == want.acceptance_lengths, (method, max_new, stop)
+            assert 1 + sum(got.acceptance_lengths) - got.trimmed == len(got.tokens)
+            assert got.stage_seconds["verify"] > 0 or max_new == 1
+    # the length limit is foreseen (a round adds one token at least): AR queues no round past it
+    calls = []
+    monkeypatch.setattr(decode.RoundProgram, "ar_step", lambda self, _real=decode.RoundProgram.ar_step:
+                        calls.append(1) or _real(self))
+    dl.generate(tiny_pair, [3, 4, 5], method="ar", max_new_tokens=9, stop=[], trace=False, sync_every=sync_every)
+    assert len(calls) == -(-8 // sync_every) * sync_every
+
+
 def exact_first_tokens(pair, prompt):
     """P(t1, t2) and the marginal P(t3) of the target at T = 1, by enumeration."""
     target = pair.target
