@@ -26,7 +26,7 @@ from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, 
 
 METHODS = ("ar", "dflash", "ddtree")
 # How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one:
-# None = 1 on CUDA without tracing, else 0 (tests set it to run the lagged loop on the CPU too).
+# None = 1 on CUDA without tracing or profiling, else 0 (tests set it to run the lagged loop on the CPU).
 HOST_READ_LAG: int | None = None
 
 
@@ -286,7 +286,8 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     if graphs and device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA device")
     sync_every = 1 if trace else max(1, int(sync_every))
-    lag = 0 if trace else HOST_READ_LAG if HOST_READ_LAG is not None else int(device.type == "cuda")
+    # profiling synchronises after every stage anyway; a lagged read would only add a round to its counts
+    lag = 0 if trace or profile else HOST_READ_LAG if HOST_READ_LAG is not None else int(device.type == "cuda")
     stop_ids = set(pair.eos_token_ids if stop is None else stop)
     L = drafter.cfg.block_size - 1 if drafter is not None else 0
     if method == "dflash":
