@@ -198,30 +198,43 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
 
 
 def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max_new_tokens: int = 96,
-                  cuda_graphs: bool | None = None, progress=True) -> dict:
-    """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup."""
+                  cuda_graphs: bool | None = None, progress=True, repeats: int = 3) -> dict:
+    """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup.
+
+    Each repeat runs every method over all prompts in turn, so drift (clocks, a busy host) touches
+    all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept)."""
+    import statistics
+
     from .decode import generate
 
     runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    kws = [dict(method=m, budget=b or 16, max_new_tokens=max_new_tokens, trace=False, cuda_graphs=cuda_graphs,
+                stop=[]) for m, b in runs]
     for prompt in prompts:  # every prompt length once, untimed: a compiled model specialises on shapes
         generate(pair, prompt, method="ar", max_new_tokens=2, trace=False, cuda_graphs=cuda_graphs, stop=[])
-    rows = []
-    for method, budget in runs:
-        kw = dict(method=method, budget=budget or 16, max_new_tokens=max_new_tokens, trace=False,
-                  cuda_graphs=cuda_graphs, stop=[])
+    for kw in kws:
         generate(pair, prompts[0], **kw)  # warm-up: kernels compiled, graphs captured
-        tokens, seconds, taus, outputs = 0, 0.0, [], []
-        for prompt in prompts:
-            res = generate(pair, prompt, **kw)
-            tokens += len(res.tokens)
-            seconds += res.wall_seconds
-            taus += res.acceptance_lengths
-            outputs.append(res.tokens)
-        rows.append({"method": method, "budget": budget, "tokens": tokens, "seconds": seconds,
-                     "tokens_per_second": tokens / seconds, "mean_tau": sum(taus) / len(taus),
-                     "outputs": outputs})
+    rows = [{"method": m, "budget": b, "seconds_per_repeat": []} for m, b in runs]
+    for rep in range(max(1, repeats)):
+        for row, kw in zip(rows, kws):
+            tokens, seconds, taus, outputs = 0, 0.0, [], []
+            for prompt in prompts:
+                res = generate(pair, prompt, **kw)
+                tokens += len(res.tokens)
+                seconds += res.wall_seconds
+                taus += res.acceptance_lengths
+                outputs.append(res.tokens)
+            row["seconds_per_repeat"].append(seconds)
+            if rep == 0:  # tokens and τ are the same every repeat (T = 0)
+                row.update(tokens=tokens, mean_tau=sum(taus) / len(taus), outputs=outputs)
+    for row in rows:
+        per_repeat = [row["tokens"] / s for s in row["seconds_per_repeat"]]
+        row["tokens_per_second_per_repeat"] = per_repeat
+        row["tokens_per_second"] = statistics.median(per_repeat)
+        row["seconds"] = statistics.median(row["seconds_per_repeat"])
         if progress:
-            print(f"  {method:6s} budget={budget!s:5s} {tokens / seconds:9.1f} tok/s  tau {sum(taus) / len(taus):.2f}",
+            print(f"  {row['method']:6s} budget={row['budget']!s:5s} {row['tokens_per_second']:9.1f} tok/s "
+                  f"(repeats {min(per_repeat):.0f}–{max(per_repeat):.0f})  tau {row['mean_tau']:.2f}",
                   file=sys.stderr, flush=True)
     ar = rows[0]
     for r in rows:
@@ -232,7 +245,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     for r in rows:
         del r["outputs"]
     best = max(rows[2:], key=lambda r: r["tokens_per_second"]) if len(rows) > 2 else None
-    return {"rows": rows, "best_budget": best and best["budget"]}
+    return {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
 
 
 def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,
@@ -361,6 +374,7 @@ def add_bench_args(p) -> None:
     r.add_argument("--n-prompts", type=int, default=8)
     r.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     r.add_argument("--max-new-tokens", type=int, default=96)
+    r.add_argument("--repeats", type=int, default=3, help="interleaved passes over all methods; tok/s is the median")
     _add_runtime_args(r)
     r.add_argument("--out", default="outputs/bench/prompts.json")
     f = sub.add_parser("profile", help="kernels and GPU time per stage of eager rounds (torch.profiler)")
@@ -417,7 +431,7 @@ def run_bench_cli(args) -> int:
         result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(), "compile": args.compile,
                   "tree_kernels": args.tree_kernels,
                   "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                  **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens)}
+                  **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens, repeats=args.repeats)}
     elif args.bench == "profile":
         pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
         runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]

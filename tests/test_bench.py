@@ -50,8 +50,12 @@ def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
 
 def test_prompts_speedup_and_equality_counts(tmp_path):
     res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "2", "--budgets", "8",
-                "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+                "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa",
+                "--repeats", "3")
     rows = {(r["method"], r["budget"]): r for r in res["rows"]}
+    for r in rows.values():  # the median of three interleaved repeats
+        assert len(r["tokens_per_second_per_repeat"]) == 3 and res["repeats"] == 3
+        assert sorted(r["tokens_per_second_per_repeat"])[1] == r["tokens_per_second"]
     assert set(rows) == {("ar", None), ("dflash", None), ("ddtree", 8)}
     assert rows[("ar", None)]["speedup_over_ar"] == 1.0
     for r in rows.values():  # float32: every method reproduces AR's tokens
