@@ -151,6 +151,17 @@ def test_train_lab_pair_tiny_end_to_end(tiny_run):
                  "--out", str(pair_dir), "--device", "cpu", "--stages", "prepare,target,pool,drafter"]) == 0
 
 
+def test_fast_tau_generates_in_padded_batches_as_alone(tmp_path):
+    from ddtree_lab.checkpoint import load_target
+    from ddtree_lab.lab.evaluate import _greedy_all
+    from ddtree_lab.testing import make_tiny_pair
+    tdir, _ = make_tiny_pair(tmp_path, arch="llama", tokenizer=False)
+    target = load_target(tdir)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
+    for p, seq in zip(prompts, _greedy_all(target, prompts, 10, torch.device("cpu"), batch=2)):
+        assert torch.equal(seq, greedy_extend(target, torch.tensor([p]), 10))
+
+
 def test_fast_tau_matches_engine(tiny_run):
     """The batched τ simulation used during training agrees with the engine's decoding loop."""
     import ddtree_lab as dl

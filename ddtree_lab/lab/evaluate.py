@@ -75,6 +75,23 @@ class TauResult:
 
 
 @torch.no_grad()
+def _greedy_all(target, prompts: list[list[int]], n_new: int, device, batch: int = 64):
+    """Each prompt + its greedy continuation of n_new tokens ([1, P + n_new] each), generated in
+    left-padded batches (a padded row gets the tokens it gets alone)."""
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        lens = torch.tensor([len(p) for p in chunk], device=device)
+        P = int(lens.max())
+        x = torch.zeros(len(chunk), P, dtype=torch.long, device=device)
+        for r, p in enumerate(chunk):
+            x[r, P - len(p):] = torch.tensor(p, device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = greedy_extend(target, x, n_new, prompt_lens=lens if len(set(lens.tolist())) > 1 else None)
+        for r, p in enumerate(chunk):
+            yield torch.cat([out[r, P - len(p):P], out[r, P:]])[None]
+
+
+@torch.no_grad()
 def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets=(16, 64, 256),
              eos_id: int | None = None, device=None) -> TauResult:
     """τ of DFlash and DDTree(budget) per round at T = 0, simulated on the greedy sequence."""
@@ -87,10 +104,9 @@ def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets
     layers = list(drafter.cfg.target_layer_ids)
     methods = ["dflash"] + [f"ddtree{b}" for b in budgets]
     res = TauResult({m: [] for m in methods}, {m: [] for m in methods})
-    for ids in prompts:
+    for ids, seq in zip(prompts, _greedy_all(target, prompts, n_new + bs, device)):
         P = len(ids)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            seq = greedy_extend(target, torch.tensor([ids], device=device), n_new + bs)  # [1, S]
             _, hid = target.forward_train(seq, hidden_layers=layers)
             anchors = torch.arange(P, P + n_new, device=device)[None]  # a round can start anywhere here
             logits, _ = block_logits(target, drafter, seq, hid, anchors, mask_id)  # [1, A, L, V]
