@@ -105,8 +105,13 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     work3.mkdir()
     for f in ("prompts.jsonl", "pool.npz"):
         (work3 / f).write_bytes((work / f).read_bytes())
+    loaded = []
+    real_load = lab_train.load_weights
+    monkeypatch.setattr(lab_train, "load_weights", lambda d, path: loaded.append(path) or real_load(d, path))
     main(["--preset", "tiny", "--work", str(work3), "--stages", "drafter", "--set", "variants=round_anchors=0.5",
+          "--set", f"drafter_init={work / 'drafter_final.safetensors'}",
           "--target", str(work / "tiny" / "target")])  # an A/B: main (uniform anchors) and the variant
+    assert len(loaded) == 2  # both start from the same weights
     summary = json.loads((work3 / "drafter_summary.json").read_text())
     assert summary["steps"] == 6 and set(summary["variants"]) == {"main", "round_anchors0.5"}
     assert len(moved) == 6 and all(m.shape[1] == 1 for m in moved)  # the variant's, 1 of the tiny preset's 3

@@ -87,7 +87,7 @@ class LabConfig:
     compile_loss: bool = True             # on CUDA, torch.compile the loss (see train_drafters)
     round_anchors: float = 0.0            # share of anchors (≤ 0.5) moved to where a round from another would end
     variants: str = "soft_weight=0.5"     # extra drafters trained on the same batches, ';'-separated
-    drafter_init: str = ""                # warm start the main drafter: a DFlash dir or a work-dir safetensors
+    drafter_init: str = ""                # warm start (every variant of main's shape): a DFlash dir or a work-dir safetensors
     target_from: str = ""                 # use this HF target dir when the work dir has no trained target
     # evaluation
     eval_prompts: int = 16                # per set, for the quick τ during training
@@ -449,13 +449,14 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
         torch.manual_seed(cfg.seed + 100 + i)
         d = new_drafter(v["layers"], v["intermediate"])
         init_weights(d, v["layers"])
-        if name == "main" and cfg.drafter_init:
+        same_shape = (v["layers"], v["intermediate"]) == (variants["main"]["layers"], variants["main"]["intermediate"])
+        if cfg.drafter_init and same_shape:  # an A/B of settings starts every drafter from the same weights
             if Path(cfg.drafter_init).is_dir():  # a DFlash checkpoint, e.g. the shipped drafter
                 from ..checkpoint import load_drafter
                 d.load_state_dict(load_drafter(cfg.drafter_init).state_dict())
             else:
                 load_weights(d, Path(cfg.drafter_init))
-            log(f"drafter: main variant starts from {cfg.drafter_init}")
+            log(f"drafter: variant {name} starts from {cfg.drafter_init}")
         drafters[name] = d.to(device).train()
         opts[name] = optimizer(drafters[name], v["lr"], 0.01, device)
     state_path = work / "drafter_state.pt"
