@@ -7,9 +7,9 @@ choice for position n, not yet cached). A round is four fixed-shape stages over 
 draft, tree_build, verify, commit — with no host synchronisation inside, so the same code runs
 eagerly (CPU, or GPU without graphs) and as captured CUDA graphs (one per stage, replayed; CUDA
 events between the stages time them without a sync). The host reads the new tokens to stream
-text and stop at EOS; on a GPU it reads them one step behind (a copy to pinned memory is started
-after each round and finished after the next is queued), so the GPU never waits for the host, at
-the price of one round computed past the stop and discarded. DFlash is the same round with topk=1
+text and stop at EOS, either after each round or one step behind (HOST_READ_LAG: a copy to pinned
+memory is started after each round and finished after the next is queued, so the GPU need not wait
+for the host, at the price of a round computed past a stop token and discarded). DFlash is the same round with topk=1
 and budget = block_size-1; AR is a one-stage round of the target alone.
 """
 from __future__ import annotations
@@ -25,9 +25,10 @@ from .trace import STAGES, GenerationResult, RoundTrace, StageClock
 from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size, use_triton
 
 METHODS = ("ar", "dflash", "ddtree")
-# How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one:
-# None = 1 on CUDA without tracing or profiling, else 0 (tests set it to run the lagged loop on the CPU).
-HOST_READ_LAG: int | None = None
+# How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one
+# (never while tracing or profiling). 1 keeps the next round queued while the host reads; it stays 0 by
+# default until a GPU run has timed it (`ddtree-lab bench ... --host-read-lag 1`).
+HOST_READ_LAG: int = 0
 
 
 class Chooser:
@@ -287,7 +288,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         raise ValueError("cuda_graphs=True needs a CUDA device")
     sync_every = 1 if trace else max(1, int(sync_every))
     # profiling synchronises after every stage anyway; a lagged read would only add a round to its counts
-    lag = 0 if trace or profile else HOST_READ_LAG if HOST_READ_LAG is not None else int(device.type == "cuda")
+    lag = 0 if trace or profile else HOST_READ_LAG
     stop_ids = set(pair.eos_token_ids if stop is None else stop)
     L = drafter.cfg.block_size - 1 if drafter is not None else 0
     if method == "dflash":

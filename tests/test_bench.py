@@ -113,19 +113,24 @@ def test_device_kernels_go_to_the_stage_running_when_they_start():
 
 
 def test_attention_launch_choices_for_a_whole_run(tmp_path, tiny_dir, monkeypatch):
-    """--attn-config sets Triton attention's launch choices process-wide; a per-call config still wins."""
+    """--attn-config sets Triton attention's launch choices process-wide (a per-call config still wins);
+    --host-read-lag the decoding loop's."""
     import importlib
 
     from ddtree_lab.bench import parse_attn_config
     ta = importlib.import_module("ddtree_lab.kernels.tree_attention")  # the package exports a same-named function
 
     monkeypatch.setattr(ta, "LAUNCH_OVERRIDES", {})
+    from ddtree_lab import decode
+    monkeypatch.setattr(decode, "HOST_READ_LAG", 0)
     assert parse_attn_config(["min_chunk=128", "waves=4"]) == {"min_chunk": 128, "waves": 4.0}
     with pytest.raises(ValueError, match="min_chunks=1"):
         parse_attn_config(["min_chunks=1"])
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
-                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--attn-config", "num_splits=3")
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--attn-config", "num_splits=3",
+                "--host-read-lag", "1")
     assert res["attn_config"] == {"num_splits": 3} and ta.LAUNCH_OVERRIDES == {"num_splits": 3}
+    assert res["host_read_lag"] == 1 and decode.HOST_READ_LAG == 1
     cpu = torch.device("cpu")
     assert ta.launch_config(1, 4, 64, 4096, 8, cpu)["num_splits"] == 3
     assert ta.launch_config(1, 4, 64, 4096, 8, cpu, {"num_splits": 2})["num_splits"] == 2
