@@ -30,6 +30,21 @@ def test_training_prompts_distinct_and_not_heldout():
     assert train_prompts.build(50, seed=1) != rows[:50]
 
 
+def test_prompt_versions():
+    """Version 1 stays what made the shipped pool; version 2 adds kinds of request, under the same rules."""
+    import hashlib
+    assert hashlib.sha256(json.dumps(train_prompts.build(2000, seed=0)).encode()).hexdigest()[:16] == "f92dff371a0c9830"
+    rows = train_prompts.build(8000, seed=0, version=2)
+    texts = [train_prompts._norm(r["messages"][0]["content"]) for r in rows]
+    assert len(set(texts)) == 8000 and not set(texts) & train_prompts.heldout_messages()
+    assert {r["kind"] for r in rows} == {"chat", "code", "math", "reasoning"}
+    joined = " ".join(r["messages"][0]["content"] for r in rows)
+    assert "SQL query" in joined and "email" in joined and "git " in joined  # the new kinds are drawn
+    assert train_prompts.build(50, seed=0, version=2) == rows[:50]
+    with pytest.raises(ValueError, match="prompt version 3"):
+        train_prompts.build(5, version=3)
+
+
 def test_left_padded_generation_equals_alone(tmp_path):
     from ddtree_lab.checkpoint import load_target
     from ddtree_lab.lab.dflash import greedy_extend

@@ -36,6 +36,7 @@ class SmolConfig:
     preset: str = "smollm2"
     seed: int = 0
     n_prompts: int = 32000                # distinct training user messages (a big pool: see docs/lab_pair.md)
+    prompt_version: int = 1               # train_prompts template set: 1 made the shipped pool, 2 adds kinds
     # pool: the target's greedy responses
     gen_len: int = 192                    # new tokens at most per response (the card measures 128)
     gen_batch: int = 2048                 # rows per batched greedy generation (KV cache ~13 GB at 2048 x 267)
@@ -162,7 +163,7 @@ def heldout_ids(encode, n: int) -> list[list[int]]:
 
 def stage_prepare(cfg: SmolConfig, tdir: Path, work: Path) -> dict:
     _, encode, _ = tokenizer_and_chat(tdir)
-    rows = train_prompts.build(cfg.n_prompts, cfg.seed)
+    rows = train_prompts.build(cfg.n_prompts, cfg.seed, cfg.prompt_version)
     lens = []
     tmp = work / "prompts.jsonl.tmp"
     ids = encode.many([r["messages"][0]["content"] for r in rows])
@@ -173,7 +174,7 @@ def stage_prepare(cfg: SmolConfig, tdir: Path, work: Path) -> dict:
             f.write(json.dumps(r) + "\n")
     tmp.replace(work / "prompts.jsonl")
     kinds = {k: sum(r["kind"] == k for r in rows) for k, *_ in train_prompts.KINDS}
-    info = {"prompts": len(rows), "kinds": kinds, "prompt_tokens": {"min": min(lens), "mean": float(np.mean(lens)),
+    info = {"prompts": len(rows), "prompt_version": cfg.prompt_version, "kinds": kinds, "prompt_tokens": {"min": min(lens), "mean": float(np.mean(lens)),
                                                                      "max": max(lens)}}
     (work / "prepare_summary.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"prepare: {len(rows)} prompts {kinds}, prompt tokens {info['prompt_tokens']}")

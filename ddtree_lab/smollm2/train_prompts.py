@@ -211,6 +211,130 @@ def _code(r: random.Random) -> str:
 
 KINDS = [("chat", _chat, 0.36), ("code", _code, 0.32), ("math", _math, 0.22), ("reasoning", _reasoning, 0.10)]
 
+# ---------------------------------------------------------------- version 2: more kinds of request
+# Version 1 (above) made the shipped drafter's pool. Its templates x topics run out of distinct chat and
+# code messages (at 200k prompts half are math) and leave out whole kinds that users ask for: emails and
+# notes, names, how-to questions, differences, SQL, shell and git. Version 2 adds them; the numbers and
+# topics are drawn, and none equals a held-out prompt (build() checks).
+PEOPLE = ["my neighbour", "my manager", "a colleague", "my landlord", "my teacher", "a client", "my best friend",
+          "my team", "my grandmother", "a new classmate", "the school principal", "my coach"]
+EVENTS = ["a team lunch on Friday", "a project meeting next week", "a book club evening", "a charity run",
+          "a birthday dinner", "a study group on Sunday", "a welcome party for new staff", "a picnic in the park",
+          "a board game night", "a small farewell party", "a neighbourhood clean-up day", "a quiz night"]
+FAVOURS = ["help them move house", "work late on Friday", "lend them my car", "join a committee",
+           "organise the office party", "look after their dog for a week", "give a talk at short notice"]
+BUSINESSES = ["a small coffee shop", "a bicycle repair shop", "a dog grooming salon", "a plant nursery",
+              "a second-hand bookshop", "a food truck selling tacos", "a yoga studio", "a tutoring service",
+              "a cleaning company", "a podcast about science", "a family-run pizzeria", "a board game cafe"]
+TRIPS = ["a weekend at the beach", "a week of skiing", "a business trip to a rainy city", "a three-day camping trip",
+         "a long train journey", "a summer music festival", "a visit to my grandparents", "a city break in winter"]
+STORIES = ["Cinderella", "The Three Little Pigs", "Goldilocks and the Three Bears", "The Tortoise and the Hare",
+           "Jack and the Beanstalk", "Hansel and Gretel", "The Ugly Duckling", "Snow White", "Pinocchio"]
+DECISIONS = ["buying a house", "changing jobs", "starting a small business", "going back to university",
+             "moving abroad", "buying an electric car", "getting a gym membership", "renting a flat with friends"]
+PAIRS = [("a virus", "a bacterium"), ("speed", "velocity"), ("a lake", "a sea"), ("baking soda", "baking powder"),
+         ("a crocodile", "an alligator"), ("a fruit", "a vegetable"), ("a comet", "an asteroid"),
+         ("empathy", "sympathy"), ("a loan", "a grant"), ("a frog", "a toad"), ("mass", "weight"),
+         ("a hurricane", "a tornado"), ("a republic", "a monarchy"), ("an alloy", "a compound")]
+PLACES = ["Paris", "Tokyo", "a small mountain village", "the seaside", "a national park", "New York", "Rome",
+          "a farm", "Barcelona", "a lakeside cabin", "London", "a desert oasis"]
+THINGS = ["a reusable water bottle", "noise-cancelling headphones", "a handmade wooden chair", "a solar-powered lamp",
+          "a backpack for students", "a smart thermostat", "a folding bicycle", "a ceramic teapot"]
+DISHES = ["vegetable soup", "pancakes", "tomato pasta", "guacamole", "banana bread", "fried rice",
+          "fruit salad", "lentil curry", "an omelette", "hummus"]
+HABITS = ["walking every day", "drinking enough water", "reading before bed", "meditating for ten minutes",
+          "cooking at home", "keeping a gratitude journal", "stretching in the morning", "learning one new word a day"]
+CHAT_TEMPLATES_2 = [
+    "Write a short, polite email to {person} about {event}.", "Write a friendly message inviting {person} to {event}.",
+    "How do I politely say no when {person} asks me to {favour}?", "Suggest {k} names for {business}.",
+    "Give me a packing list for {trip}.", "Summarize the story of {story} in {k} sentences.",
+    "What should I consider before {decision}?", "Explain the difference between {a} and {b}.",
+    "Write a thank-you note to {person}.", "Describe a perfect day in {place}.",
+    "What are {k} fun things to do in {place}?", "Write a short product description for {thing}.",
+    "Give me a simple recipe for {dish}.", "What are the benefits of {habit}?",
+    "Write a short apology to {person} for missing {event}.", "Why do people enjoy {topic}?",
+    "Write a slogan for {business}.", "What is the best way to start {habit}?",
+    "Tell me a short bedtime story set in {place}.", "Give me {k} questions to ask {person} at {event}.",
+]
+HOWTOS = ["read a text file line by line", "sort a list of numbers", "get the current date and time",
+          "convert a string to a number", "check if a key exists in a dictionary", "make an HTTP request",
+          "split a string by commas", "remove an item from a list", "write data to a JSON file",
+          "measure how long a function takes", "join a list of strings", "generate a random number",
+          "copy a file", "check whether a file exists", "loop over a dictionary", "round a number to two decimals"]
+CODE_PAIRS = [("a class", "an object"), ("a function", "a method"), ("a set", "a list"), ("break", "continue"),
+              ("a shallow copy", "a deep copy"), ("an array", "a linked list"), ("a process", "a thread"),
+              ("compile time", "run time"), ("a stack", "a queue"), ("an interface", "an abstract class")]
+SQL_TASKS = ["counts the customers in each city", "finds the products that cost more than 100",
+             "returns the average salary per department", "lists the employees hired in 2020",
+             "deletes the rows with an empty email", "joins the orders and customers tables on customer_id",
+             "finds duplicate email addresses in a users table", "updates the price of the product with id 7",
+             "returns the five best-selling products", "counts the orders placed each month"]
+SHELL_TASKS = ["counts the lines in every .py file in a folder", "renames all .jpeg files to .jpg",
+               "shows the ten largest files in a directory", "prints the lines of a log file that contain ERROR",
+               "deletes files older than 30 days", "shows how much disk space is free",
+               "lists the running processes that use the most memory", "downloads a file from a URL",
+               "compresses a folder into a .tar.gz archive", "replaces a word in every .txt file"]
+GIT_COMMANDS = ["git status", "git pull", "git log --oneline", "git stash", "git branch -d", "git rebase",
+                "git diff", "git clone", "git reset --hard", "git checkout -b", "git merge", "git tag"]
+CLASSES = [("Queue", "enqueue, dequeue and size"), ("BankAccount", "deposit, withdraw and balance"),
+           ("Counter", "increment, decrement and reset"), ("Rectangle", "area, perimeter and scale"),
+           ("TodoList", "add, remove and list_items"), ("Timer", "start, stop and elapsed"),
+           ("Library", "add_book, borrow and return_book"), ("Temperature", "to_celsius and to_fahrenheit")]
+CODE_TEMPLATES_2 = [
+    "How do I {howto} in {lang}?", "What is the difference between {a} and {b} in {lang}?",
+    "Write a SQL query that {sql}.", "Write a shell command that {shell}.", "What does the command '{git}' do?",
+    "Write a {lang} class called {cls} with {methods} methods.", "Explain what '{git}' does and when to use it.",
+    "Show me how to {howto} in {lang}, with a short explanation.",
+]
+
+
+def _chat_2(r: random.Random) -> str:
+    if r.random() < 0.4:
+        return _chat(r)
+    a, b = r.choice(PAIRS)
+    text = r.choice(CHAT_TEMPLATES_2).format(
+        person=r.choice(PEOPLE), event=r.choice(EVENTS), favour=r.choice(FAVOURS), k=r.randint(3, 7),
+        business=r.choice(BUSINESSES), trip=r.choice(TRIPS), story=r.choice(STORIES), decision=r.choice(DECISIONS),
+        a=a, b=b, place=r.choice(PLACES), thing=r.choice(THINGS), dish=r.choice(DISHES), habit=r.choice(HABITS),
+        topic=r.choice(CHAT_TOPICS))
+    return text + " " + r.choice(SUFFIXES) if r.random() < 0.3 else text
+
+
+def _code_2(r: random.Random) -> str:
+    if r.random() < 0.5:
+        return _code(r)
+    a, b = r.choice(CODE_PAIRS)
+    cls, methods = r.choice(CLASSES)
+    text = r.choice(CODE_TEMPLATES_2).format(
+        howto=r.choice(HOWTOS), lang=r.choice(LANGS[:4] if r.random() < 0.6 else LANGS), a=a, b=b,
+        sql=r.choice(SQL_TASKS), shell=r.choice(SHELL_TASKS), git=r.choice(GIT_COMMANDS), cls=cls, methods=methods)
+    return text + " " + r.choice(SUFFIXES[:4] + SUFFIXES[8:10]) if r.random() < 0.3 else text
+
+
+def _math_2(r: random.Random) -> str:
+    if r.random() < 0.6:
+        return _math(r)
+    a, b, c = r.randint(2, 60), r.randint(2, 60), r.randint(3, 12)
+    g = r.randint(2, 9)
+    price = r.choice(["1.50", "2.25", "3.75", "4.20", "0.80", "6.50"])
+    kinds = [
+        lambda: f"Simplify the fraction {a * g}/{b * g}.",
+        lambda: f"What is the sum of the interior angles of a polygon with {c} sides?",
+        lambda: f"If I buy {c} {r.choice(ITEMS)} at ${price} each and pay with a $50 bill, how much change do I get?",
+        lambda: f"What is the square root of {a * a}, and why?",
+        lambda: f"Convert {c}.{r.choice([25, 5, 75])} hours into hours and minutes.",
+        lambda: f"What is the area of a circle with radius {c} cm? Use pi = 3.14.",
+        lambda: f"A rectangle has a perimeter of {2 * (a + b)} cm and a width of {b} cm. What is its length?",
+        lambda: f"What is {a}% of {b * 10}, rounded to one decimal place?",
+        lambda: f"A shop sells {a} items on Monday and {b} more on Tuesday than on Monday. How many in total?",
+        lambda: f"Order these numbers from smallest to largest: {a / 10}, {b}, {c / 4}, {a}.",
+    ]
+    return r.choice(kinds)()
+
+
+KINDS_2 = [("chat", _chat_2, 0.38), ("code", _code_2, 0.32), ("math", _math_2, 0.20), ("reasoning", _reasoning, 0.10)]
+PROMPT_VERSIONS = {1: KINDS, 2: KINDS_2}
+
 
 def _norm(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
@@ -226,17 +350,20 @@ def heldout_messages() -> set[str]:
     return out
 
 
-def build(n: int = 6000, seed: int = 0) -> list[dict]:
-    """-> n rows {"id", "kind", "messages"}: distinct single-turn chats, none equal to a held-out prompt."""
+def build(n: int = 6000, seed: int = 0, version: int = 1) -> list[dict]:
+    """-> n rows {"id", "kind", "messages"}: distinct single-turn chats, none equal to a held-out prompt.
+    version: the template set (PROMPT_VERSIONS); 1 made the shipped drafter's pool."""
+    if version not in PROMPT_VERSIONS:
+        raise ValueError(f"prompt version {version} is not one of {sorted(PROMPT_VERSIONS)}")
     r = random.Random(seed)
     banned, seen, rows = heldout_messages(), set(), []
-    names, fns, weights = zip(*KINDS)
+    names, fns, weights = zip(*PROMPT_VERSIONS[version])
     tries = 0
     while len(rows) < n:
         tries += 1
         if tries > 50 * n:
             raise ValueError(f"only {len(rows)} distinct training prompts could be composed, asked for {n}")
-        k = r.choices(range(len(KINDS)), weights)[0]
+        k = r.choices(range(len(fns)), weights)[0]
         text = fns[k](r)
         key = _norm(text)
         if key in seen or key in banned:
@@ -246,4 +373,4 @@ def build(n: int = 6000, seed: int = 0) -> list[dict]:
     return rows
 
 
-__all__ = ["build", "heldout_messages", "KINDS"]
+__all__ = ["build", "heldout_messages", "KINDS", "KINDS_2", "PROMPT_VERSIONS"]
