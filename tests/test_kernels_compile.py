@@ -16,6 +16,12 @@ pytest.importorskip("triton")
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
+FUSED_TREE_SIGNATURE = {
+    "TopLp": "*fp32", "TopTok": "*i64", "CandSlot": "*i64", "CandRank": "*i64", "BeamScore": "*fp32",
+    "BeamSlot": "*i32", "BeamRank": "*i32", "NodeOf": "*i32", "Tokens": "*i64", "Depths": "*i64",
+    "Parents": "*i64", "Scores": "*fp32", "Logprobs": "*fp32", "Ranks": "*i64", "L": "i32", "W": "i32",
+    "K": "i32", "M": "i32", "n": "i32"}
+
 CASES = [
     ("tree_build", "_beam_step_kernel",
      {"Prev": "*fp32", "Lp": "*fp32", "CandSlot": "*i64", "CandRank": "*i64", "OutScore": "*fp32",
@@ -25,15 +31,9 @@ CASES = [
       "Depths": "*i64", "Parents": "*i64", "Scores": "*fp32", "Logprobs": "*fp32", "Ranks": "*i64",
       "L": "i32", "W": "i32", "K": "i32", "n": "i32"}, {"BLOCK_E": 64, "BLOCK_W": 64}),
     ("tree_build", "_fused_tree_kernel",
-     {"TopLp": "*fp32", "TopTok": "*i64", "CandSlot": "*i64", "CandRank": "*i64", "BeamScore": "*fp32",
-      "BeamSlot": "*i32", "BeamRank": "*i32", "NodeOf": "*i32", "Tokens": "*i64", "Depths": "*i64",
-      "Parents": "*i64", "Scores": "*fp32", "Logprobs": "*fp32", "Ranks": "*i64", "L": "i32", "W": "i32",
-      "K": "i32", "M": "i32", "n": "i32"}, {"BLOCK_M": 512, "BLOCK_W": 64, "BLOCK_G": 1024}),
+     FUSED_TREE_SIGNATURE, {"BLOCK_M": 512, "BLOCK_W": 64, "BLOCK_G": 1024}),
     ("tree_build", "_fused_tree_kernel",  # the widest beam it takes: 15 depths x 256
-     {"TopLp": "*fp32", "TopTok": "*i64", "CandSlot": "*i64", "CandRank": "*i64", "BeamScore": "*fp32",
-      "BeamSlot": "*i32", "BeamRank": "*i32", "NodeOf": "*i32", "Tokens": "*i64", "Depths": "*i64",
-      "Parents": "*i64", "Scores": "*fp32", "Logprobs": "*fp32", "Ranks": "*i64", "L": "i32", "W": "i32",
-      "K": "i32", "M": "i32", "n": "i32"}, {"BLOCK_M": 2048, "BLOCK_W": 256, "BLOCK_G": 4096}),
+     FUSED_TREE_SIGNATURE, {"BLOCK_M": 2048, "BLOCK_W": 256, "BLOCK_G": 4096}),
     ("tree_walk", "_masks_kernel",
      {"Parents": "*i64", "Anc": "*i8", "Bits": "*i32", "T": "i32", "n_words": "i32", "L": "i32"},
      {"BLOCK_J": 128}),
