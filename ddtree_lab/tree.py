@@ -85,10 +85,9 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
 FUSED_MAX_WIDTH = 256     # kernels/tree_build.py: one program sorts all L·W beam entries in registers
-# The default uses counting only where it beats the sort: on the H200 (random:qwen3-8b, compiled) the
-# tree build took 0.29 ms counting vs 0.47 sorting at budget 16, but 1.12 vs 0.67 at 64 and 2.72 vs 0.70
-# at 128 (docs/performance.md).
-COUNTING_DEFAULT_MAX_WIDTH = 16
+# The default is the one-launch build wherever it takes the beam: on the H200 (random:qwen3-8b, compiled,
+# 15 depths) it took 0.15 / 0.22 / 0.27 / 0.67 ms at budgets 16 / 64 / 128 / 256, against 0.29 / 0.63 / 0.65
+# / 0.71 for the torch sort; the counting build took 0.29 / 1.12 / 2.72 (docs/performance.md).
 # Which build the default picks, for comparing them (`bench --tree-build`): "sort", "count" or "fused"
 # wherever that build takes the beam (the sort elsewhere), or None for the measured choice above.
 TREE_BUILD: str | None = None
@@ -110,8 +109,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
 
     method: "sort" (torch, this function, any size), "count" (kernels/tree_build.py, beams up to 128
     wide: the same tree in L + 1 launches) or "fused" (the same, one launch, beams up to 256 wide).
-    Default: TREE_BUILD if set; else "count" where `use_triton` says so and the beam is at most
-    COUNTING_DEFAULT_MAX_WIDTH wide, else "sort"."""
+    Default: TREE_BUILD if set; else "fused" where `use_triton` says so and the beam fits, else "sort"."""
     check_budget(budget, topk)
     L, V = draft_logits.shape
     K = min(topk or budget, budget, V)
@@ -129,7 +127,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
         if TREE_BUILD is not None:
             method = TREE_BUILD if fits.get(TREE_BUILD, True) else "sort"
         else:
-            method = "count" if W <= COUNTING_DEFAULT_MAX_WIDTH and fits["count"] and use_triton(device) else "sort"
+            method = "fused" if fits["fused"] and use_triton(device) else "sort"
     if method in widest:
         if not fits[method]:
             raise ValueError(f"build_tree(method={method!r}) takes beams up to {widest[method]} wide, not {W}")
