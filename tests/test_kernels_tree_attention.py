@@ -131,6 +131,19 @@ def test_split_and_tile_variants(splits, block_n):
     check(out, ref, torch.float32)
 
 
+def test_gpu_launch_config_splits_one_query_finer(monkeypatch):
+    # The compiled path's choice, read without a GPU: an AR step (one query) splits the committed context
+    # into 64-slot chunks, a tree keeps 512-slot chunks (docs/performance.md measured both).
+    monkeypatch.setattr(ta, "_interpret", lambda: False)
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(ta, "LAUNCH_OVERRIDES", {})
+    one = ta.launch_config(1, 4, 128, 768, 8, torch.device("cpu"))
+    tree = ta.launch_config(64, 4, 128, 768, 8, torch.device("cpu"))
+    assert (one["min_chunk"], one["num_splits"]) == (64, 12)
+    assert (tree["min_chunk"], tree["num_splits"]) == (512, 2)
+    assert ta.launch_config(1, 4, 128, 768, 8, torch.device("cpu"), {"min_chunk": 256})["num_splits"] == 3
+
+
 @pytest.mark.parametrize("block_m", [16, 128])
 def test_block_m_variants(block_m):
     gen = torch.Generator().manual_seed(block_m)
