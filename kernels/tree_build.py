@@ -158,10 +158,17 @@ def _fused_tree_kernel(TopLp, TopTok, CandSlot, CandRank, BeamScore, BeamSlot, B
     tl.store(Ranks + gs, rank.to(tl.int64), mask=take)
 
 
+def fused_num_warps(block_g: int) -> int:
+    """Warps for the one program: its sorts are all the work, so wider sorts want more threads. H200, 15
+    depths (python -m kernels.bench_tree_build): W 64 (block 1024) 68 / 45 / 47 / 96 µs at 4 / 8 / 16 / 32
+    warps; W 128 (2048) 191 / 126 / 107 / 111; W 256 (4096) 505 / 459 / 331 / 288."""
+    return 8 if block_g <= 1024 else 16 if block_g <= 2048 else 32
+
+
 def fused_tree(top_lp: torch.Tensor, top_tok: torch.Tensor, W: int, n: int,
-               cand_slot: torch.Tensor, cand_rank: torch.Tensor):
+               cand_slot: torch.Tensor, cand_rank: torch.Tensor, num_warps: int | None = None):
     """As `beam_tree`, in one launch (`tree.FUSED_MAX_WIDTH` bounds the beam: every L·W entry is one
-    program's register)."""
+    program's register). num_warps: default `fused_num_warps`."""
     L, K = top_lp.shape
     device = top_lp.device
     M = cand_slot.shape[0]
@@ -174,7 +181,7 @@ def fused_tree(top_lp: torch.Tensor, top_tok: torch.Tensor, W: int, n: int,
     _fused_tree_kernel[(1,)](top_lp.float().contiguous(), top_tok.contiguous(), cand_slot, cand_rank, *scratch,
                              *out, L, W, K, M, n, BLOCK_M=max(16, triton.next_power_of_2(M)),
                              BLOCK_W=max(16, triton.next_power_of_2(W)), BLOCK_G=BLOCK_G,
-                             num_warps=8 if BLOCK_G >= 2048 else 4)
+                             num_warps=num_warps or fused_num_warps(BLOCK_G))
     return tuple(out)
 
 

@@ -93,3 +93,14 @@ def test_decoding_with_the_tree_kernels_matches_ar(tiny_dirs, monkeypatch, build
         res = dl.generate(pair, prompt, method="ddtree", budget=budget, max_new_tokens=12)
         assert res.tokens == ar.tokens
         assert all(r.tree is not None and len(r.tree) == budget for r in res.rounds)
+
+
+def test_fused_build_benchmark_checks_every_warp_count():
+    # The benchmark's own check: the tree must not depend on num_warps (interpreted here, timed on a GPU).
+    from ddtree_lab.kernels.bench_tree_build import bench_fused_tree
+    from ddtree_lab.kernels.tree_build import fused_num_warps
+
+    rows = bench_fused_tree(widths=(8, 16), warps=(4, 8), depth=4, vocab=300, device=DEVICE, reps=2)
+    assert [(r["width"], r["num_warps"]) for r in rows] == [(8, 4), (8, 8), (16, 4), (16, 8)]
+    assert all(r["same_as_sort"] and r["us"] > 0 for r in rows)
+    assert [fused_num_warps(b) for b in (16, 1024, 2048, 4096)] == [8, 8, 16, 32]
