@@ -347,8 +347,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
                    help="which tree build runs where it takes the beam (sort elsewhere): the torch sort, the "
                         "counting kernels or the one-launch kernel; auto: tree.build_tree's measured choice")
-    p.add_argument("--host-read-lag", type=int, default=0,
-                   help="host reads in flight before it waits (decode.HOST_READ_LAG): 1 keeps the next round queued")
+    p.add_argument("--host-read-lag", type=int, default=None,
+                   help="host reads in flight before it waits (default decode.HOST_READ_LAG = 1: the next round "
+                        "stays queued); 0 reads after each round")
     p.add_argument("--attn-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Triton attention launch choices for the whole run (kernels/tree_attention.py: "
                         "launch_config), e.g. min_chunk=128 waves=4 num_splits=8")
@@ -412,7 +413,8 @@ def run_bench_cli(args) -> int:
         tree.TREE_BUILD = args.tree_build
     from . import decode
 
-    decode.HOST_READ_LAG = max(0, getattr(args, "host_read_lag", 0))
+    if getattr(args, "host_read_lag", None) is not None:
+        decode.HOST_READ_LAG = max(0, args.host_read_lag)
     attn_config = parse_attn_config(getattr(args, "attn_config", []))
     if attn_config:
         from .kernels.tree_attention import LAUNCH_OVERRIDES

@@ -26,9 +26,10 @@ from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, 
 
 METHODS = ("ar", "dflash", "ddtree")
 # How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one
-# (never while tracing or profiling). 1 keeps the next round queued while the host reads; it stays 0 by
-# default until a GPU run has timed it (`ddtree-lab bench ... --host-read-lag 1`).
-HOST_READ_LAG: int = 0
+# (never while tracing or profiling). 1 keeps the next round queued while the host reads: on the H200 (lab
+# pair, code prompts, compiled, graphs) it raised AR from 2888 to 3392 tok/s and DDTree(16) from 4283 to
+# 5052 in one session's back-to-back runs (docs/performance.md). 0 reads after each round.
+HOST_READ_LAG: int = 1
 
 
 class Chooser:

@@ -59,11 +59,15 @@ def test_stop_token_ends_generation(tiny_pair):
         assert res.tokens == ar.tokens[: first + 1] and res.stop_reason == "stop_token"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (the pinned asynchronous read); the cpu case runs the loop"))])
 @pytest.mark.parametrize("lag,sync_every", [(1, 1), (2, 1), (1, 3), (0, 3)])
-def test_lagged_host_reads_give_the_same_result(tiny_pair, monkeypatch, lag, sync_every):
+def test_lagged_host_reads_give_the_same_result(tiny_dirs, monkeypatch, lag, sync_every, device):
     """On a GPU the host reads the tokens one step behind while the next round runs; the rounds
     queued past the stop are computed and discarded. Same tokens, same counted rounds and τ."""
     from ddtree_lab import decode
+
+    tiny_pair = dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1], device=device)
 
     ar = dl.generate(tiny_pair, [3, 4, 5], method="ar", max_new_tokens=30, stop=[])
     stop_tok = ar.tokens[10]
