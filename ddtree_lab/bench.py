@@ -202,7 +202,9 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup.
 
     Each repeat runs every method over all prompts in turn, so drift (clocks, a busy host) touches
-    all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept)."""
+    all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
+    Tokens/s counts the whole `generate` call, prefill included; `decode_tokens_per_second` leaves the
+    prefill out, and `stage_seconds` splits the median repeat's time by stage (events between stages)."""
     import statistics
 
     from .decode import generate
@@ -214,17 +216,23 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         generate(pair, prompt, method="ar", max_new_tokens=2, trace=False, cuda_graphs=cuda_graphs, stop=[])
     for kw in kws:
         generate(pair, prompts[0], **kw)  # warm-up: kernels compiled, graphs captured
-    rows = [{"method": m, "budget": b, "seconds_per_repeat": []} for m, b in runs]
+    rows = [{"method": m, "budget": b, "seconds_per_repeat": [], "prefill_seconds_per_repeat": [],
+             "stage_seconds_per_repeat": []} for m, b in runs]
     for rep in range(max(1, repeats)):
         for row, kw in zip(rows, kws):
-            tokens, seconds, taus, outputs = 0, 0.0, [], []
+            tokens, seconds, prefill, stages, taus, outputs = 0, 0.0, 0.0, {}, [], []
             for prompt in prompts:
                 res = generate(pair, prompt, **kw)
                 tokens += len(res.tokens)
                 seconds += res.wall_seconds
+                prefill += res.prefill_seconds
+                for stage, sec in res.stage_seconds.items():
+                    stages[stage] = stages.get(stage, 0.0) + sec
                 taus += res.acceptance_lengths
                 outputs.append(res.tokens)
             row["seconds_per_repeat"].append(seconds)
+            row["prefill_seconds_per_repeat"].append(prefill)
+            row["stage_seconds_per_repeat"].append(stages)
             if rep == 0:  # tokens and τ are the same every repeat (T = 0)
                 row.update(tokens=tokens, mean_tau=sum(taus) / len(taus), outputs=outputs)
     for row in rows:
@@ -232,13 +240,19 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         row["tokens_per_second_per_repeat"] = per_repeat
         row["tokens_per_second"] = statistics.median(per_repeat)
         row["seconds"] = statistics.median(row["seconds_per_repeat"])
+        median = min(range(len(per_repeat)), key=lambda i: abs(per_repeat[i] - row["tokens_per_second"]))
+        row["prefill_seconds"] = row["prefill_seconds_per_repeat"][median]
+        row["stage_seconds"] = row["stage_seconds_per_repeat"][median]
+        row["decode_tokens_per_second"] = row["tokens"] / max(row["seconds_per_repeat"][median] - row["prefill_seconds"], 1e-9)
         if progress:
             print(f"  {row['method']:6s} budget={row['budget']!s:5s} {row['tokens_per_second']:9.1f} tok/s "
-                  f"(repeats {min(per_repeat):.0f}–{max(per_repeat):.0f})  tau {row['mean_tau']:.2f}",
-                  file=sys.stderr, flush=True)
+                  f"(repeats {min(per_repeat):.0f}–{max(per_repeat):.0f})  tau {row['mean_tau']:.2f}  "
+                  f"prefill {row['prefill_seconds'] / row['seconds_per_repeat'][median]:.0%} of the time, "
+                  f"decode alone {row['decode_tokens_per_second']:.0f} tok/s", file=sys.stderr, flush=True)
     ar = rows[0]
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+        r["decode_speedup_over_ar"] = r["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
         r["lossless"] = r["outputs"] == ar["outputs"]
         # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
         r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))

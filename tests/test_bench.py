@@ -61,6 +61,13 @@ def test_prompts_speedup_and_equality_counts(tmp_path):
     for r in rows.values():  # float32: every method reproduces AR's tokens
         assert r["lossless"] and r["prompts_equal_to_ar"] == 2
     assert res["best_budget"] == 8 and res["compile"] is False
+    for r in rows.values():  # the time of the median repeat, split: prefill apart, stages by events
+        i = r["tokens_per_second_per_repeat"].index(r["tokens_per_second"])
+        wall = r["seconds_per_repeat"][i]
+        assert 0 < r["prefill_seconds"] < wall and r["decode_tokens_per_second"] > r["tokens_per_second"]
+        assert r["decode_tokens_per_second"] == r["tokens"] / (wall - r["prefill_seconds"])
+        assert set(r["stage_seconds"]) >= {"verify", "other"} and r["stage_seconds"]["verify"] > 0
+    assert rows[("ar", None)]["stage_seconds"]["draft"] == 0 < rows[("dflash", None)]["stage_seconds"]["draft"]
 
 
 def test_source_digest_is_stable():
