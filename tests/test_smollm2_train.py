@@ -17,12 +17,12 @@ def test_training_prompts_distinct_and_not_heldout():
     rows = train_prompts.build(6000, seed=0)
     texts = [r["messages"][0]["content"] for r in rows]
     assert len(set(texts)) == len(texts) == 6000
-    norm = {train_prompts._norm(t) for t in texts}
+    norm = {train_prompts.normalise(t) for t in texts}
     assert len(norm) == 6000
     heldout = [m["content"] for s in PROMPT_SETS for r in load_prompts(s) for m in r["messages"]]
     assert len(heldout) >= 90
     assert not set(texts) & set(heldout)
-    assert not norm & {train_prompts._norm(t) for t in heldout}
+    assert not norm & {train_prompts.normalise(t) for t in heldout}
     kinds = {r["kind"] for r in rows}
     assert kinds == {"chat", "code", "math", "reasoning"}
     assert all(sum(r["kind"] == k for r in rows) >= 500 for k in kinds)
@@ -35,7 +35,7 @@ def test_prompt_versions():
     import hashlib
     assert hashlib.sha256(json.dumps(train_prompts.build(2000, seed=0)).encode()).hexdigest()[:16] == "f92dff371a0c9830"
     rows = train_prompts.build(8000, seed=0, version=2)
-    texts = [train_prompts._norm(r["messages"][0]["content"]) for r in rows]
+    texts = [train_prompts.normalise(r["messages"][0]["content"]) for r in rows]
     assert len(set(texts)) == 8000 and not set(texts) & train_prompts.heldout_messages()
     assert {r["kind"] for r in rows} == {"chat", "code", "math", "reasoning"}
     joined = " ".join(r["messages"][0]["content"] for r in rows)
@@ -177,3 +177,66 @@ def test_ship_target_bit_exact(tmp_path):
     assert (out / "config.json").read_text() == "{}"
     with pytest.raises(SystemExit):
         ship.unpack(parts[:-1], tmp_path / "partial")
+
+
+def test_sampled_generation_is_seeded_and_greedy_in_the_cold_limit(tmp_path):
+    from ddtree_lab.checkpoint import load_target
+    from ddtree_lab.lab.dflash import greedy_extend
+    from ddtree_lab.testing import make_tiny_pair
+    tdir, _ = make_tiny_pair(tmp_path, arch="llama", tokenizer=False)
+    t = load_target(tdir)
+    x = torch.randint(0, 300, (4, 6), generator=torch.Generator().manual_seed(1))
+    def sample(temp, seed):
+        return greedy_extend(t, x, 8, temperature=temp, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(sample(1.0, 5), sample(1.0, 5))
+    assert not torch.equal(sample(5.0, 5), sample(5.0, 6))  # hot: nearly uniform over 300 tokens
+    assert torch.equal(sample(1e-4, 5), greedy_extend(t, x, 8))
+
+
+def test_ask_stage_keeps_clean_distinct_new_requests(tmp_path, monkeypatch):
+    """The target's written requests (faked here) are tidied, and only new, finished, well-sized ones join
+    prompts.jsonl, with ids as the chat template renders them."""
+    from ddtree_lab.smollm2 import train as smt
+    work = tmp_path / "work"
+    assert smt.main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "prepare"]) == 0
+    tok, encode, eos = smt.tokenizer_and_chat(work / "tiny" / "target")
+    heldout = load_prompts("chat")[0]["messages"][0]["content"]
+    written = ["Question: How do tides work on the coast?", "Hi", "how do tides work on the coast", None,
+               heldout, '"Write a poem about a lighthouse at night."', "Never reached."]
+    calls = []
+
+    def fake_extend(target, x, n_new, prompt_lens=None, stop_id=None, temperature=0.0, generator=None):
+        calls.append(temperature)
+        rows = []
+        for i in range(x.shape[0]):
+            text = written[i % len(written)]
+            ids = [5] * n_new if text is None else (tok.encode(text, add_special_tokens=False).ids + [eos])
+            assert len(ids) <= n_new
+            rows.append(ids + [eos] * (n_new - len(ids)))
+        return torch.cat([x, torch.tensor(rows)], 1)
+
+    monkeypatch.setattr(smt, "greedy_extend", fake_extend)
+    before = (work / "prompts.jsonl").read_text().splitlines()
+    assert smt.main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "ask",
+                     "--set", "self_prompts=2", "--set", "ask_temperature=0.7"]) == 0
+    rows = [json.loads(x) for x in (work / "prompts.jsonl").read_text().splitlines()]
+    assert rows[:len(before)] == [json.loads(x) for x in before]
+    new = rows[len(before):]
+    assert [r["messages"][0]["content"] for r in new] == ["How do tides work on the coast?",
+                                                          "Write a poem about a lighthouse at night."]
+    assert all(r["kind"].startswith("self-") and r["ids"] == encode(r["messages"]) for r in new)
+    info = json.loads((work / "ask_summary.json").read_text())
+    assert info["kept"] == 2 and info["rejected"] == {"unfinished": 1, "length": 1, "repeat": 2}
+    assert calls == [0.7]
+    # a rerun finds the stage's product and leaves the prompts alone
+    assert smt.main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "ask",
+                     "--set", "self_prompts=2"]) == 0
+    assert len((work / "prompts.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_card_names_the_self_written_requests():
+    from ddtree_lab.smollm2.card import _ask_line
+    assert _ask_line({}) == "" and _ask_line({"kept": 0}) == ""
+    line = _ask_line({"kept": 1200, "asked": 4096, "temperature": 1.0, "kinds": {"self-chat": 700, "self-code": 500}})
+    assert line.startswith("- 1200 more requests written by the target itself") and "4096 asked" in line
+    assert "'self-code': 500" in line and line.endswith(".\n")

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 @torch.no_grad()
 def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.Tensor | None = None,
-                  stop_id: int | None = None) -> torch.Tensor:
-    """tokens [B, P] -> [B, P + n_new], the target's greedy continuation of every row.
+                  stop_id: int | None = None, temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """tokens [B, P] -> [B, P + n_new], the target's greedy continuation of every row (or, with
+    temperature > 0, one sampled from softmax(logits / temperature) with `generator`).
 
     prompt_lens [B] (optional): rows are left-padded, row b's prompt is its last prompt_lens[b] tokens;
     pad keys are masked and positions count from the row's first real token, so a padded row gets the
@@ -60,7 +62,12 @@ def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.T
                                         None if key_ok is None else key_ok[:, :pos0 + 1])
             x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
             x = x + blk.mlp(blk.post_attention_layernorm(x))
-        nxt = target.lm_head_logits(target.norm(x[:, -1])).argmax(-1)  # [B]
+        logits = target.lm_head_logits(target.norm(x[:, -1]))  # [B, V]
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
+        else:
+            nxt = logits.argmax(-1)  # [B]
         out[:, pos0 + T] = nxt
         step_in, pos0 = nxt[:, None], pos0 + T
         if stop_id is not None:

@@ -74,6 +74,15 @@ Best budget: {bench.get('best_budget')}.
 """
 
 
+def _ask_line(ask: dict) -> str:
+    if not ask.get("kept"):
+        return ""
+    return (f"- {ask['kept']} more requests written by the target itself (stage `ask`: sampled at T = "
+            f"{ask['temperature']:g} from instructions such as \"Write one question that a student might ask an AI "
+            f"assistant about baking bread\"; {ask['asked']} asked, the unfinished, too short or long and repeated "
+            f"ones dropped): {ask['kinds']}.\n")
+
+
 def write_card(cfg, tdir: Path, work: Path, out: Path, ev: dict) -> str:
     drf = json.loads((out / "config.json").read_text())
     prep, pool, dsum, timing = _read(work, "prepare_summary"), _read(work, "pool_summary"), \
@@ -130,7 +139,7 @@ markers left untrained: its embedding row equals those of the other unused marke
 - {prep.get('prompts', '?')} distinct single-turn user messages composed offline from templates × topics
   (`ddtree_lab/smollm2/train_prompts.py`, seed {cfg.seed}): {prep.get('kinds', {})}; none equals a held-out prompt.
   Rendered with the checkpoint's chat template (default system message included), {pt.get('min', '?')}–{pt.get('max', '?')} tokens (mean {pt.get('mean', 0):.0f}).
-- Responses: the target's own greedy output (bf16 weights, batched, left-padded) up to its first `<|im_end|>`,
+{_ask_line(_read(work, "ask_summary"))}- Responses: the target's own greedy output (bf16 weights, batched, left-padded) up to its first `<|im_end|>`,
   at most {pool.get('gen_len', '?')} tokens: {pool.get('sequences', '?')} responses, {pool.get('response_tokens', '?')} tokens
   (mean {pool.get('mean_response', 0):.0f}; {pool.get('ended_with_eos', '?')} ended with EOS),
   {pool.get('generation_seconds', 0):.0f} s on {pool.get('device', '?')}.

@@ -2,6 +2,7 @@
 
 Stages (products in --work; a rerun skips a stage whose product exists, --force redoes it):
   prepare  training prompts (train_prompts.build) rendered with the target's chat template -> prompts.jsonl
+  ask      (with --set self_prompts=N) requests the target writes itself, sampled, added to prompts.jsonl
   pool     the target's greedy responses, batched and left-padded, each up to its first EOS -> pool.npz
   drafter  the DFlash loop of ddtree_lab.lab.train (train_drafters) on that pool -> drafter_final.safetensors
   pack     the trained drafter as files < 16 MiB (+ summaries) in --pack-dir, to carry a GPU run back
@@ -37,6 +38,12 @@ class SmolConfig:
     seed: int = 0
     n_prompts: int = 32000                # distinct training user messages (a big pool: see docs/lab_pair.md)
     prompt_version: int = 1               # train_prompts template set: 1 made the shipped pool, 2 adds kinds
+    # ask: requests the target writes itself (sampled), added to the template prompts; 0 = none
+    self_prompts: int = 0
+    ask_temperature: float = 1.0
+    ask_len: int = 64                     # tokens at most per written request (longer ones are dropped)
+    ask_seconds: float = 120.0            # stop starting new batches after this
+    ask_min_chars: int = 15
     # pool: the target's greedy responses
     gen_len: int = 192                    # new tokens at most per response (the card measures 128)
     gen_batch: int = 2048                 # rows per batched greedy generation (KV cache ~13 GB at 2048 x 267)
@@ -182,6 +189,60 @@ def stage_prepare(cfg: SmolConfig, tdir: Path, work: Path) -> dict:
 
 
 @torch.no_grad()
+def stage_ask(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> dict:
+    """The target writes user requests (sampled answers to train_prompts.ask_instructions); the clean,
+    distinct ones that equal no held-out or template prompt join prompts.jsonl as rows of kind "self-<kind>"."""
+    tok, encode, eos_id = tokenizer_and_chat(tdir)
+    path = work / "prompts.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    seen = train_prompts.heldout_messages() | {train_prompts.normalise(r["messages"][0]["content"]) for r in rows}
+    target = frozen_target(cfg, tdir, device)
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    t0, asked, kept, rejected = time.time(), 0, [], {"unfinished": 0, "length": 0, "repeat": 0}
+    batch = 0
+    while len(kept) < cfg.self_prompts and time.time() - t0 <= cfg.ask_seconds:
+        want = train_prompts.ask_instructions(cfg.gen_batch, seed=cfg.seed * 1000 + batch)
+        batch += 1
+        ids = encode.many([w["instruction"] for w in want])
+        plen = torch.tensor([len(x) for x in ids])
+        P = int(plen.max())
+        x = torch.full((len(ids), P), eos_id, dtype=torch.long)
+        for r, seq in enumerate(ids):
+            x[r, P - len(seq):] = torch.tensor(seq)
+        with autocast(device):
+            out = greedy_extend(target, x.to(device), cfg.ask_len, prompt_lens=plen.to(device), stop_id=eos_id,
+                                temperature=cfg.ask_temperature, generator=g).cpu()
+        asked += len(ids)
+        for w, gen in zip(want, out[:, P:].tolist()):
+            if eos_id not in gen:
+                rejected["unfinished"] += 1
+                continue
+            text = train_prompts.clean_request(tok.decode(gen[:gen.index(eos_id)]), cfg.ask_min_chars)
+            if text is None:
+                rejected["length"] += 1
+            elif train_prompts.normalise(text) in seen:
+                rejected["repeat"] += 1
+            else:
+                seen.add(train_prompts.normalise(text))
+                kept.append({"kind": "self-" + w["kind"], "text": text})
+                if len(kept) == cfg.self_prompts:
+                    break
+        log(f"ask: {len(kept)}/{cfg.self_prompts} requests kept of {asked} asked {rejected}, {time.time() - t0:.0f}s")
+    new = [{"id": f"self-{i:06d}", "kind": k["kind"], "messages": [{"role": "user", "content": k["text"]}], "ids": x}
+           for i, (k, x) in enumerate(zip(kept, encode.many([k["text"] for k in kept])))]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows + new), encoding="utf-8")
+    tmp.replace(path)
+    kinds = {}
+    for r in new:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    info = {"asked": asked, "kept": len(new), "kinds": kinds, "rejected": rejected, "temperature": cfg.ask_temperature,
+            "seconds": time.time() - t0, "device": str(device), "examples": [r["messages"][0]["content"] for r in new[:8]]}
+    (work / "ask_summary.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+@torch.no_grad()
 def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> dict:
     """Greedy responses in left-padded batches (parts saved as they come: a rerun resumes)."""
     _, _, eos_id = tokenizer_and_chat(tdir)
@@ -291,7 +352,7 @@ def _target_cfg(tdir: Path):
 
 # ----------------------------------------------------------------------------- CLI
 
-STAGES = ("prepare", "pool", "drafter", "pack", "unpack", "export", "card")
+STAGES = ("prepare", "ask", "pool", "drafter", "pack", "unpack", "export", "card")
 
 
 def add_smollm2_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -332,7 +393,7 @@ def run_smollm2_train_cli(args) -> int:
     torch.manual_seed(cfg.seed)
     (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     log(f"train-smollm2-drafter: preset {cfg.preset}, stages {stages}, target {tdir}, device {device}")
-    products = {"prepare": work / "prompts.jsonl", "pool": work / "pool.npz",
+    products = {"prepare": work / "prompts.jsonl", "ask": work / "ask_summary.json", "pool": work / "pool.npz",
                 "drafter": work / "drafter_final.safetensors"}
     t_all = time.time()
     for s in stages:
@@ -347,6 +408,11 @@ def run_smollm2_train_cli(args) -> int:
         t = time.time()
         if s == "prepare":
             stage_prepare(cfg, tdir, work)
+        elif s == "ask":
+            if cfg.self_prompts <= 0:
+                log("ask: self_prompts is 0, nothing to ask")
+                continue
+            stage_ask(cfg, tdir, work, device)
         elif s == "pool":
             stage_pool(cfg, tdir, work, device)
         elif s == "drafter":

@@ -335,8 +335,52 @@ def _math_2(r: random.Random) -> str:
 KINDS_2 = [("chat", _chat_2, 0.38), ("code", _code_2, 0.32), ("math", _math_2, 0.20), ("reasoning", _reasoning, 0.10)]
 PROMPT_VERSIONS = {1: KINDS, 2: KINDS_2}
 
+# ---------------------------------------------------------------- requests the target writes itself
+# Templates steer the target over kinds and topics; sampling its answer gives requests in wordings no
+# template has (train.stage_ask keeps the clean, distinct ones).
+ASKERS = ["a student", "a busy parent", "a retired teacher", "a software engineer", "a nurse", "a small-business owner",
+          "a curious child", "a traveller", "a scientist", "a beginner programmer", "a cook", "a gardener",
+          "a job seeker", "a history fan", "a data analyst", "a musician"]
+ASK_TEMPLATES = [
+    ("chat", "Write one question that {asker} might ask an AI assistant about {topic}. Write only the question."),
+    ("chat", "Write a short request that {asker} might send to a chatbot about {subject}. Write only the request."),
+    ("chat", "Write one thing {asker} might ask a helpful assistant to write for them. Write only the request."),
+    ("chat", "Think of a question about {subject} that has a clear answer. Write only the question."),
+    ("code", "Write a short programming task in {lang} that {asker} might ask for help with. Write only the task."),
+    ("code", "Write a question a beginner might ask about {concept} in {lang}. Write only the question."),
+    ("math", "Write a short math word problem about {item} for a {grade} student. Write only the problem."),
+    ("math", "Write a simple arithmetic or algebra question. Write only the question."),
+    ("reasoning", "Write a short logic puzzle or riddle. Write only the puzzle."),
+]
+GRADES = ["first-grade", "third-grade", "fifth-grade", "middle-school", "high-school"]
 
-def _norm(text: str) -> str:
+
+def ask_instructions(n: int, seed: int = 0) -> list[dict]:
+    """-> n rows {"kind", "instruction"}: the user messages that ask the target to write a request."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        kind, t = r.choice(ASK_TEMPLATES)
+        out.append({"kind": kind, "instruction": t.format(
+            asker=r.choice(ASKERS), topic=r.choice(CHAT_TOPICS), subject=r.choice(CHAT_SUBJECTS),
+            lang=r.choice(LANGS), concept=r.choice(CODE_CONCEPTS), item=r.choice(ITEMS), grade=r.choice(GRADES))})
+    return out
+
+
+_LABEL = re.compile(r"^(question|request|task|problem|puzzle|riddle|prompt)\s*\d*\s*:\s*", re.I)
+
+
+def clean_request(text: str, min_chars: int = 15, max_chars: int = 400) -> str | None:
+    """The target's written request, tidied: first paragraph, no "Question:" label or wrapping quotes;
+    None when it is too short or too long to be one request."""
+    text = text.strip().split("\n\n")[0].strip()
+    text = _LABEL.sub("", text).strip().strip('"').strip("\u201c\u201d").strip()
+    if not (min_chars <= len(text) <= max_chars):
+        return None
+    return text
+
+
+def normalise(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
 
 
@@ -346,7 +390,7 @@ def heldout_messages() -> set[str]:
     for f in sorted((Path(__file__).resolve().parent / "prompts").glob("*.jsonl")):
         for line in f.read_text(encoding="utf-8").splitlines():
             if line.strip():
-                out |= {_norm(m["content"]) for m in json.loads(line)["messages"] if m["role"] == "user"}
+                out |= {normalise(m["content"]) for m in json.loads(line)["messages"] if m["role"] == "user"}
     return out
 
 
@@ -365,7 +409,7 @@ def build(n: int = 6000, seed: int = 0, version: int = 1) -> list[dict]:
             raise ValueError(f"only {len(rows)} distinct training prompts could be composed, asked for {n}")
         k = r.choices(range(len(fns)), weights)[0]
         text = fns[k](r)
-        key = _norm(text)
+        key = normalise(text)
         if key in seen or key in banned:
             continue
         seen.add(key)
@@ -373,4 +417,4 @@ def build(n: int = 6000, seed: int = 0, version: int = 1) -> list[dict]:
     return rows
 
 
-__all__ = ["build", "heldout_messages", "KINDS", "KINDS_2", "PROMPT_VERSIONS"]
+__all__ = ["build", "heldout_messages", "normalise", "ask_instructions", "clean_request", "KINDS", "KINDS_2", "PROMPT_VERSIONS"]
