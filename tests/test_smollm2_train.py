@@ -240,3 +240,15 @@ def test_card_names_the_self_written_requests():
     line = _ask_line({"kept": 1200, "asked": 4096, "temperature": 1.0, "kinds": {"self-chat": 700, "self-code": 500}})
     assert line.startswith("- 1200 more requests written by the target itself") and "4096 asked" in line
     assert "'self-code': 500" in line and line.endswith(".\n")
+
+
+@pytest.mark.parametrize("written,kept", [
+    ('A data analyst might ask: "What is the best way to learn chess?"', "What is the best way to learn chess?"),
+    ("A musician might ask:\n\nHow do I tune a violin quickly?", "How do I tune a violin quickly?"),
+    ("A musician might ask:", None),                       # the request never came
+    ("Question: How do tides work?\n\nTides are ...", "How do tides work?"),
+    ("A: How do you teach a puppy to fetch?", "How do you teach a puppy to fetch?"),
+    ("Hi", None), ("x" * 401, None), ("", None),
+])
+def test_clean_request(written, kept):
+    assert train_prompts.clean_request(written) == kept

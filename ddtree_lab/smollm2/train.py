@@ -40,7 +40,7 @@ class SmolConfig:
     prompt_version: int = 1               # train_prompts template set: 1 made the shipped pool, 2 adds kinds
     # ask: requests the target writes itself (sampled), added to the template prompts; 0 = none
     self_prompts: int = 0
-    ask_temperature: float = 1.0
+    ask_temperature: float = 0.7            # 1.0 made more rambling than requests on the real target
     ask_len: int = 64                     # tokens at most per written request (longer ones are dropped)
     ask_seconds: float = 120.0            # stop starting new batches after this
     ask_min_chars: int = 15

@@ -367,15 +367,25 @@ def ask_instructions(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-_LABEL = re.compile(r"^(question|request|task|problem|puzzle|riddle|prompt)\s*\d*\s*:\s*", re.I)
+_LABEL = re.compile(r"^(question|request|task|problem|puzzle|riddle|prompt|asked|a)\s*\d*\s*:\s*", re.I)
+_QUOTED = re.compile(r'["\u201c]([^"\u201d]+)["\u201d]?')
 
 
 def clean_request(text: str, min_chars: int = 15, max_chars: int = 400) -> str | None:
-    """The target's written request, tidied: first paragraph, no "Question:" label or wrapping quotes;
-    None when it is too short or too long to be one request."""
-    text = text.strip().split("\n\n")[0].strip()
-    text = _LABEL.sub("", text).strip().strip('"').strip("\u201c\u201d").strip()
-    if not (min_chars <= len(text) <= max_chars):
+    """The target's written request, tidied, or None when no single request of min_chars–max_chars is found.
+
+    A small model often wraps the request ('A student might ask: "How do ...?"') or announces it and puts it
+    in the next paragraph ('A musician might ask:'), so: the paragraph after a lead-in that ends with a colon,
+    the quoted part when there is one, no "Question:" label."""
+    paragraphs = [q.strip() for q in text.strip().split("\n\n") if q.strip()]
+    if not paragraphs:
+        return None
+    text = paragraphs[1] if paragraphs[0].endswith(":") and len(paragraphs) > 1 else paragraphs[0]
+    quoted = _QUOTED.search(text)
+    if quoted and len(quoted.group(1).strip()) >= min_chars:
+        text = quoted.group(1)
+    text = _LABEL.sub("", text.strip()).strip().strip('"').strip()
+    if text.endswith(":") or not (min_chars <= len(text) <= max_chars):
         return None
     return text
 
