@@ -362,8 +362,8 @@ def _add_runtime_args(p) -> None:
                    help="which tree build runs where it takes the beam (sort elsewhere): the torch sort, the "
                         "counting kernels or the one-launch kernel; auto: tree.build_tree's measured choice")
     p.add_argument("--host-read-lag", type=int, default=None,
-                   help="host reads in flight before it waits (default decode.HOST_READ_LAG = 1: the next round "
-                        "stays queued); 0 reads after each round")
+                   help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
+                        "0 elsewhere); 0 reads after each round")
     p.add_argument("--attn-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Triton attention launch choices for the whole run (kernels/tree_attention.py: "
                         "launch_config), e.g. min_chunk=128 waves=4 num_splits=8")
@@ -475,7 +475,7 @@ def run_bench_cli(args) -> int:
         result["bench_seconds"] = time.perf_counter() - start
     result["tree_build"] = getattr(args, "tree_build", "auto")
     result["attn_config"] = attn_config
-    result["host_read_lag"] = decode.HOST_READ_LAG
+    result["host_read_lag"] = decode.host_read_lag(getattr(args, "device", "cuda"))
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

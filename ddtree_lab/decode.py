@@ -28,8 +28,16 @@ METHODS = ("ar", "dflash", "ddtree")
 # How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one
 # (never while tracing or profiling). 1 keeps the next round queued while the host reads: on the H200 (lab
 # pair, code prompts, compiled, graphs) it raised AR from 2888 to 3392 tok/s and DDTree(16) from 4283 to
-# 5052 in one session's back-to-back runs (docs/performance.md). 0 reads after each round.
-HOST_READ_LAG: int = 1
+# 5052 in one session's back-to-back runs (docs/performance.md). 0 reads after each round. None: 1 on CUDA,
+# 0 elsewhere (on the CPU nothing runs while the host reads, so a lag only computes a round past the stop).
+HOST_READ_LAG: int | None = None
+
+
+def host_read_lag(device, trace: bool = False, profile: bool = False) -> int:
+    """Host reads in flight for this call (tracing and profiling read after every round)."""
+    if trace or profile:
+        return 0
+    return int(torch.device(device).type == "cuda") if HOST_READ_LAG is None else HOST_READ_LAG
 
 
 class Chooser:
@@ -289,7 +297,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         raise ValueError("cuda_graphs=True needs a CUDA device")
     sync_every = 1 if trace else max(1, int(sync_every))
     # profiling synchronises after every stage anyway; a lagged read would only add a round to its counts
-    lag = 0 if trace or profile else HOST_READ_LAG
+    lag = host_read_lag(device, trace, profile)
     stop_ids = set(pair.eos_token_ids if stop is None else stop)
     L = drafter.cfg.block_size - 1 if drafter is not None else 0
     if method == "dflash":

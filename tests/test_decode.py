@@ -59,6 +59,15 @@ def test_stop_token_ends_generation(tiny_pair):
         assert res.tokens == ar.tokens[: first + 1] and res.stop_reason == "stop_token"
 
 
+def test_host_read_lag_defaults_to_one_on_cuda_only(monkeypatch):
+    from ddtree_lab import decode
+    monkeypatch.setattr(decode, "HOST_READ_LAG", None)
+    assert decode.host_read_lag("cuda") == 1 and decode.host_read_lag("cpu") == 0
+    assert decode.host_read_lag("cuda", trace=True) == 0 == decode.host_read_lag("cuda", profile=True)
+    monkeypatch.setattr(decode, "HOST_READ_LAG", 2)
+    assert decode.host_read_lag("cpu") == 2 == decode.host_read_lag("cuda:0")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU (the pinned asynchronous read); the cpu case runs the loop"))])
 @pytest.mark.parametrize("lag,sync_every", [(1, 1), (2, 1), (1, 3), (0, 3)])
