@@ -356,6 +356,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--attention", default="triton")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
+    p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
+                   help="with --compile: torch.compile's mode; max-autotune-no-cudagraphs times the compiler's own "
+                        "matmul kernels against cuBLAS (compiling takes minutes)")
     p.add_argument("--tree-kernels", choices=["auto", "torch", "triton"], default="auto",
                    help="who builds, masks and walks trees: auto (Triton on CUDA), torch, or triton")
     p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
@@ -429,6 +432,11 @@ def run_bench_cli(args) -> int:
 
     if getattr(args, "host_read_lag", None) is not None:
         decode.HOST_READ_LAG = max(0, args.host_read_lag)
+    compile_mode = getattr(args, "compile_mode", "default")
+    if compile_mode != "default":
+        from .layers import COMPILE_OPTIONS
+
+        COMPILE_OPTIONS["mode"] = compile_mode
     attn_config = parse_attn_config(getattr(args, "attn_config", []))
     if attn_config:
         from .kernels.tree_attention import LAUNCH_OVERRIDES
@@ -475,6 +483,7 @@ def run_bench_cli(args) -> int:
         result["bench_seconds"] = time.perf_counter() - start
     result["tree_build"] = getattr(args, "tree_build", "auto")
     result["attn_config"] = attn_config
+    result["compile_mode"] = compile_mode
     result["host_read_lag"] = decode.host_read_lag(getattr(args, "device", "cuda"))
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)

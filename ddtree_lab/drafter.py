@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import DrafterConfig
-from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
+from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compile_fn, compiled_layer_ops
 
 
 class DrafterLayer(DecoderLayer):
@@ -119,5 +119,5 @@ class Drafter(nn.Module):
     def compile_layers(self, **options) -> "Drafter":
         """Fuse each layer's elementwise work with torch.compile (see Target.compile_layers)."""
         self._attention_inputs, self._attention_output, self._norm = compiled_layer_ops(**options)
-        self._context_kv = torch.compile(DrafterLayer.context_kv, **options)
+        self._context_kv = compile_fn(DrafterLayer.context_kv, **options)
         return self

@@ -148,11 +148,21 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(self.post_attention_layernorm(x))
 
 
+# torch.compile options for every compiled layer function, e.g. {"mode": "max-autotune-no-cudagraphs"} to let
+# the compiler time its own matmul kernels against cuBLAS (`bench --compile-mode` sets it for a run).
+COMPILE_OPTIONS: dict = {}
+
+
+def compile_fn(fn, **options):
+    """torch.compile(fn) with COMPILE_OPTIONS, then `options` on top."""
+    import torch
+
+    return torch.compile(fn, **{**COMPILE_OPTIONS, **options})
+
+
 def compiled_layer_ops(**options):
     """(attention_inputs, attention_output, norm) compiled once, to call as fn(module, …) on any layer
     or RMSNorm: a norm left eager is ~7 small kernels, compiled it is one."""
-    import torch
-
-    return (torch.compile(DecoderLayer.attention_inputs, **options),
-            torch.compile(DecoderLayer.attention_output, **options),
-            torch.compile(RMSNorm.forward, **options))
+    return (compile_fn(DecoderLayer.attention_inputs, **options),
+            compile_fn(DecoderLayer.attention_output, **options),
+            compile_fn(RMSNorm.forward, **options))

@@ -141,3 +141,18 @@ def test_attention_launch_choices_for_a_whole_run(tmp_path, tiny_dir, monkeypatc
     cpu = torch.device("cpu")
     assert ta.launch_config(1, 4, 64, 4096, 8, cpu)["num_splits"] == 3
     assert ta.launch_config(1, 4, 64, 4096, 8, cpu, {"num_splits": 2})["num_splits"] == 2
+
+
+def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkeypatch):
+    from ddtree_lab import layers
+    monkeypatch.setattr(layers, "COMPILE_OPTIONS", {})
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__qualname__, kw)) or fn)
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--compile",
+                "--compile-mode", "max-autotune-no-cudagraphs")
+    assert res["compile_mode"] == "max-autotune-no-cudagraphs"
+    names = {name for name, _ in seen}
+    assert {"DecoderLayer.attention_inputs", "DecoderLayer.attention_output", "RMSNorm.forward",
+            "DrafterLayer.context_kv"} <= names
+    assert all(kw.get("mode") == "max-autotune-no-cudagraphs" for _, kw in seen)
