@@ -22,16 +22,7 @@ import torch
 
 from ..lab.dflash import greedy_extend
 from . import target_dir, train_prompts
-from .train import drafter_config, frozen_target, make_config, tokenizer_and_chat
-
-
-def _padded(ids: list[list[int]], pad: int):
-    plen = torch.tensor([len(x) for x in ids])
-    P = int(plen.max())
-    x = torch.full((len(ids), P), pad, dtype=torch.long)
-    for r, s in enumerate(ids):
-        x[r, P - len(s):] = torch.tensor(s)
-    return x, plen
+from .train import drafter_config, frozen_target, left_padded, make_config, tokenizer_and_chat
 
 
 @torch.no_grad()
@@ -41,11 +32,11 @@ def measure_generation(tdir, batches=(1, 4, 8), n_new: int = 48, check: int = 3)
     target = frozen_target(cfg, tdir, "cpu")
     rows = train_prompts.build(max(batches), seed=123)
     ids = [encode(r["messages"]) for r in rows]
-    x, plen = _padded(ids[:1], eos)
+    x, plen = left_padded(ids[:1], eos)
     greedy_extend(target, x, 4, prompt_lens=plen)  # warm-up: first-call allocations are not the rate
     out = {"threads": torch.get_num_threads(), "n_new": n_new, "prompt_tokens": [len(x) for x in ids], "batch": {}}
     for B in batches:
-        x, plen = _padded(ids[:B], eos)
+        x, plen = left_padded(ids[:B], eos)
         t = time.perf_counter()
         greedy_extend(target, x, n_new, prompt_lens=plen)  # no early stop: a fixed token count is timed
         dt = time.perf_counter() - t
@@ -53,7 +44,7 @@ def measure_generation(tdir, batches=(1, 4, 8), n_new: int = 48, check: int = 3)
                            "seconds_per_1k_tokens": round(1000 * dt / (B * n_new), 2)}
         print(f"generation: batch {B}: {B * n_new} new tokens in {dt:.1f}s = {B * n_new / dt:.1f} tok/s", flush=True)
     # Left padding changes nothing: each row equals its prompt generated alone.
-    x, plen = _padded(ids[:check], eos)
+    x, plen = left_padded(ids[:check], eos)
     batched = greedy_extend(target, x, 16, prompt_lens=plen)[:, x.shape[1]:]
     alone = [greedy_extend(target, torch.tensor([s]), 16)[0, len(s):] for s in ids[:check]]
     out["padded_equals_alone"] = all(torch.equal(batched[r], alone[r]) for r in range(check))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -162,6 +163,15 @@ def drafter_config(cfg: SmolConfig, tcfg, layers: int | None = None, intermediat
                          max_position_embeddings=tcfg.max_position_embeddings)
 
 
+def left_padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (x [B, P] left-padded with pad_id, prompt lengths [B]), as greedy_extend takes them."""
+    plen = torch.tensor([len(seq) for seq in ids])
+    x = torch.full((len(ids), int(plen.max())), pad_id, dtype=torch.long)
+    for r, seq in enumerate(ids):
+        x[r, x.shape[1] - len(seq):] = torch.tensor(seq)
+    return x, plen
+
+
 def heldout_ids(encode, n: int) -> list[list[int]]:
     return [encode(r["messages"]) for s in PROMPT_SETS for r in load_prompts(s)[:n]]
 
@@ -203,16 +213,12 @@ def stage_ask(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> 
     while len(kept) < cfg.self_prompts and time.time() - t0 <= cfg.ask_seconds:
         want = train_prompts.ask_instructions(cfg.gen_batch, seed=cfg.seed * 1000 + batch)
         batch += 1
-        ids = encode.many([w["instruction"] for w in want])
-        plen = torch.tensor([len(x) for x in ids])
-        P = int(plen.max())
-        x = torch.full((len(ids), P), eos_id, dtype=torch.long)
-        for r, seq in enumerate(ids):
-            x[r, P - len(seq):] = torch.tensor(seq)
+        x, plen = left_padded(encode.many([w["instruction"] for w in want]), eos_id)
+        P = x.shape[1]
         with autocast(device):
             out = greedy_extend(target, x.to(device), cfg.ask_len, prompt_lens=plen.to(device), stop_id=eos_id,
                                 temperature=cfg.ask_temperature, generator=g).cpu()
-        asked += len(ids)
+        asked += len(want)
         for w, gen in zip(want, out[:, P:].tolist()):
             if eos_id not in gen:
                 rejected["unfinished"] += 1
@@ -233,10 +239,7 @@ def stage_ask(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> 
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows + new), encoding="utf-8")
     tmp.replace(path)
-    kinds = {}
-    for r in new:
-        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-    info = {"asked": asked, "kept": len(new), "kinds": kinds, "rejected": rejected, "temperature": cfg.ask_temperature,
+    info = {"asked": asked, "kept": len(new), "kinds": dict(Counter(r["kind"] for r in new)), "rejected": rejected, "temperature": cfg.ask_temperature,
             "seconds": time.time() - t0, "device": str(device), "examples": [r["messages"][0]["content"] for r in new[:8]]}
     (work / "ask_summary.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -261,11 +264,8 @@ def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) ->
             log(f"pool: gen_seconds={cfg.gen_seconds:g} spent, stopping before batch {b}")
             break
         ids = [rows[j]["ids"] for j in order[i:i + cfg.gen_batch]]
-        plen = torch.tensor([len(x) for x in ids])
-        P = int(plen.max())
-        x = torch.full((len(ids), P), eos_id, dtype=torch.long)
-        for r, seq in enumerate(ids):
-            x[r, P - len(seq):] = torch.tensor(seq)
+        x, plen = left_padded(ids, eos_id)
+        P = x.shape[1]
         tb = time.time()
         with autocast(device):
             out = greedy_extend(target, x.to(device), cfg.gen_len, prompt_lens=plen.to(device), stop_id=eos_id).cpu()
