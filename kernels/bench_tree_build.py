@@ -4,8 +4,8 @@ counts, each tree checked against the torch sorting build (`ddtree_lab.tree.buil
     bench_fused_tree(widths=(64, 128, 256), warps=(4, 8, 16, 32), depth=15, vocab=151936)
         -> list of dicts {width, num_warps, us, same_as_sort}
 
-Time per build: CUDA events around back-to-back launches on a GPU, the wall clock elsewhere (Triton's
-interpreter: a correctness run, not a timing). Budget = width, top-k = width, as `build_tree` calls it.
+Time per build: `bench.time_cuda_graph` on a GPU (launches captured in a graph, L2 flushed before each), the
+wall clock elsewhere (Triton's interpreter: a correctness run, not a timing). Budget = width, top-k = width, as `build_tree` calls it.
 
 Command line (GPU): python -m kernels.bench_tree_build --out tree_build.json
 """
@@ -16,6 +16,11 @@ import json
 import time
 
 import torch
+
+try:  # package import (installed) or folder import (checkout)
+    from .bench import time_cuda_graph
+except ImportError:
+    from kernels.bench import time_cuda_graph
 
 
 def bench_fused_tree(widths=(64, 128, 256), warps=(4, 8, 16, 32), depth: int = 15, vocab: int = 151936,
@@ -38,15 +43,7 @@ def bench_fused_tree(widths=(64, 128, 256), warps=(4, 8, 16, 32), depth: int = 1
             same = all(torch.equal(a, b) for a, b in zip(out, (ref.tokens, ref.depths, ref.parents, ref.scores,
                                                                 ref.logprobs, ref.ranks)))
             if device == "cuda":
-                for _ in range(5):
-                    run()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    run()
-                end.record()
-                torch.cuda.synchronize()
-                us = start.elapsed_time(end) * 1000 / reps
+                us = time_cuda_graph(run, n=reps) * 1000
             else:
                 t0 = time.perf_counter()
                 run()

@@ -224,12 +224,13 @@ def stage_ask(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> 
                 rejected["unfinished"] += 1
                 continue
             text = train_prompts.clean_request(tok.decode(gen[:gen.index(eos_id)]), cfg.ask_min_chars)
+            key = text and train_prompts.normalise(text)
             if text is None:
                 rejected["length"] += 1
-            elif train_prompts.normalise(text) in seen:
+            elif key in seen:
                 rejected["repeat"] += 1
             else:
-                seen.add(train_prompts.normalise(text))
+                seen.add(key)
                 kept.append({"kind": "self-" + w["kind"], "text": text})
                 if len(kept) == cfg.self_prompts:
                     break
