@@ -252,3 +252,20 @@ def test_card_names_the_self_written_requests():
 ])
 def test_clean_request(written, kept):
     assert train_prompts.clean_request(written) == kept
+
+
+def test_card_speed_table_splits_out_the_prefill():
+    from ddtree_lab.smollm2.card import speed_section
+
+    def row(method, budget, tps, decode, tau, equal):
+        return dict(method=method, budget=budget, tokens_per_second=tps, decode_tokens_per_second=decode,
+                    mean_tau=tau, prompts_equal_to_ar=equal)
+    rows = [row("ar", None, 800.0, 1000.0, 1.0, 12), row("ddtree", 64, 1600.0, 2500.0, 3.5, 3)]
+    for r in rows:
+        r["speedup_over_ar"] = r["tokens_per_second"] / 800.0
+        r["decode_speedup_over_ar"] = r["decode_tokens_per_second"] / 1000.0
+    text = speed_section({"rows": rows, "best_budget": 64, "environment": {"device": "GPU X"}})
+    assert "| ddtree (64) | 1600 | 2.00× | 2500 | 2.50× | 3.50 | 3 |" in text
+    del rows[1]["decode_tokens_per_second"]  # a bench from before the prefill split
+    assert "| ddtree (64) | 1600 | 2.00× | – | – | 3.50 | 3 |" in speed_section({"rows": rows})
+    assert speed_section({}) == ""

@@ -55,19 +55,23 @@ def speed_section(bench: dict) -> str:
     env = bench.get("environment", {})
     def name(r):
         return r["method"] if r["budget"] is None else f"{r['method']} ({r['budget']})"
-    rows = "\n".join(f"| {name(r)} | {r['tokens_per_second']:.0f} | {r['mean_tau']:.2f} | {r['speedup_over_ar']:.2f}× |"
-                     for r in bench["rows"])
+    def decode(r):  # benches before the prefill split have no decode-only figure
+        d = r.get("decode_tokens_per_second")
+        return f"{d:.0f} | {r['decode_speedup_over_ar']:.2f}×" if d else "– | –"
+    rows = "\n".join(f"| {name(r)} | {r['tokens_per_second']:.0f} | {r['speedup_over_ar']:.2f}× | {decode(r)} | "
+                     f"{r['mean_tau']:.2f} | {r.get('prompts_equal_to_ar', '–')} |" for r in bench["rows"])
     return f"""
 ## Speed on {env.get('device', '?')}
 
 `ddtree-lab bench prompts --pair smollm2 --prompts {bench.get('prompt_set')} --n-prompts {bench.get('n_prompts')} \
 --max-new-tokens {bench.get('max_new_tokens')}{' --compile' if bench.get('compile') else ''}` ({bench.get('pair', {}).get('dtype', '?')}, \
 attention `{bench.get('pair', {}).get('attention', '?')}`, CUDA graphs; torch {env.get('torch')}, commit {str(env.get('commit'))[:7]}).
-Tokens/s count every new token over the wall time of `generate`, prefill included; τ here is in bf16, where
-near-tied argmaxes can flip between the tree's batched verify and AR's one-token step.
+Tokens/s count every new token over the wall time of `generate`, prefill included; "decode" leaves the
+prefill out. τ here is in bf16, where near-tied argmaxes can flip between the tree's batched verify and AR's
+one-token step, so the last column counts the prompts whose output equals AR's.
 
-| method | tokens/s | τ | vs AR |
-|---|---|---|---|
+| method | tokens/s | vs AR | decode tokens/s | decode vs AR | τ | outputs = AR's |
+|---|---|---|---|---|---|---|
 {rows}
 
 Best budget: {bench.get('best_budget')}.
