@@ -192,3 +192,41 @@ def test_text_prompt_and_trace_json(tiny_pair):
     assert back.accepted == res.rounds[0].accepted and torch.equal(back.tree.tokens, res.rounds[0].tree.tokens)
     assert set(res.stage_seconds) == {"draft", "tree_build", "verify", "commit", "other"}
     assert sum(res.stage_seconds.values()) == pytest.approx(res.wall_seconds, rel=0.05)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5, 63, 64, 65])
+def test_padded_prefill_gives_the_same_tokens(tiny_dirs, monkeypatch, prompt_len):
+    """With CUDA graphs the prompt runs padded to a multiple of PREFILL_BUCKET (one graph per length).
+    Here the padded forward runs eagerly: the padding's K/V and drafter context must never be read."""
+    from ddtree_lab import decode
+
+    pair = dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1])
+    prompt = [(7 * i + 3) % 50 + 2 for i in range(prompt_len)]
+    for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 9)):
+        want = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=20, stop=[])
+        with monkeypatch.context() as m:
+            m.setattr(decode, "_padded_prefill", lambda graphs, target: True)
+            got = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=20, stop=[])
+        assert got.tokens == want.tokens, method
+        assert got.acceptance_lengths == want.acceptance_lengths, method
+    # the state the rounds start from: logits of the last prompt token, target K/V and drafter context of
+    # the prompt's n positions (the rest are scratch)
+    with torch.inference_mode():  # as generate runs
+        layers = pair.drafter.cfg.target_layer_ids
+        pair.target.setup_cache(256)
+        pair.drafter.setup_cache(256)
+        n, ids = prompt_len, torch.tensor(prompt)
+        logits, hidden = pair.target(ids, torch.arange(n), 0, TreeMask.causal(n, "cpu"), layers,
+                                     logits_rows=torch.tensor([n - 1]))
+        pair.drafter.append_context(hidden, torch.arange(n))
+        want_state = (logits.clone(), pair.target.kv[..., :n, :].clone(), pair.drafter.kv[..., :n, :].clone(),
+                      int(pair.drafter.ctx_len))
+        pair.target.kv.normal_()  # the padded prefill must overwrite what it needs
+        pair.drafter.kv.normal_()
+        pair.drafter.ctx_len.zero_()
+        padded = decode._prefill_for(pair, n, layers, True)
+        assert padded.tokens.shape[0] == -(-n // decode.PREFILL_BUCKET) * decode.PREFILL_BUCKET
+        got_state = (padded.run(prompt), pair.target.kv[..., :n, :], pair.drafter.kv[..., :n, :], int(pair.drafter.ctx_len))
+        for want_t, got_t in zip(want_state[:3], got_state[:3]):
+            torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+        assert got_state[3] == want_state[3] == n

@@ -68,3 +68,17 @@ def test_cuda_graph_sampling_reproducible(gpu_pairs):
     b = dl.generate(pair, [1, 2, 3], budget=32, max_new_tokens=40, temperature=1.0, seed=3, stop=[])
     c = dl.generate(pair, [1, 2, 3], budget=32, max_new_tokens=40, temperature=1.0, seed=4, stop=[])
     assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+@cuda
+@pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
+def test_captured_prefill_equals_eager(gpu_pairs, prompt_len):
+    """The prefill replayed from a graph at the padded length leaves the caches as the eager one does."""
+    pair = gpu_pairs["triton"]
+    prompt = [(5 * i + 1) % 60 + 2 for i in range(prompt_len)]
+    for method, budget in (("ar", 1), ("ddtree", 16)):
+        eager = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=24, stop=[], cuda_graphs=False)
+        for _ in range(2):  # the first call captures the prefill, the second replays it
+            graph = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=24, stop=[],
+                                cuda_graphs=True)
+            assert graph.tokens == eager.tokens and graph.acceptance_lengths == eager.acceptance_lengths

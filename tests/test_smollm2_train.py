@@ -269,3 +269,25 @@ def test_card_speed_table_splits_out_the_prefill():
     del rows[1]["decode_tokens_per_second"]  # a bench from before the prefill split
     assert "| ddtree (64) | 1600 | 2.00× | – | – | 3.50 | 3 |" in speed_section({"rows": rows})
     assert speed_section({}) == ""
+
+
+def test_pool_in_shards_equals_one_pool(tmp_path):
+    """Two processes (one per GPU) each make every other batch into one work dir; a run with one shard and
+    gen_seconds=0 only merges. The merged pool equals the pool one process makes."""
+    import numpy as np
+    from ddtree_lab.smollm2.train import main
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["--preset", "tiny", "--work", str(one), "--device", "cpu", "--stages", "prepare,pool"]) == 0
+    target = ["--target", str(one / "tiny" / "target")]
+    main(["--preset", "tiny", "--work", str(two), "--device", "cpu", "--stages", "prepare"] + target)
+    for k in (0, 1):
+        main(["--preset", "tiny", "--work", str(two), "--device", "cpu", "--stages", "pool", "--set", "pool_shards=2",
+              "--set", f"pool_shard={k}"] + target)
+        assert not (two / "pool.npz").exists()  # not merged by a shard
+    assert len(list((two / "pool_parts").glob("part*.npz"))) == 3  # 24 prompts in batches of 8
+    main(["--preset", "tiny", "--work", str(two), "--device", "cpu", "--stages", "pool", "--set", "gen_seconds=0"] + target)
+    a, b = np.load(one / "pool.npz"), np.load(two / "pool.npz")
+    assert all(np.array_equal(a[k], b[k]) for k in ("tokens", "starts", "lengths"))
+    with pytest.raises(SystemExit, match="pool_shard=2"):
+        main(["--preset", "tiny", "--work", str(tmp_path / "bad"), "--device", "cpu", "--stages", "prepare,pool",
+              "--set", "pool_shards=2", "--set", "pool_shard=2"] + target)

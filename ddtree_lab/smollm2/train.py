@@ -49,6 +49,10 @@ class SmolConfig:
     gen_len: int = 192                    # new tokens at most per response (the card measures 128)
     gen_batch: int = 2048                 # rows per batched greedy generation (KV cache ~13 GB at 2048 x 267)
     gen_seconds: float = 100.0            # stop starting new batches after this
+    # one process per GPU: shard k of n makes batches b with b % n == k into the same work dir; then a run
+    # with pool_shards=1 and gen_seconds=0 only merges the parts (docs/smollm2.md)
+    pool_shards: int = 1
+    pool_shard: int = 0
     # drafter (LabConfig's names: ddtree_lab.lab.train.train_drafters reads them)
     drafter_layers: int = 2
     drafter_intermediate: int = 1536
@@ -256,8 +260,12 @@ def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) ->
     parts = work / "pool_parts"
     parts.mkdir(exist_ok=True)
     t0, made, new_tokens, gen_s = time.time(), 0, 0, 0.0
+    if not 0 <= cfg.pool_shard < cfg.pool_shards:
+        raise SystemExit(f"pool: pool_shard={cfg.pool_shard} must be in 0 … pool_shards-1 ({cfg.pool_shards - 1})")
     for b, i in enumerate(range(0, len(rows), cfg.gen_batch)):
         part = parts / f"part{b:04d}.npz"
+        if b % cfg.pool_shards != cfg.pool_shard:
+            continue  # another shard's batch
         if part.exists():
             made += len(np.load(part)["starts"])
             continue
@@ -283,6 +291,9 @@ def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) ->
         np.savez(part, tokens=toks, starts=plen.numpy(), lengths=(plen + n_gen).numpy())
         made, new_tokens = made + len(ids), new_tokens + int(n_gen.sum())
         log(f"pool: {made}/{len(rows)} responses, {new_tokens} new tokens, {time.time() - t0:.0f}s")
+    if cfg.pool_shards > 1:  # the parts are merged once every shard is done
+        log(f"pool: shard {cfg.pool_shard}/{cfg.pool_shards}: {made} responses, {gen_s:.0f}s of generation")
+        return {"shard": cfg.pool_shard, "shards": cfg.pool_shards, "responses": made, "generation_seconds": gen_s}
     files = sorted(parts.glob("part*.npz"))
     if not files:
         raise SystemExit("pool: no batch was generated")
