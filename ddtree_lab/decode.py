@@ -14,6 +14,8 @@ and budget = block_size-1; AR is a one-stage round of the target alone.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 
 import torch
@@ -186,6 +188,21 @@ class RoundProgram:
         return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus))
 
 
+@contextlib.contextmanager
+def capturing():
+    """Around CUDA graph captures: collect garbage first, then keep the collector off until done. A dead
+    reference cycle that holds an old graph (a round program dropped from the cache), collected in the middle
+    of a capture, would free its memory pool there and invalidate the capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class GraphRunner:
     """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
 
@@ -208,12 +225,13 @@ class GraphRunner:
                     fn()
         torch.cuda.current_stream().wait_stream(stream)
         self._restore(saved)
-        for name, fn, pre in p.stages:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                fn()
-            self.pool = self.pool or g.pool()
-            self.graphs.append((name, g, pre))
+        with capturing():
+            for name, fn, pre in p.stages:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    fn()
+                self.pool = self.pool or g.pool()
+                self.graphs.append((name, g, pre))
         self._restore(saved)
         p.choose.generator.set_state(rng)
 
@@ -230,6 +248,11 @@ class GraphRunner:
 
     def stages(self):
         return [(name, _then(pre, g.replay)) for name, g, pre in self.graphs]
+
+    def release(self) -> None:
+        """Destroy the graphs now (their memory goes back), not whenever a garbage collection finds them."""
+        self.graphs.clear()
+        self.pool = None
 
 
 PREFILL_BUCKET = 64  # a captured prefill pads the prompt to a multiple of this many tokens (one graph each)
@@ -271,7 +294,7 @@ class Prefill:
         if self.with_drafter:
             self.pair.drafter.ctx_len.zero_()  # the warm-up committed context; the replay starts from none
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capturing(), torch.cuda.graph(self.graph):
             self.forward()
 
     def run(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -301,6 +324,8 @@ def _prefill_for(pair: Pair, n: int, layers: list[int], with_drafter: bool) -> P
     cache = pair.__dict__.setdefault("_prefills", {})
     if key not in cache:
         if len(cache) > 16:
+            for prefill in cache.values():
+                prefill.graph = None
             cache.clear()
         cache[key] = Prefill(pair, length, list(layers), with_drafter)
     return cache[key]
@@ -347,6 +372,9 @@ def _program_for(pair: Pair, method, budget, topk, temperature, cache_len, out_c
     cache = pair.__dict__.setdefault("_programs", {})
     if key not in cache:
         if len(cache) > 16:
+            for _, runner in cache.values():
+                if runner is not None:
+                    runner.release()
             cache.clear()
         program = RoundProgram(pair, method, budget, topk, temperature, out_capacity, max_rounds)
         cache[key] = (program, GraphRunner(program) if graphs else None)

@@ -82,3 +82,22 @@ def test_captured_prefill_equals_eager(gpu_pairs, prompt_len):
             graph = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=24, stop=[],
                                 cuda_graphs=True)
             assert graph.tokens == eager.tokens and graph.acceptance_lengths == eager.acceptance_lengths
+
+
+@cuda
+def test_captures_survive_garbage_collection(gpu_pairs):
+    """More round programs than the pair keeps (its cache is cleared past 16), with the collector running as
+    often as it can: a dropped program holds tensors of its graphs' memory pool, and collecting it in the
+    middle of another capture would free that pool there and invalidate the capture (decode.capturing)."""
+    import gc
+
+    pair = gpu_pairs["sdpa"]
+    prompt = [5, 7, 11, 13, 17]
+    want = dl.generate(pair, prompt, method="ar", max_new_tokens=16, stop=[], cuda_graphs=False).tokens
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for budget in range(1, 25):
+            assert dl.generate(pair, prompt, budget=budget, max_new_tokens=16, stop=[]).tokens == want, budget
+    finally:
+        gc.set_threshold(*threshold)
