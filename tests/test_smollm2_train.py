@@ -291,3 +291,28 @@ def test_pool_in_shards_equals_one_pool(tmp_path):
     with pytest.raises(SystemExit, match="pool_shard=2"):
         main(["--preset", "tiny", "--work", str(tmp_path / "bad"), "--device", "cpu", "--stages", "prepare,pool",
               "--set", "pool_shards=2", "--set", "pool_shard=2"] + target)
+
+
+def test_drafter_trains_on_two_processes(tmp_path):
+    """torchrun --nproc_per_node 2 … --stages drafter: each process draws its own batches, gradients are
+    averaged, so both end with the same weights; process 0 alone writes (here on the CPU, gloo)."""
+    import os
+    import subprocess
+    import sys
+    from ddtree_lab.smollm2.train import main
+    work = tmp_path / "work"
+    assert main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "prepare,pool"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "ddtree_lab.smollm2.train", "--preset", "tiny", "--work", str(work), "--device", "cpu",
+           "--stages", "drafter", "--target", str(work / "tiny" / "target")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((work / "drafter_summary.json").read_text())
+    assert summary["processes"] == 2 and summary["weights_in_sync"] is True and summary["steps"] == 6
+    assert (work / "drafter_final.safetensors").is_file()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # both skip the done stage
+    assert again.returncode == 0 and "drafter_final.safetensors exists, skipping" in again.stdout + again.stderr
+    bad = subprocess.run(cmd[:-4] + ["--stages", "prepare,drafter", "--target", str(work / "tiny" / "target")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert bad.returncode != 0 and "only --stages drafter" in bad.stderr + bad.stdout

@@ -435,6 +435,46 @@ def round_start_anchors(target, drafter, seq, hid, anchors, share: float, mask_i
     return torch.cat([anchors[:, :-k], follow_up_anchors(lg, lb, first, end)], 1)
 
 
+# ----------------------------------------------------------------------------- data parallel (one process per GPU)
+# `torchrun --nproc_per_node N … --stages drafter` runs the drafter loop on N GPUs: every process draws its own
+# batches, gradients are averaged before each step (so the weights stay equal everywhere), and process 0 plans the
+# step count, logs, checkpoints and evaluates. One process is the ordinary loop.
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torchrun."""
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def average_gradients(model: nn.Module) -> None:
+    """All-reduce the gradients (mean over processes) in one collective."""
+    import torch.distributed as dist
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def from_rank0(value: int, device: torch.device) -> int:
+    """Process 0's value everywhere (the step plan must agree, or the collectives stop matching)."""
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.broadcast(t, 0)
+    return int(t)
+
+
+def weights_in_sync(model: nn.Module, device: torch.device) -> bool:
+    """Whether every process holds the same weights (a sum of all parameters, compared across processes)."""
+    import torch.distributed as dist
+    total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1).to(device)
+    lo, hi = total.clone(), total.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(lo == hi)
+
+
 def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.device, mask_id: int,
                    eval_prompts, eos_id: int | None, pool_desc: str = "") -> dict:
     """The DFlash loop shared by the lab pair and other targets (cfg: any object with LabConfig's drafter fields).
@@ -459,6 +499,12 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
             log(f"drafter: variant {name} starts from {cfg.drafter_init}")
         drafters[name] = d.to(device).train()
         opts[name] = optimizer(drafters[name], v["lr"], 0.01, device)
+    rank, n_proc = world()
+    if n_proc > 1:  # every process starts from process 0's weights
+        import torch.distributed as dist
+        for d in drafters.values():
+            for t in d.state_dict().values():
+                dist.broadcast(t, 0)
     state_path = work / "drafter_state.pt"
     step, total, trained_s, hist = 0, cfg.drafter_steps, 0.0, []
     fit_time = cfg.drafter_steps == 0  # the step count follows drafter_seconds (a resumed run keeps its plan)
@@ -480,7 +526,7 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
     t0, t_mark, s_mark = time.time(), time.time(), step
     run = {n: [0.0, torch.zeros(bs - 1, device=device), 0.0, 0] for n in drafters}
     while total == 0 or step < total:
-        g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+        g = torch.Generator().manual_seed((cfg.seed * 7_919 + step) * n_proc + rank)  # each process its own batch
         seq, anchors, lengths = sample(step, g)
         seq, anchors = seq.to(device), anchors.to(device)
         with torch.no_grad(), autocast(device):
@@ -505,6 +551,8 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
                 loss, acc, tau = loss_fn(logits, labels, w, soft, v["soft_weight"])
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
+            if n_proc > 1:
+                average_gradients(d)
             torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
             opts[name].step()
             r = run[name]
@@ -522,13 +570,15 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
                 torch.cuda.synchronize()
             per_step = (time.time() - t_mark) / (step - s_mark)
             total = max(step + 1, int(cfg.drafter_seconds / per_step))
-            log(f"drafter: {per_step * 1e3:.1f} ms/step -> {total} steps")
+            total = from_rank0(total, device) if n_proc > 1 else total
+            log(f"drafter: {per_step * 1e3:.1f} ms/step -> {total} steps" + (f" on {n_proc} processes" if n_proc > 1 else ""))
         elif fit_time and total and step % max(1, total // 10) == 0 and step < total:
             # Refit to the time budget at each tenth: steps 10-40 can run slow (allocator growth, a
             # busy host), and a plan fixed then once left 40 % of the budget unused.
             per_step = (time.time() - t_mark) / (step - s_mark)
             total = max(step + 1, s_mark + int((cfg.drafter_seconds - (t_mark - t0)) / per_step))
-        if step % max(1, (total or 100) // 10) == 0 or step == total:
+            total = from_rank0(total, device) if n_proc > 1 else total
+        if rank == 0 and (step % max(1, (total or 100) // 10) == 0 or step == total):
             line = []
             for name, r in run.items():
                 acc = (r[1] / max(r[3], 1)).tolist()
@@ -541,6 +591,11 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
                                     "opts": {n: o.state_dict() for n, o in opts.items()}, "step": step,
                                     "total": total, "seconds": trained_s + time.time() - t0, "history": hist})
     train_seconds = trained_s + time.time() - t0
+    if n_proc > 1:
+        in_sync = all(weights_in_sync(d, device) for d in drafters.values())
+        if rank != 0:  # process 0 evaluates and writes
+            return {}
+        log(f"drafter: {n_proc} processes, weights in sync: {in_sync}")
     # Quick τ on held-out prompts for every variant; the best DFlash τ ships.
     prompts = eval_prompts()
     results = {}
@@ -561,7 +616,8 @@ def train_drafters(cfg, target, new_drafter, sample, work: Path, device: torch.d
     (work / "drafter_final.json").write_text(json.dumps(variants[best]) + "\n")
     summary = {"variants": results, "chosen": best, "steps": step, "seconds": train_seconds,
                "eval_seconds": trained_s + time.time() - t0 - train_seconds,
-               "history": hist, "anchors_per_seq": cfg.anchors, "batch": cfg.drafter_batch}
+               "history": hist, "anchors_per_seq": cfg.anchors, "batch": cfg.drafter_batch,
+               "processes": n_proc, **({"weights_in_sync": in_sync} if n_proc > 1 else {})}
     (work / "drafter_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"drafter: chose '{best}'")
     return summary

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -386,6 +387,20 @@ def add_smollm2_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     return p
 
 
+def join_processes(stages: list[str], device: torch.device) -> int | None:
+    """Under torchrun (WORLD_SIZE > 1): join the process group and return this process's rank; else None.
+    Only the drafter stage runs on several processes (ddtree_lab/lab/train.py: data parallel)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if stages != ["drafter"]:
+        raise SystemExit(f"--stages {','.join(stages)}: under torchrun only --stages drafter runs (one process "
+                         "per GPU); run the other stages in one process")
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank()
+
+
 def run_smollm2_train_cli(args) -> int:
     cfg = make_config(args.preset, seed=args.seed)
     apply_overrides(cfg, args.set)
@@ -402,7 +417,18 @@ def run_smollm2_train_cli(args) -> int:
                          "or give --target DIR")
     out = Path(args.out) if args.out else (work / "drafter" if tiny else DRAFTER_DIR)
     device = pick_device(args.device)
+    rank = join_processes(stages, device)
+    if rank is not None and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
+    if rank:  # processes other than 0 only train, as process 0 decides: they write nothing
+        if args.force or not (work / "drafter_final.safetensors").exists():  # else process 0 skips it too
+            torch.distributed.barrier()  # process 0 has cleared a forced rerun's checkpoint
+            stage_drafter(cfg, tdir, work, device)
+        torch.distributed.barrier()  # until process 0 has evaluated and written: all leave together
+        torch.distributed.destroy_process_group()
+        return 0
     (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     log(f"train-smollm2-drafter: preset {cfg.preset}, stages {stages}, target {tdir}, device {device}")
     products = {"prepare": work / "prompts.jsonl", "ask": work / "ask_summary.json", "pool": work / "pool.npz",
@@ -428,6 +454,8 @@ def run_smollm2_train_cli(args) -> int:
         elif s == "pool":
             stage_pool(cfg, tdir, work, device)
         elif s == "drafter":
+            if rank is not None:
+                torch.distributed.barrier()
             stage_drafter(cfg, tdir, work, device)
         elif s in ("pack", "unpack"):
             if not args.pack_dir:
@@ -453,6 +481,9 @@ def run_smollm2_train_cli(args) -> int:
         timing[s] = {"seconds": round(dt, 1), "device": str(device)}
         (work / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
         log(f"{s}: {dt:.1f}s")
+    if rank is not None:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     log(f"train-smollm2-drafter: done in {time.time() - t_all:.0f}s")
     return 0
 
