@@ -364,6 +364,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
                    help="which tree build runs where it takes the beam (sort elsewhere): the torch sort, the "
                         "counting kernels or the one-launch kernel; auto: tree.build_tree's measured choice")
+    p.add_argument("--tree-topk", choices=["auto", "torch", "triton"], default="auto",
+                   help="the per-depth top-K over the vocabulary: torch (log_softmax, topk) or triton (one launch, "
+                        "vocabularies up to kernels/vocab_topk.MAX_VOCAB); auto: tree.TREE_TOPK's default (torch)")
     p.add_argument("--host-read-lag", type=int, default=None,
                    help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
                         "0 elsewhere); 0 reads after each round")
@@ -428,6 +431,8 @@ def run_bench_cli(args) -> int:
         tree.TREE_KERNELS = args.tree_kernels
     if getattr(args, "tree_build", "auto") != "auto":
         tree.TREE_BUILD = args.tree_build
+    if getattr(args, "tree_topk", "auto") != "auto":
+        tree.TREE_TOPK = args.tree_topk
     from . import decode
 
     if getattr(args, "host_read_lag", None) is not None:
@@ -482,6 +487,7 @@ def run_bench_cli(args) -> int:
         result["tree_kernels"] = args.tree_kernels
         result["bench_seconds"] = time.perf_counter() - start
     result["tree_build"] = getattr(args, "tree_build", "auto")
+    result["tree_topk"] = getattr(args, "tree_topk", "auto")
     result["attn_config"] = attn_config
     result["compile_mode"] = compile_mode
     result["host_read_lag"] = decode.host_read_lag(getattr(args, "device", "cuda"))

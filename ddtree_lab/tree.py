@@ -103,6 +103,22 @@ def use_triton(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and _have_triton()
 
 
+# The per-depth top-K over the vocabulary: "torch" (log_softmax, topk) or "triton" (kernels/vocab_topk.py: one
+# launch, vocabularies up to its MAX_VOCAB, else torch). None: torch, until the Triton one is timed on a GPU.
+# `bench --tree-topk` sets it.
+TREE_TOPK: str | None = None
+
+
+def depth_topk(draft_logits: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_logits [L, V] -> (log-probabilities [L, K] fp32, token ids [L, K]), each row descending."""
+    if TREE_TOPK == "triton" and use_triton(draft_logits.device):
+        from .kernels.vocab_topk import MAX_VOCAB, vocab_topk
+
+        if draft_logits.shape[1] <= MAX_VOCAB:
+            return vocab_topk(draft_logits, K)
+    return torch.log_softmax(draft_logits.float(), dim=-1).topk(K, dim=-1)
+
+
 def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
                method: str | None = None) -> DraftTree:
     """draft_logits [L, V] (depths 1..L) -> the `budget` most likely rank prefixes as a DraftTree.
@@ -115,8 +131,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     K = min(topk or budget, budget, V)
     n = tree_size(L, K, budget)
     device = draft_logits.device
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_tok = logp.topk(K, dim=-1)  # [L, K] each, ranks ascending
+    top_lp, top_tok = depth_topk(draft_logits, K)  # [L, K] each, ranks ascending
 
     # Beam per depth: W slots (score, parent slot in the previous beam, rank). -inf marks empty slots.
     W = min(budget, n)

@@ -79,15 +79,20 @@ def test_tree_kernels_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch)
 
     monkeypatch.setattr(tree, "TREE_KERNELS", None)  # run_bench_cli sets the module-wide choices
     monkeypatch.setattr(tree, "TREE_BUILD", None)
-    calls = []
+    monkeypatch.setattr(tree, "TREE_TOPK", None)
+    calls, topk_calls = [], []
     real = tree.beam_candidates
     monkeypatch.setattr(tree, "beam_candidates", lambda *a: calls.append(a) or real(*a))
+    from ddtree_lab.kernels import vocab_topk
+    real_topk = vocab_topk.vocab_topk
+    monkeypatch.setattr(vocab_topk, "vocab_topk", lambda *a: topk_calls.append(a) or real_topk(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: a GPU, or the interpreter
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
                 "--device", device, "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton",
-                "--tree-build", "fused")
+                "--tree-build", "fused", "--tree-topk", "triton")
     assert res["tree_kernels"] == "triton" and tree.TREE_KERNELS == "triton" and calls
     assert res["tree_build"] == "fused" and tree.TREE_BUILD == "fused"
+    assert res["tree_topk"] == "triton" and tree.TREE_TOPK == "triton" and topk_calls
     monkeypatch.setattr(tree, "TREE_BUILD", None)
     assert tree.use_triton("cpu")  # chosen explicitly: the interpreter runs the kernels here
     a = torch.randn(3, 50)

@@ -40,6 +40,12 @@ CASES = [
     ("tree_walk", "_accept_kernel",
      {"Tokens": "*i64", "Parents": "*i64", "Depths": "*i64", "Choice": "*i64", "Path": "*i64", "A": "*i64",
       "T": "i32", "L": "i32"}, {"BLOCK_T": 128, "BLOCK_P": 16}),
+    ("vocab_topk", "_vocab_topk_kernel",  # the lab pair's vocabulary, and the widest row it takes
+     {"Logits": "*bf16", "TopLp": "*fp32", "TopTok": "*i64", "V": "i32", "K": "i32", "s_row": "i32"},
+     {"BLOCK_V": 4096}),
+    ("vocab_topk", "_vocab_topk_kernel",
+     {"Logits": "*bf16", "TopLp": "*fp32", "TopTok": "*i64", "V": "i32", "K": "i32", "s_row": "i32"},
+     {"BLOCK_V": 16384}),
     ("commit", "_advance_kernel",
      {"Tokens": "*i64", "Path": "*i64", "A": "*i64", "Choice": "*i64", "N": "*i64", "Bonus": "*i64", "Out": "*i64",
       "OutLen": "*i64", "Taus": "*i64", "RoundIdx": "*i64", "CtxPos": "*i64", "CtxCount": "*i64", "L": "i32"},
@@ -55,6 +61,7 @@ try:
 except ImportError:
     print(json.dumps({"skip": "this triton has no ASTSource/GPUTarget compile API"})); sys.exit(0)
 kernels_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, kernels_dir)  # a kernel file may import its neighbours' helpers as lone files
 results = {}
 for i, (module, kernel, signature, constexprs) in enumerate(cases):
     try:
