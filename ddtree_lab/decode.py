@@ -89,6 +89,7 @@ class RoundProgram:
         self.a = torch.ones(1, **long)
         span = self.L + 1
         self.block_offsets = torch.arange(span, **long)
+        self.block_root = self.block_offsets == 0  # the bonus token's slot in a draft block
         self.ar_mask = TreeMask.causal(1, device)  # one token sees the cache (same mask every step)
         if self.target.attention == "triton":
             self.ar_mask.bits  # packed now, once, outside any graph capture
@@ -136,7 +137,7 @@ class RoundProgram:
         # The drafter's forward: the last round's accepted features into its context cache, then
         # [b, MASK × L] at positions n … n+L -> per-depth logits q_1 … q_L  [L, V]
         self.drafter.append_context(self.ctx_hidden, self.ctx_pos, self.ctx_count)
-        block = torch.where(self.block_offsets == 0, self.bonus, self.mask_id)
+        block = torch.where(self.block_root, self.bonus, self.mask_id)
         h = self.drafter.draft(self.target.embed(block), self.n + self.block_offsets)
         self.draft_logits = self.target.lm_head_logits(h[1:])
 
@@ -158,7 +159,7 @@ class RoundProgram:
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path, self.a)
-        self.ctx_hidden.copy_(self.hidden.index_select(0, self.path))
+        torch.index_select(self.hidden, 0, self.path, out=self.ctx_hidden)
         if use_triton(self.device):
             from .kernels.commit import advance_round
 

@@ -28,8 +28,8 @@ class Rotary(nn.Module):
     """RoPE for arbitrary (tree) positions; the half-split convention of HF models.
 
     With `max_positions`, the cos/sin rows of every position below it are computed once per device
-    and dtype (the same arithmetic as per call), so a forward gathers its rows in two launches instead
-    of computing them in seven. Models give the context length plus ROPE_SLACK, room for the trees
+    and dtype (the same arithmetic as per call), side by side in one table, so a forward gathers its
+    rows in one launch instead of computing them in seven. Models give the context length plus ROPE_SLACK, room for the trees
     and draft blocks that run past the last position of a full context."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int = 0):
@@ -49,11 +49,12 @@ class Rotary(nn.Module):
             return self.compute(positions, dtype)
         key = (self.inv_freq.device, dtype)
         if key not in self._tables:  # the first call (an eager warm-up before any graph capture)
-            self._tables[key] = self.compute(torch.arange(self.max_positions, device=self.inv_freq.device), dtype)
-        cos, sin = self._tables[key]  # [P, D]
-        flat = positions.reshape(-1)
-        shape = (*positions.shape, cos.shape[-1])
-        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
+            cos, sin = self.compute(torch.arange(self.max_positions, device=self.inv_freq.device), dtype)
+            self._tables[key] = torch.cat([cos, sin], dim=-1)  # [P, 2D]: one gather serves both
+        table = self._tables[key]
+        D = table.shape[-1] // 2
+        rows = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 2 * D)
+        return rows[..., :D], rows[..., D:]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
