@@ -204,6 +204,16 @@ def capturing():
             gc.enable()
 
 
+def warm_up(fn, times: int = 2) -> None:
+    """Run fn on a side stream before its capture: kernels compile and workspaces are sized off the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 class GraphRunner:
     """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
 
@@ -216,15 +226,12 @@ class GraphRunner:
         p = self.program
         saved = [t.clone() for t in self._scalars()]
         rng = p.choose.generator.get_state()  # warm-up draws must not shift this call's samples
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) off the graph
-            for _ in range(2):
-                for _, fn, pre in p.stages:
-                    if pre is not None:
-                        pre()
-                    fn()
-        torch.cuda.current_stream().wait_stream(stream)
+
+        def one_round():
+            for _, fn, pre in p.stages:
+                _then(pre, fn)()
+
+        warm_up(one_round)
         self._restore(saved)
         with capturing():
             for name, fn, pre in p.stages:
@@ -286,12 +293,7 @@ class Prefill:
             self.pair.drafter.append_context(hidden, self.positions, self.count)
 
     def capture(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up off the graph: compiles this length's kernels
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up(self.forward)
         if self.with_drafter:
             self.pair.drafter.ctx_len.zero_()  # the warm-up committed context; the replay starts from none
         self.graph = torch.cuda.CUDAGraph()
@@ -318,21 +320,26 @@ def _padded_prefill(graphs: bool, target) -> bool:
     return graphs and target.attention != "flex"
 
 
-def _prefill_for(pair: Pair, n: int, layers: list[int], with_drafter: bool) -> Prefill:
-    """Captured prefills are kept on the pair, like the round programs, for these exact cache tensors."""
-    length = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
-    # graphs hold raw addresses and strides: valid for exactly these cache tensors
+def _kept(pair: Pair, kind: str, key: tuple, with_drafter: bool, make, release):
+    """make(), kept on the pair under `kind` for this key and these exact cache tensors (graphs hold their raw
+    addresses and strides); past 16 entries the kind is cleared, each dropped entry release()d at once."""
     caches = [pair.target.kv] + ([pair.drafter.kv, pair.drafter.ctx_len] if with_drafter else [])
-    buffers = tuple((t.data_ptr(), tuple(t.shape)) for t in caches)
-    key = (length, tuple(layers), with_drafter, pair.target.attention, buffers)
-    cache = pair.__dict__.setdefault("_prefills", {})
+    key = key + tuple((t.data_ptr(), tuple(t.shape)) for t in caches)
+    cache = pair.__dict__.setdefault(kind, {})
     if key not in cache:
         if len(cache) > 16:
-            for prefill in cache.values():
-                prefill.graph = None
+            for entry in cache.values():
+                release(entry)
             cache.clear()
-        cache[key] = Prefill(pair, length, list(layers), with_drafter)
+        cache[key] = make()
     return cache[key]
+
+
+def _prefill_for(pair: Pair, n: int, layers: list[int], with_drafter: bool) -> Prefill:
+    length = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+    return _kept(pair, "_prefills", (length, tuple(layers), with_drafter, pair.target.attention), with_drafter,
+                 lambda: Prefill(pair, length, list(layers), with_drafter),
+                 lambda prefill: setattr(prefill, "graph", None))
 
 
 def _then(pre, fn):
@@ -368,21 +375,13 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
 def _program_for(pair: Pair, method, budget, topk, temperature, cache_len, out_capacity, max_rounds,
                  graphs: bool):
     """Programs (and their graphs) are kept on the pair and reused while the caches stay the same."""
-    # graphs hold raw addresses: a program is valid for exactly these cache tensors
-    buffers = (pair.target.kv.data_ptr(),) + ((pair.drafter.kv.data_ptr(), pair.drafter.ctx_len.data_ptr())
-                                               if pair.drafter is not None else ())
-    key = (method, budget, topk, temperature > 0, cache_len, out_capacity, max_rounds, graphs,
-           pair.target.attention, buffers)
-    cache = pair.__dict__.setdefault("_programs", {})
-    if key not in cache:
-        if len(cache) > 16:
-            for _, runner in cache.values():
-                if runner is not None:
-                    runner.release()
-            cache.clear()
+    def make():
         program = RoundProgram(pair, method, budget, topk, temperature, out_capacity, max_rounds)
-        cache[key] = (program, GraphRunner(program) if graphs else None)
-    return cache[key]
+        return program, GraphRunner(program) if graphs else None
+
+    key = (method, budget, topk, temperature > 0, cache_len, out_capacity, max_rounds, graphs, pair.target.attention)
+    return _kept(pair, "_programs", key, pair.drafter is not None, make,
+                 lambda entry: entry[1] is not None and entry[1].release())
 
 
 @torch.inference_mode()
