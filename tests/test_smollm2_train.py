@@ -242,6 +242,16 @@ def test_card_names_the_self_written_requests():
     assert "'self-code': 500" in line and line.endswith(".\n")
 
 
+def test_card_counts_responses_per_step_over_every_process():
+    from types import SimpleNamespace
+    from ddtree_lab.smollm2.card import _per_step
+    cfg = SimpleNamespace(drafter_batch=128)
+    assert _per_step({}, cfg) == "128"
+    assert _per_step({"processes": 1, "batch": 64}, cfg) == "64"
+    assert _per_step({"processes": 2, "batch": 128}, cfg).startswith("2 processes") and "× 128" in _per_step(
+        {"processes": 2, "batch": 128}, cfg)
+
+
 @pytest.mark.parametrize("written,kept", [
     ('A data analyst might ask: "What is the best way to learn chess?"', "What is the best way to learn chess?"),
     ("A musician might ask:\n\nHow do I tune a violin quickly?", "How do I tune a violin quickly?"),

@@ -78,6 +78,13 @@ Best budget: {bench.get('best_budget')}.
 """
 
 
+def _per_step(dsum: dict, cfg) -> str:
+    """Responses per optimiser step: the batch, times the processes that trained data-parallel."""
+    n = dsum.get("processes", 1)
+    b = dsum.get("batch", cfg.drafter_batch)
+    return f"{b}" if n == 1 else f"{n} processes (one per GPU, gradients averaged) × {b}"
+
+
 def _ask_line(ask: dict) -> str:
     if not ask.get("kept"):
         return ""
@@ -150,7 +157,7 @@ markers left untrained: its embedding row equals those of the other unused marke
 
 ## Recipe (the lab pair's, `ddtree_lab/lab/train.py: train_drafters`)
 
-Target frozen. Per step {cfg.drafter_batch} responses × {cfg.anchors} anchors p drawn in the response (the first at the
+Target frozen. Per step {_per_step(dsum, cfg)} responses × {cfg.anchors} anchors p drawn in the response (the first at the
 prompt's end, as the engine's first round); block [x_p, MASK × {drf['block_size'] - 1}] attends to itself and to the target
 features of positions < p; cross-entropy of slot k against the greedy token p+k weighted exp(−(k−1)/{cfg.gamma:g}),
 KL weight {cfg.soft_weight:g}; labels after the response's EOS ignored. AdamW, peak LR {cfg.drafter_lr:g}, warmup {cfg.drafter_warmup},
