@@ -298,6 +298,14 @@ def test_pool_in_shards_equals_one_pool(tmp_path):
     main(["--preset", "tiny", "--work", str(two), "--device", "cpu", "--stages", "pool", "--set", "gen_seconds=0"] + target)
     a, b = np.load(one / "pool.npz"), np.load(two / "pool.npz")
     assert all(np.array_equal(a[k], b[k]) for k in ("tokens", "starts", "lengths"))
+    # the merged summary and the stage time count the shards, which ran side by side
+    shards = [json.loads((two / "pool_parts" / f"shard{k}.json").read_text()) for k in (0, 1)]
+    info = json.loads((two / "pool_summary.json").read_text())
+    assert info["device"] == "2 × cpu" and [x["shard"] for x in info["shards"]] == [0, 1]
+    assert info["generation_seconds"] == max(x["generation_seconds"] for x in shards) > 0
+    assert info["seconds"] >= max(x["seconds"] for x in shards)
+    timing = json.loads((two / "timing.json").read_text())
+    assert timing["pool"] == {"seconds": round(info["seconds"], 1), "device": "2 × cpu"}
     with pytest.raises(SystemExit, match="pool_shard=2"):
         main(["--preset", "tiny", "--work", str(tmp_path / "bad"), "--device", "cpu", "--stages", "prepare,pool",
               "--set", "pool_shards=2", "--set", "pool_shard=2"] + target)
@@ -321,6 +329,7 @@ def test_drafter_trains_on_two_processes(tmp_path):
     summary = json.loads((work / "drafter_summary.json").read_text())
     assert summary["processes"] == 2 and summary["weights_in_sync"] is True and summary["steps"] == 6
     assert (work / "drafter_final.safetensors").is_file()
+    assert json.loads((work / "timing.json").read_text())["drafter"]["device"] == "2 × cpu (data parallel)"
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # both skip the done stage
     assert again.returncode == 0 and "drafter_final.safetensors exists, skipping" in again.stdout + again.stderr
     bad = subprocess.run(cmd[:-4] + ["--stages", "prepare,drafter", "--target", str(work / "tiny" / "target")],

@@ -294,7 +294,10 @@ def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) ->
         log(f"pool: {made}/{len(rows)} responses, {new_tokens} new tokens, {time.time() - t0:.0f}s")
     if cfg.pool_shards > 1:  # the parts are merged once every shard is done
         log(f"pool: shard {cfg.pool_shard}/{cfg.pool_shards}: {made} responses, {gen_s:.0f}s of generation")
-        return {"shard": cfg.pool_shard, "shards": cfg.pool_shards, "responses": made, "generation_seconds": gen_s}
+        info = {"shard": cfg.pool_shard, "shards": cfg.pool_shards, "responses": made, "generation_seconds": gen_s,
+                "seconds": time.time() - t0, "device": str(device)}
+        (parts / f"shard{cfg.pool_shard}.json").write_text(json.dumps(info) + "\n")  # for the merge's summary
+        return info
     files = sorted(parts.glob("part*.npz"))
     if not files:
         raise SystemExit("pool: no batch was generated")
@@ -306,9 +309,14 @@ def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) ->
     np.savez(work / "pool.npz", tokens=tokens, starts=starts, lengths=lengths)
     resp = lengths - starts
     ended = int(sum(int(tokens[i, lengths[i] - 1]) == eos_id for i in range(len(lengths))))
+    # Shards ran side by side (one per GPU): the pool took as long as the slowest, on as many devices.
+    shards = [json.loads(f.read_text()) for f in sorted(parts.glob("shard*.json"))]
+    wall = max((x["generation_seconds"] for x in shards), default=0.0) + gen_s
+    where = f"{len(shards)} × {shards[0]['device']}" if len(shards) > 1 else str(device)
     info = {"sequences": len(lengths), "response_tokens": int(resp.sum()), "mean_response": float(resp.mean()),
             "ended_with_eos": ended, "gen_len": cfg.gen_len, "gen_batch": cfg.gen_batch,
-            "generation_seconds": gen_s, "seconds": time.time() - t0, "device": str(device)}
+            "generation_seconds": wall, "seconds": time.time() - t0 + max((x["seconds"] for x in shards), default=0.0),
+            "device": where, **({"shards": shards} if shards else {})}
     (work / "pool_summary.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"pool: {info['sequences']} responses, {info['response_tokens']} tokens (mean {info['mean_response']:.0f}, "
         f"{ended} ended with EOS) in {gen_s:.0f}s of generation")
@@ -477,8 +485,14 @@ def run_smollm2_train_cli(args) -> int:
             from .card import stage_card
             stage_card(cfg, tdir, work, out)
         dt = time.time() - t
+        if s == "pool" and cfg.pool_shards > 1:
+            continue  # a shard: the merge records the stage, its time and devices
         timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").exists() else {}
-        timing[s] = {"seconds": round(dt, 1), "device": str(device)}
+        where = str(device) if rank is None else f"{torch.distributed.get_world_size()} × {device.type} (data parallel)"
+        timing[s] = {"seconds": round(dt, 1), "device": where}
+        if s == "pool":  # a merge of shards counts their time too
+            pool = json.loads((work / "pool_summary.json").read_text())
+            timing[s] = {"seconds": round(pool["seconds"], 1), "device": pool["device"]}
         (work / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
         log(f"{s}: {dt:.1f}s")
     if rank is not None:
