@@ -104,7 +104,7 @@ def use_triton(device: torch.device) -> bool:
 
 
 # The per-depth top-K over the vocabulary: "torch" (log_softmax, topk) or "triton" (kernels/vocab_topk.py: one
-# launch, vocabularies up to its MAX_VOCAB, else torch). None: torch, until the Triton one is timed on a GPU.
+# launch, vocabularies up to its MAX_VOCAB, else torch). None: torch, which the H200 timed faster (docs/kernels.md).
 # `bench --tree-topk` sets it.
 TREE_TOPK: str | None = None
 
