@@ -52,6 +52,7 @@ class Chooser:
         self.temperature = temperature
         self.generator = torch.Generator(device=device)
         self.noise = torch.empty(rows, vocab, device=device) if temperature > 0 and rows else None
+        self.argmax = _argmax_for(device)
 
     def refill(self) -> None:
         self.noise.uniform_(generator=self.generator)
@@ -59,11 +60,21 @@ class Chooser:
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         # logits [T, V] -> [T]
         if self.temperature == 0:
-            return logits.argmax(-1)
+            return self.argmax(logits)
         if noise is None:
             noise = torch.rand(logits.shape, generator=self.generator, device=logits.device)
         gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-        return (logits.float() / self.temperature + gumbel).argmax(-1)
+        return self.argmax(logits.float() / self.temperature + gumbel)
+
+
+def _argmax_for(device: torch.device):
+    """Row-wise argmax [T, V] -> [T]: one Triton launch per call where the tree kernels run (torch's generic
+    reduction is slow for a few rows, kernels/row_argmax.py), torch's elsewhere; the same answer either way."""
+    if use_triton(device):
+        from .kernels.row_argmax import choose_argmax
+
+        return choose_argmax
+    return lambda logits: logits.argmax(-1)
 
 
 class RoundProgram:
@@ -159,7 +170,8 @@ class RoundProgram:
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path, self.a)
-        torch.index_select(self.hidden, 0, self.path, out=self.ctx_hidden)
+        # gather, not index_select, whose CUDA kernel walks the path's 16 rows one after another
+        torch.gather(self.hidden, 0, self.path[:, None].expand(-1, self.hidden.shape[1]), out=self.ctx_hidden)
         if use_triton(self.device):
             from .kernels.commit import advance_round
 

@@ -53,7 +53,8 @@ class Rotary(nn.Module):
             self._tables[key] = torch.cat([cos, sin], dim=-1)  # [P, 2D]: one gather serves both
         table = self._tables[key]
         D = table.shape[-1] // 2
-        rows = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 2 * D)
+        # a gather rather than index_select, whose CUDA kernel walks up to 16 positions one after another
+        rows = table[positions.reshape(-1)].view(*positions.shape, 2 * D)
         return rows[..., :D], rows[..., D:]
 
 

@@ -46,6 +46,10 @@ CASES = [
     ("vocab_topk", "_vocab_topk_kernel",
      {"Logits": "*bf16", "TopLp": "*fp32", "TopTok": "*i64", "V": "i32", "K": "i32", "s_row": "i32"},
      {"BLOCK_V": 16384}),
+    ("row_argmax", "_row_argmax_kernel",  # the lab pair's verify logits, and the widest row it takes
+     {"Logits": "*bf16", "Out": "*i64", "V": "i32", "s_row": "i32"}, {"BLOCK": 1024, "N_BLOCKS": 4}),
+    ("row_argmax", "_row_argmax_kernel",
+     {"Logits": "*fp32", "Out": "*i64", "V": "i32", "s_row": "i32"}, {"BLOCK": 1024, "N_BLOCKS": 16}),
     ("commit", "_advance_kernel",
      {"Tokens": "*i64", "Path": "*i64", "A": "*i64", "Choice": "*i64", "N": "*i64", "Bonus": "*i64", "Out": "*i64",
       "OutLen": "*i64", "Taus": "*i64", "RoundIdx": "*i64", "CtxPos": "*i64", "CtxCount": "*i64", "L": "i32"},
