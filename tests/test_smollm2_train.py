@@ -305,7 +305,7 @@ def test_pool_in_shards_equals_one_pool(tmp_path):
     assert info["generation_seconds"] == max(x["generation_seconds"] for x in shards) > 0
     assert info["seconds"] >= max(x["seconds"] for x in shards)
     timing = json.loads((two / "timing.json").read_text())
-    assert timing["pool"] == {"seconds": round(info["seconds"], 1), "device": "2 × cpu"}
+    assert timing["pool"]["device"] == "2 × cpu" and timing["pool"]["seconds"] >= round(max(x["seconds"] for x in shards), 1)
     with pytest.raises(SystemExit, match="pool_shard=2"):
         main(["--preset", "tiny", "--work", str(tmp_path / "bad"), "--device", "cpu", "--stages", "prepare,pool",
               "--set", "pool_shards=2", "--set", "pool_shard=2"] + target)

@@ -488,11 +488,13 @@ def run_smollm2_train_cli(args) -> int:
         if s == "pool" and cfg.pool_shards > 1:
             continue  # a shard: the merge records the stage, its time and devices
         timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").exists() else {}
-        where = str(device) if rank is None else f"{torch.distributed.get_world_size()} × {device.type} (data parallel)"
-        timing[s] = {"seconds": round(dt, 1), "device": where}
-        if s == "pool":  # a merge of shards counts their time too
+        if s == "pool":  # a merge also counts the slowest shard (they ran side by side) and names their devices
             pool = json.loads((work / "pool_summary.json").read_text())
-            timing[s] = {"seconds": round(pool["seconds"], 1), "device": pool["device"]}
+            shard_s = max((x["seconds"] for x in pool.get("shards", [])), default=0.0)
+            timing[s] = {"seconds": round(dt + shard_s, 1), "device": pool["device"]}
+        else:
+            where = str(device) if rank is None else f"{torch.distributed.get_world_size()} × {device.type} (data parallel)"
+            timing[s] = {"seconds": round(dt, 1), "device": where}
         (work / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
         log(f"{s}: {dt:.1f}s")
     if rank is not None:
