@@ -52,7 +52,6 @@ class Chooser:
         self.temperature = temperature
         self.generator = torch.Generator(device=device)
         self.noise = torch.empty(rows, vocab, device=device) if temperature > 0 and rows else None
-        self.argmax = _argmax_for(device)
 
     def refill(self) -> None:
         self.noise.uniform_(generator=self.generator)
@@ -60,21 +59,22 @@ class Chooser:
     def __call__(self, logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         # logits [T, V] -> [T]
         if self.temperature == 0:
-            return self.argmax(logits)
+            return argmax_rows(logits)
         if noise is None:
             noise = torch.rand(logits.shape, generator=self.generator, device=logits.device)
         gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-        return self.argmax(logits.float() / self.temperature + gumbel)
+        return argmax_rows(logits.float() / self.temperature + gumbel)
 
 
-def _argmax_for(device: torch.device):
-    """Row-wise argmax [T, V] -> [T]: one Triton launch per call where the tree kernels run (torch's generic
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] -> [T]: one Triton launch where the tree kernels run and the rows fit (torch's generic
     reduction is slow for a few rows, kernels/row_argmax.py), torch's elsewhere; the same answer either way."""
-    if use_triton(device):
-        from .kernels.row_argmax import choose_argmax
+    if use_triton(logits.device):
+        from .kernels.row_argmax import MAX_VOCAB, row_argmax
 
-        return choose_argmax
-    return lambda logits: logits.argmax(-1)
+        if logits.shape[1] <= MAX_VOCAB:
+            return row_argmax(logits)
+    return logits.argmax(-1)
 
 
 class RoundProgram:

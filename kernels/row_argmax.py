@@ -11,8 +11,8 @@ index; logits here never hold one).
 Why: the commit stage takes the argmax over the verify's logits, [tree size, vocabulary]. torch's generic
 reduction took 15 µs for the lab pair's 17 × 4,096 bf16 logits on the H200, against 3.8 µs for AR's one row
 (docs/bench/profile_lab_compile.json). One program per row reads its row once. Wide vocabularies (up to
-MAX_VOCAB_BLOCKS blocks) loop; beyond that torch's split reduction uses the GPU better, and `choose_argmax`
-falls back to it.
+MAX_VOCAB_BLOCKS blocks) loop; beyond that torch's split reduction uses the GPU better, and the caller
+(`decode.argmax_rows`) keeps torch's.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import triton.language as tl
 
 BLOCK_V = 1024
 MAX_VOCAB_BLOCKS = 16  # rows up to 16,384 logits; wider ones keep torch's argmax
+MAX_VOCAB = BLOCK_V * MAX_VOCAB_BLOCKS
 
 
 @triton.jit
@@ -42,10 +43,10 @@ def _row_argmax_kernel(Logits, Out, V, s_row, BLOCK: tl.constexpr, N_BLOCKS: tl.
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [T, V] (any float dtype, V <= BLOCK_V * MAX_VOCAB_BLOCKS) -> [T] int64."""
+    """logits [T, V] (any float dtype, V <= MAX_VOCAB) -> [T] int64."""
     T, V = logits.shape
+    assert V <= MAX_VOCAB, f"row_argmax takes rows up to {MAX_VOCAB}, not {V}"
     n_blocks = triton.cdiv(V, BLOCK_V)
-    assert n_blocks <= MAX_VOCAB_BLOCKS, f"row_argmax takes rows up to {BLOCK_V * MAX_VOCAB_BLOCKS}, not {V}"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     out = torch.empty(T, dtype=torch.long, device=x.device)
     _row_argmax_kernel[(T,)](x, out, V, x.stride(0), BLOCK=BLOCK_V, N_BLOCKS=n_blocks, num_warps=4)
@@ -55,9 +56,3 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
 def row_argmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
-
-def choose_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """row_argmax where it fits, else torch's (the same answer)."""
-    if logits.dim() == 2 and triton.cdiv(logits.shape[1], BLOCK_V) <= MAX_VOCAB_BLOCKS:
-        return row_argmax(logits)
-    return row_argmax_reference(logits)

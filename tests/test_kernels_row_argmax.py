@@ -9,8 +9,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ddtree_lab.kernels.row_argmax import (BLOCK_V, MAX_VOCAB_BLOCKS, choose_argmax, row_argmax,  # noqa: E402
-                                           row_argmax_reference)
+from ddtree_lab import tree  # noqa: E402
+from ddtree_lab.decode import argmax_rows  # noqa: E402
+from ddtree_lab.kernels.row_argmax import BLOCK_V, MAX_VOCAB_BLOCKS, row_argmax, row_argmax_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -36,8 +37,11 @@ def test_row_argmax_ties_take_the_first_index_across_blocks():
     assert row_argmax(logits[:, ::1].t().contiguous().t()).tolist() == want  # a column-major view is made contiguous
 
 
-def test_choose_argmax_falls_back_to_torch_beyond_its_width():
+def test_argmax_rows_falls_back_to_torch_beyond_its_width(monkeypatch):
+    monkeypatch.setattr(tree, "TREE_KERNELS", "triton")  # the kernel's path, on the CPU too (interpreter)
+    narrow = torch.randn(3, 100, device=DEVICE)
+    assert torch.equal(argmax_rows(narrow), narrow.argmax(-1))
     wide = torch.randn(2, BLOCK_V * MAX_VOCAB_BLOCKS + 1, device=DEVICE)
-    assert torch.equal(choose_argmax(wide), wide.argmax(-1))
+    assert torch.equal(argmax_rows(wide), wide.argmax(-1))
     with pytest.raises(AssertionError, match="rows up to"):
         row_argmax(wide)
