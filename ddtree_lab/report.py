@@ -505,6 +505,14 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     _bench_section(page, study_dir)
 
+    # -- results from serving stacks (ddtree-lab ingest): the study file's `external:` paths, or an
+    #    external.json in the study directory; the section lives in workbench/external.py
+    from .workbench import external, ingest
+    ext = ingest.study_external(study_dir, study)
+    if ext is not None:
+        external.add_section(page, ext, ingest.THRESHOLDS, rows)
+    # -- end of serving-stack results
+
     page.section("lossless", "Losslessness")
     page.add("<p>At T = 0 every run must emit exactly the AR run's tokens for every prompt.</p>")
     page.add(_table(["run", "verdict", "detail"],
