@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 import re
 import string
 import sys
@@ -51,12 +52,14 @@ def degenerate_reason(text: str) -> str | None:
         return "empty text"
     if len(text) >= REPEAT_MIN_CHARS and compress_ratio(text) < REPEAT_COMPRESS_RATIO:
         return "long repeats"
-    chars = [c for c in text if not c.isspace()]
-    if len(chars) >= MIN_JUDGED_CHARS:
-        if sum(c in _PUNCT for c in chars) / len(chars) > PUNCT_SHARE:
+    counts = Counter(text)
+    for c in [c for c in counts if c.isspace()]:
+        del counts[c]
+    n = sum(counts.values())
+    if n >= MIN_JUDGED_CHARS:
+        if sum(k for c, k in counts.items() if c in _PUNCT) / n > PUNCT_SHARE:
             return "mostly punctuation"
-        top = max(chars.count(c) for c in set(chars))
-        if top / len(chars) > ONE_CHAR_SHARE:
+        if max(counts.values()) / n > ONE_CHAR_SHARE:
             return "one character"
     return None
 

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import ijson
 
-CHUNK = 1 << 20
+CHUNK = 1 << 16  # events of one chunk are held at once: keep them few
 DETAIL_KEYS = frozenset({"input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors",
                          "latencies", "start_times", "queue_times", "cached_tokens", "cached_tokens_details"})
 # A record is a benchmark summary, tens of fields; a document with far more values outside the
