@@ -14,7 +14,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from ..atomic import atomic_write_text
-from ..report import PALETTE, _cfg, _e, _num, _Page, _summary, _table, grid_rows
+from ..report import _e, _num, _Page, _table  # the study report's page machinery
 
 PROBLEMS = ("failed", "truncated", "partial", "garbage", "suspect")
 _CLASS = {"ok": "ok", "suspect": "na", "partial": "bad", "garbage": "bad", "truncated": "bad", "failed": "bad"}
@@ -58,10 +58,10 @@ def sweep_figure(runs: list[dict], metric: str) -> go.Figure:
         if r.get("method") != "ar" and r.get("budget") and r.get(metric) is not None:
             series.setdefault(_series_label(r), []).append(r)
     fig = go.Figure()
-    for i, (label, rs) in enumerate(sorted(series.items())):
+    for label, rs in sorted(series.items()):
         rs.sort(key=lambda r: r["budget"])
         fig.add_scatter(x=[r["budget"] for r in rs], y=[r[metric] for r in rs], mode="lines+markers",
-                        name=label, line=dict(color=PALETTE[i % len(PALETTE)]),
+                        name=label,
                         text=[f"{os.path.basename(r['file'])}:{r['line']} ({r['verdict']})" for r in rs],
                         hovertemplate="%{text}<br>budget %{x}: %{y:.3f}<extra></extra>")
     if metric in ("output_throughput", "mean_tpot_ms"):
@@ -117,11 +117,13 @@ def thresholds_html(thresholds: dict) -> str:
 
 
 def workbench_taus(rows: list[dict]) -> list[dict]:
-    """The study's own DDTree/DFlash runs: method, budget, topk and mean τ."""
+    """The study's own complete DDTree/DFlash runs (rows of `collect_study`): method, budget, topk, τ."""
     out = []
-    for r in grid_rows(rows):
-        cfg, tau = _cfg(r), _summary(r).get("mean_tau")
-        if cfg.get("method") in ("ddtree", "dflash") and tau is not None and r.get("status") == "complete":
+    for r in rows:
+        res = r.get("results") or {}
+        cfg, tau = res.get("config") or {}, (res.get("summary") or {}).get("mean_tau")
+        if r.get("kind") == "run" and r.get("status") == "complete" and cfg.get("method") in ("ddtree", "dflash") \
+                and tau is not None:
             out.append({"run": r["name"], "method": cfg["method"], "budget": cfg.get("budget"),
                         "topk": cfg.get("topk") or None, "tau": tau})
     return out
@@ -129,20 +131,19 @@ def workbench_taus(rows: list[dict]) -> list[dict]:
 
 def compare_figure(mine: list[dict], runs: list[dict]) -> go.Figure:
     fig = go.Figure()
-    for i, m in enumerate(sorted({(w["method"], w["topk"]) for w in mine}, key=str)):
+    for m in sorted({(w["method"], w["topk"]) for w in mine}, key=str):
         ws = sorted((w for w in mine if (w["method"], w["topk"]) == m), key=lambda w: w["budget"] or 0)
         fig.add_scatter(x=[w["budget"] for w in ws], y=[w["tau"] for w in ws], mode="lines+markers",
                         name=f"workbench {m[0]}" + (f", topk {m[1]}" if m[1] else ""), text=[w["run"] for w in ws],
-                        line=dict(color=PALETTE[i % len(PALETTE)]),
                         hovertemplate="%{text}<br>budget %{x}: τ %{y:.3f}<extra></extra>")
     theirs: dict[str, list[dict]] = {}
     for r in _usable(runs):
         if r.get("accept_length") is not None and r.get("budget"):
             theirs.setdefault(_series_label(r), []).append(r)
-    for j, (label, rs) in enumerate(sorted(theirs.items())):
+    for label, rs in sorted(theirs.items()):
         rs.sort(key=lambda r: r["budget"])
         fig.add_scatter(x=[r["budget"] for r in rs], y=[r["accept_length"] for r in rs], mode="lines+markers",
-                        name=f"reported: {label}", line=dict(dash="dash", color=PALETTE[(j + 4) % len(PALETTE)]),
+                        name=f"reported: {label}", line=dict(dash="dash"),
                         marker=dict(symbol="diamond"), hovertemplate="budget %{x}: %{y:.3f}<extra></extra>")
     fig.update_layout(title=dict(text="τ per budget: measured here vs reported by serving stacks"),
                       template="plotly_white", height=400, margin=dict(l=55, r=20, t=60, b=45),

@@ -162,7 +162,8 @@ def field_settings(rec: dict, tool: str) -> tuple[dict, dict]:
             steps, drafts = _int(info.get("speculative_num_steps")), _int(info.get("speculative_num_draft_tokens"))
             if method == "ddtree":
                 put("budget", _int(info.get("speculative_ddtree_budget")), "server_info")
-                put("topk", _int(info.get("speculative_ddtree_topk")), "server_info")
+                put("topk", _int(info.get("speculative_ddtree_topk") or info.get("speculative_eagle_topk")),
+                    "server_info")
             elif method == "dflash":  # one path of block_size - 1 drafted tokens
                 block = _int(info.get("speculative_dflash_block_size")) or drafts
                 put("budget", block - 1 if block else None, "server_info")
