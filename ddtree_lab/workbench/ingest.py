@@ -568,9 +568,13 @@ def run_ingest_cli(args) -> int:
     except OSError as e:
         print(f"ddtree-lab ingest: error: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    atomic_write_json(out / EXTERNAL_FILE, doc)
     from . import external  # plotly only when a page is written
-    page = external.write_page(doc, out / REPORT_FILE, THRESHOLDS)
+    try:
+        atomic_write_json(out / EXTERNAL_FILE, doc)
+        page = external.write_page(doc, out / REPORT_FILE, THRESHOLDS)
+    except OSError as e:
+        print(f"ddtree-lab ingest: error: cannot write into {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     counts = {v: sum(r["verdict"] == v for r in doc["runs"]) for v in VERDICTS}
     print(f"{len(doc['runs'])} run(s): " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
           + f"; {len(doc['unrecognised'])} message(s)")

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import samples as S
-from ddtree_lab import cli
-from ddtree_lab.workbench import external, ingest as I, jsonstream
+sys.path.insert(0, str(Path(__file__).parent))  # the sample builders beside this file
+import ingest_samples as S  # noqa: E402
+from ddtree_lab import cli  # noqa: E402
+from ddtree_lab.workbench import external, ingest as I, jsonstream  # noqa: E402
 
 
 def _by_name(doc):
@@ -245,6 +246,14 @@ def test_bad_input_one_message_each(tmp_path, monkeypatch):
     assert why == {}
     empty = tmp_path / "empty"
     assert I.ingest([empty])["unrecognised"] == [{"file": str(empty), "reason": "empty folder: no files to ingest"}]
+
+
+def test_appended_file_cut_in_its_last_record(tmp_path):
+    whole = S.jsonl(S.serving(concurrency=1), S.serving(concurrency=2), S.serving(concurrency=4))
+    (tmp_path / "sweep.jsonl").write_text(whole[: len(whole) - 300])
+    runs = I.ingest([tmp_path])["runs"]
+    assert [(r["line"], r["verdict"], r["concurrency"]) for r in runs] == [(1, "ok", 1), (2, "ok", 2),
+                                                                            (3, "truncated", 4)]
 
 
 def test_mid_file_bad_line_keeps_the_rest(tmp_path):
