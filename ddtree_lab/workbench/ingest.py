@@ -184,15 +184,24 @@ def field_settings(rec: dict, tool: str) -> tuple[dict, dict]:
         # --metadata KEY=VALUE lands at the top level: honour the setting names when given
         for key in ("method", "budget", "topk", "draft_window", "tp", "hardware"):
             v = rec.get(key)
-            if v is not None:
-                put(key, v if key in ("method", "hardware") else _int(_float_or_none(v)), "fields")
-        if not any(k.startswith("spec_decode_") for k in rec):
-            put("method", "ar", "fields")  # the server reported no speculative-decoding counters
+            if v is not None and key == "method":
+                m = str(v).lower()
+                put(key, "ar" if m in ("ar", "auto", "none", "baseline") else _SPEC_METHOD.get(m, "other"), "fields")
+            elif v is not None:
+                put(key, str(v).lower() if key == "hardware" else _int(_float_or_none(v)), "fields")
     elif tool == ONE_BATCH:
         put("concurrency", _int(rec.get("batch_size")), "fields")
-        if _num(rec.get("acc_length")) is not None and rec["acc_length"] < 0:
-            put("method", "ar", "fields")  # −1: the server reported no acceptance length
     return vals, src
+
+
+def absent_means_ar(rec: dict, tool: str) -> bool:
+    """No acceptance figures at all: AR, unless the file name says otherwise (older tools and
+    servers that do not report them leave the same gap, hence after the name)."""
+    if tool == VLLM_SERVE:
+        return not any(k.startswith("spec_decode_") for k in rec)
+    if tool == ONE_BATCH:
+        return _num(rec.get("acc_length")) is not None and rec["acc_length"] < 0  # −1: not reported
+    return False
 
 
 def _float_or_none(v):
@@ -241,6 +250,8 @@ def make_run(path: str, parsed, fmt: tuple, names: dict) -> Run:
     for key in SETTINGS + ("hardware", "nvls"):
         if vals.get(key) is None and names.get(key) is not None:
             vals[key], src[key] = names[key], "filename"
+    if vals.get("method") is None and absent_means_ar(rec, tool):
+        vals["method"], src["method"] = "ar", "fields"
     run.sources = {k: v for k, v in src.items() if k in SETTINGS and vals.get(k) is not None}
     run.values = {k: vals.get(k) for k in SETTINGS}
     run.extra = {"variant": variant, "hardware": vals.get("hardware"), "nvls": bool(vals.get("nvls") or vals.get("_nvls")),
