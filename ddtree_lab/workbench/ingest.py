@@ -10,12 +10,13 @@ matter. This module imports neither torch nor the engine.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections import Counter
 import re
 import string
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -547,7 +548,6 @@ def study_external(study_dir: Path, study: dict) -> dict | None:
         return doc
     f = Path(study_dir) / EXTERNAL_FILE
     if f.is_file():
-        import json
         try:
             doc = json.loads(f.read_text())
         except (OSError, ValueError) as e:

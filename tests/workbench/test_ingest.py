@@ -1,6 +1,5 @@
 """`ddtree-lab ingest`: formats recognised by content, settings with their sources, a verdict per
 run, bad input reported per file, bounded memory on large files, and the report in a browser."""
-import argparse
 import json
 import os
 import re
