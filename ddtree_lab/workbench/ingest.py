@@ -480,7 +480,9 @@ def walk(paths: list, skip: Path | None = None) -> tuple[list[tuple[Path, Path]]
             files.append((p, p.parent))
         elif p.is_dir():
             n0 = len(files)
-            for dirpath, dirnames, filenames in os.walk(p, followlinks=True):
+            def unreadable(e: OSError) -> None:
+                notes.append({"file": str(e.filename), "reason": f"unreadable folder: {e.strerror or e}"})
+            for dirpath, dirnames, filenames in os.walk(p, onerror=unreadable, followlinks=True):
                 d = Path(dirpath)
                 st = d.stat()
                 if (st.st_dev, st.st_ino) in seen:

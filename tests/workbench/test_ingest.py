@@ -250,6 +250,12 @@ def test_bad_input_one_message_each(tmp_path, monkeypatch):
     assert why == {}
     empty = tmp_path / "empty"
     assert I.ingest([empty])["unrecognised"] == [{"file": str(empty), "reason": "empty folder: no files to ingest"}]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda d: (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(d)))
+                        if str(d) == str(locked) else real_scandir(d))
+    assert I.ingest([locked])["unrecognised"][0] == {"file": str(locked), "reason": "unreadable folder: Permission denied"}
 
 
 def test_appended_file_cut_in_its_last_record(tmp_path):
