@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the sample builders beside this file
 import ingest_samples as S  # noqa: E402
 from ddtree_lab import cli  # noqa: E402
-from ddtree_lab.workbench import external, ingest as I, jsonstream  # noqa: E402
+from ddtree_lab.workbench import external, formats, ingest as I, jsonstream  # noqa: E402
 
 
 def _by_name(doc):
@@ -194,7 +194,7 @@ def test_garbage_rules():
     for t in S.good_texts(20):
         assert I.degenerate_reason(t) is None
     r = json.loads(S.jsonl(S.serving(out_tokens=16384, retok=64)))
-    assert I.recognise(r)[1] == "sglang bench_serving"
+    assert formats.recognise(r)[1] == "sglang bench_serving"
 
 
 def test_retokenized_ratio_garbage(tmp_path):
@@ -211,11 +211,11 @@ def test_dp_rank0_accept_length_suspect(tmp_path):
 
 def test_filename_patterns(tmp_path):
     p = tmp_path / "h200" / "ddtree-b8t4_w2048_c256_nvls_tp8.jsonl"
-    got = I.name_settings(p, tmp_path)
+    got = formats.name_settings(p, tmp_path)
     assert got == {"hardware": "h200", "method": "ddtree", "budget": 8, "topk": 4, "draft_window": 2048,
                    "concurrency": 256, "nvls": True, "tp": 8}
-    assert I.name_settings(tmp_path / "auto_c64.jsonl", tmp_path) == {"method": "ar", "concurrency": 64}
-    assert I.name_settings(tmp_path / "cubic_wide.jsonl", tmp_path) == {}  # tokens match whole or not at all
+    assert formats.name_settings(tmp_path / "auto_c64.jsonl", tmp_path) == {"method": "ar", "concurrency": 64}
+    assert formats.name_settings(tmp_path / "cubic_wide.jsonl", tmp_path) == {}  # tokens match whole or not at all
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -326,13 +326,13 @@ def test_nan_filter_chunk_boundaries():
 
 def test_ingest_module_is_torch_free():
     import ast
-    for mod in (I, jsonstream):
+    for mod in (I, formats, jsonstream):
         tree = ast.parse(Path(mod.__file__).read_text())
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
         assert not names & {"torch", "triton", "numpy", "plotly"}, (mod.__name__, names)
         rel = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
-        assert rel <= {"atomic", "jsonstream", "external", None}, rel
+        assert rel <= {"atomic", "formats", "jsonstream", "external", None}, rel
 
 
 # ----------------------------------------------------------------------------- study and report
