@@ -77,7 +77,7 @@ def one_batch(batch_size=16, output_throughput=1200.0, acc_length=-1, run_name="
             "acc_length": acc_length, "total_output_tokens": batch_size * 256, "cache_hit_rate": None}
 
 
-def vllm(completed=100, failed=0, throughput=1500.0, spec: bool = True, accept=2.8, concurrency=16,
+def bench_serve(completed=100, failed=0, throughput=1500.0, spec: bool = True, accept=2.8, concurrency=16,
          detail: dict | None = None, **extra) -> dict:
     rec = {"date": "20260101-120000", "endpoint_type": "openai", "backend": "openai", "label": None,
            "model_id": "meta-llama/Llama-3.1-8B-Instruct", "tokenizer_id": "meta-llama/Llama-3.1-8B-Instruct",

@@ -142,14 +142,14 @@ def test_three_serving_field_sets(tmp_path):
     assert ref["verdict"] == "partial" and (ref["completed"], ref["failed"]) == (10, 2)
 
 
-def test_one_batch_and_vllm(tmp_path):
+def test_one_batch_and_bench_serve(tmp_path):
     (tmp_path / "ob_ddtree_b16t8.jsonl").write_text(S.jsonl(S.one_batch(acc_length=3.7), S.one_batch(acc_length=3.9)))
     (tmp_path / "ob_auto.jsonl").write_text(S.jsonl(S.one_batch(acc_length=-1)))
     (tmp_path / "ob_plain.jsonl").write_text(S.jsonl(S.one_batch(acc_length=-1)))
-    (tmp_path / "vllm_dflash_b15.json").write_text(json.dumps(S.vllm(detail=S.details(100, 100))))
-    (tmp_path / "vllm_pretty.json").write_text(json.dumps(S.vllm(spec=False), indent=2))
-    (tmp_path / "vllm_meta.json").write_text(json.dumps(S.vllm(method="DDTree", budget="32", topk="8", hardware="H200")))
-    (tmp_path / "vllm_failed.json").write_text(json.dumps(S.vllm(completed=90, failed=10)))
+    (tmp_path / "serve_dflash_b15.json").write_text(json.dumps(S.bench_serve(detail=S.details(100, 100))))
+    (tmp_path / "serve_pretty.json").write_text(json.dumps(S.bench_serve(spec=False), indent=2))
+    (tmp_path / "serve_meta.json").write_text(json.dumps(S.bench_serve(method="DDTree", budget="32", topk="8", hardware="H200")))
+    (tmp_path / "serve_failed.json").write_text(json.dumps(S.bench_serve(completed=90, failed=10)))
     runs = _by_name(I.ingest([tmp_path]))
     ob = runs["ob_ddtree_b16t8.jsonl", 1]
     assert (ob["tool"], ob["method"], ob["budget"], ob["topk"], ob["concurrency"]) == \
@@ -159,16 +159,16 @@ def test_one_batch_and_vllm(tmp_path):
     ar = runs["ob_auto.jsonl", 1]
     assert ar["method"] == "ar" and ar["accept_length"] is None and ar["sources"]["method"] == "filename"
     assert runs["ob_plain.jsonl", 1]["method"] == "ar" and runs["ob_plain.jsonl", 1]["sources"]["method"] == "fields"
-    v = runs["vllm_dflash_b15.json", 1]
+    v = runs["serve_dflash_b15.json", 1]
     assert (v["engine"], v["tool"], v["method"], v["budget"], v["model"]) == \
            ("vllm", "vllm bench serve", "dflash", 15, "meta-llama/Llama-3.1-8B-Instruct")
     assert v["verdict"] == "ok" and v["accept_length"] == 2.8 and v["sources"]["method"] == "filename"
-    meta = runs["vllm_meta.json", 1]  # --metadata method=DDTree budget=32 topk=8 hardware=H200
+    meta = runs["serve_meta.json", 1]  # --metadata method=DDTree budget=32 topk=8 hardware=H200
     assert (meta["method"], meta["budget"], meta["topk"]) == ("ddtree", 32, 8) and meta["sources"]["budget"] == "fields"
-    pretty = runs["vllm_pretty.json", 1]
+    pretty = runs["serve_pretty.json", 1]
     assert pretty["method"] == "ar" and pretty["verdict"] == "ok"
     assert pretty["speedup_over_ar"] == 1.0 and v["speedup_over_ar"] == 1.0  # same engine, model, concurrency
-    assert runs["vllm_failed.json", 1]["verdict"] == "partial" and runs["vllm_failed.json", 1]["failed"] == 10
+    assert runs["serve_failed.json", 1]["verdict"] == "partial" and runs["serve_failed.json", 1]["failed"] == 10
 
 
 def test_infinity_nan_all_failed(tmp_path):
