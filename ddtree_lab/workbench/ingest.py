@@ -122,7 +122,7 @@ def make_run(path: str, parsed, fmt: tuple, names: dict) -> Run:
         thr, tpot = _num(rec.get("output_throughput")), _num(rec.get("mean_tpot_ms"))
         acc = _num(rec.get("spec_decode_acceptance_length") if tool == VLLM_SERVE else rec.get("accept_length"))
         sent = _int(rec.get("num_prompts"))
-        if sent is None:
+        if sent is None and not parsed.error:  # a cut record's arrays may be cut too
             sent = next((d.n(k) for k in ("errors", "input_lens", "output_lens", "ttfts") if d.n(k)), None)
     failed = _int(rec.get("failed"))
     if failed is None and sent is not None and completed is not None:
