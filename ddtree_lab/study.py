@@ -417,7 +417,7 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
             raise StudyError(fname, f"notebook {nb!r} not found (looked in {dirs})", src)
 
     # results from serving stacks (ddtree-lab ingest) that join this study's report
-    external = _as_list("external", data["external"], str, src) if data.get("external") is not None else []
+    external = _as_list("external", data["external"], str, src) if data.get("external") not in (None, []) else []
     for i, x in enumerate(external):
         resolved = _resolve_path(x, base)
         if check_files and not (resolved.exists() or resolved.is_symlink()):
