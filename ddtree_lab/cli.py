@@ -1,4 +1,4 @@
-"""The `ddtree-lab` command: study (the main job), generate, report, bench, train-lab-pair, import-gguf, pull."""
+"""The `ddtree-lab` command: study (the main job), generate, report, ingest, bench, train-lab-pair, import-gguf, pull."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,8 @@ SUBCOMMANDS = [
      "run a study file (YAML): notebooks per grid point, then the report"),
     ("report", ".workbench.report", "add_report_args", "run_report_cli",
      "rebuild report.html of a study output directory"),
+    ("ingest", ".workbench.ingest", "add_ingest_args", "run_ingest_cli",
+     "read serving-benchmark result files: settings and a verdict per run, external.json + report.html"),
     ("bench", ".bench.cli", "add_bench_args", "run_bench_cli",
      "benchmarks: verify-attention kernels, end-to-end decoding (JSON)"),
     ("train-lab-pair", ".lab.train", "add_train_args", "run_train_cli",

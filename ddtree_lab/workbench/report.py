@@ -9,21 +9,18 @@ acceptance by depth, stage breakdown, kernel timeline, draft trees, losslessness
 """
 from __future__ import annotations
 
-import html
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import plotly.graph_objects as go
-import plotly.io as pio
 
 from ..atomic import atomic_write_text
 from ..names import MICROBENCH_FILE, REPORT_FILE, STUDY_FILE, TIMELINE_FILE
-from . import viz
+from . import external, ingest, viz
+from .page import Page, esc, fmt_num, html_table, verdict_html
 from .figures import (acceptance_depth_figure, busy_runs, grid_rows, microbench_figure, recommend_budget,
                       run_config, run_summary, short_kernel_name, stage_figure, sweep_figure, tau_histogram_figure,
                       timeline_figure)
@@ -51,79 +48,6 @@ def tree_sample_figures(rows: list[dict], max_runs: int = 3, max_rounds: int = 1
     return out
 
 
-# ----------------------------------------------------------------------------- html
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
-main{max-width:1180px;margin:0 auto;padding:24px 28px 60px}
-h1{margin:0 0 4px} h2{margin-top:38px;border-bottom:2px solid #e4e4e4;padding-bottom:4px}
-.sub{color:#666;margin:0 0 18px} .fig{background:#fff;border:1px solid #e6e6e6;border-radius:6px;margin:12px 0;padding:4px}
-table{border-collapse:collapse;font-size:13px;background:#fff;margin:8px 0} th,td{border:1px solid #ddd;padding:4px 8px;text-align:left}
-th{background:#f0f0f0} td.num{text-align:right;font-variant-numeric:tabular-nums}
-.ok{color:#1a7f37;font-weight:600} .bad{color:#c62828;font-weight:600} .na{color:#777}
-.callout{background:#fff8e1;border-left:4px solid #e4a11b;padding:8px 12px;margin:10px 0}
-pre{background:#f4f4f4;padding:8px;overflow-x:auto;font-size:12px;max-height:260px}
-nav a{margin-right:12px;font-size:14px}
-"""
-
-ERROR_HOOK = ("<script>window.__reportErrors=[];window.addEventListener('error',function(e){"
-              "window.__reportErrors.push(String(e.message||e));});</script>")
-STATUS_HOOK = """<script>window.addEventListener('load',function(){setTimeout(function(){
-var n=Array.prototype.filter.call(document.querySelectorAll('.js-plotly-plot'),
-  function(d){return d.querySelector('.main-svg')!==null;}).length;
-var s=document.getElementById('render-status');
-s.setAttribute('data-plots',String(n));s.setAttribute('data-errors',String(window.__reportErrors.length));
-s.textContent='figures rendered: '+n+(window.__reportErrors.length?' · errors: '+window.__reportErrors.join(' | '):'');
-},50);});</script>"""
-
-
-def _e(x: Any) -> str:
-    return html.escape("" if x is None else str(x))
-
-
-def _num(x: Any, fmt: str = "{:.2f}") -> str:
-    return fmt.format(x) if isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x)) else "–"
-
-
-def _table(head: list[str], body: list[list[str]]) -> str:
-    h = "".join(f"<th>{_e(c)}</th>" for c in head)
-    b = "".join("<tr>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in row) + "</tr>" for row in body)
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
-
-
-def _verdict_html(v: str | None) -> str:
-    cls = {"lossless": "ok", "reference": "ok", "mismatch": "bad", "no tokens": "bad"}.get(v or "", "na")
-    return f'<span class="{cls}">{_e(v or "–")}</span>'
-
-
-class _Page:
-    def __init__(self):
-        self.parts: list[str] = []
-        self.nav: list[tuple[str, str]] = []
-        self.n_fig = 0
-
-    def section(self, anchor: str, title: str) -> None:
-        self.nav.append((anchor, title))
-        self.parts.append(f'<h2 id="{anchor}">{_e(title)}</h2>')
-
-    def add(self, s: str) -> None:
-        self.parts.append(s)
-
-    def figure(self, fig: go.Figure) -> None:
-        self.n_fig += 1
-        div = pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"fig{self.n_fig}",
-                          config={"displaylogo": False, "responsive": True})
-        self.parts.append(f'<div class="fig">{div}</div>')
-
-    def render(self, title: str, subtitle: str) -> str:
-        from plotly.offline import get_plotlyjs
-        nav = "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in self.nav)
-        return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
-                f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style>"
-                f"{ERROR_HOOK}<script type='text/javascript'>{get_plotlyjs()}</script></head><body><main>"
-                f"<h1>{_e(title)}</h1><p class='sub'>{subtitle}</p><nav>{nav}</nav>{''.join(self.parts)}"
-                f"<p id='render-status' class='sub'></p></main>{STATUS_HOOK}</body></html>")
-
-
 def _setup_html(study: dict, rows: list[dict]) -> str:
     res = next((r["results"] for r in grid_rows(rows) if r.get("results")), None) or {}
     s = study.get("study", {})
@@ -140,7 +64,7 @@ def _setup_html(study: dict, rows: list[dict]) -> str:
         ("methods", ", ".join(s.get("methods") or [])), ("grid", json.dumps(s.get("grid"))),
         ("versions", json.dumps(res.get("versions"))), ("commit", res.get("commit")),
     ]
-    return _table(["", ""], [[f"<b>{_e(k)}</b>", _e(v)] for k, v in items if v not in (None, "", "null")])
+    return html_table(["", ""], [[f"<b>{esc(k)}</b>", esc(v)] for k, v in items if v not in (None, "", "null")])
 
 
 def sweep_table(rows: list[dict]) -> list[dict]:
@@ -160,18 +84,18 @@ def runs_table_html(rows: list[dict]) -> str:
     for r in grid_rows(rows):
         cfg, sm, cmp = run_config(r), run_summary(r), r.get("comparison") or {}
         spt = sm.get("seconds_per_token")
-        body.append([f"<b>{_e(r['name'])}</b>", _e(cfg.get("method")), _e(cfg.get("budget") or "–"),
-                     _e(cfg.get("topk") or "–"), _e(cfg.get("temperature")),
-                     f'<span class="{"bad" if r["status"] == "failed" else "ok"}">{_e(r["status"])}</span>',
-                     f'<td class="num">{_num(sm.get("mean_tau"))}</td>',
-                     f'<td class="num">{_num(sm.get("tokens_per_second"), "{:.1f}")}</td>',
-                     f'<td class="num">{_num(spt * 1e3 if spt else None)}</td>',
-                     f'<td class="num">{_num(cmp.get("speedup"))}</td>', _verdict_html(cmp.get("verdict"))])
-    return _table(["run", "method", "budget", "topk", "T", "status", "mean τ", "tokens/s", "ms/token",
+        body.append([f"<b>{esc(r['name'])}</b>", esc(cfg.get("method")), esc(cfg.get("budget") or "–"),
+                     esc(cfg.get("topk") or "–"), esc(cfg.get("temperature")),
+                     f'<span class="{"bad" if r["status"] == "failed" else "ok"}">{esc(r["status"])}</span>',
+                     f'<td class="num">{fmt_num(sm.get("mean_tau"))}</td>',
+                     f'<td class="num">{fmt_num(sm.get("tokens_per_second"), "{:.1f}")}</td>',
+                     f'<td class="num">{fmt_num(spt * 1e3 if spt else None)}</td>',
+                     f'<td class="num">{fmt_num(cmp.get("speedup"))}</td>', verdict_html(cmp.get("verdict"))])
+    return html_table(["run", "method", "budget", "topk", "T", "status", "mean τ", "tokens/s", "ms/token",
                    "speedup", "lossless"], body)
 
 
-def _kernel_section(page: _Page, study_dir: Path, rows: list[dict]) -> None:
+def _kernel_section(page: Page, study_dir: Path, rows: list[dict]) -> None:
     # Any run directory holding a timeline.json (normally kernel_timeline/), with or without run.json.
     kt = sorted(p.parent for p in study_dir.glob(f"*/{TIMELINE_FILE}") if not p.parent.name.startswith("."))
     page.section("kernels", "Kernel timeline")
@@ -180,16 +104,16 @@ def _kernel_section(page: _Page, study_dir: Path, rows: list[dict]) -> None:
         return
     d = kt[0]
     tl = json.loads((d / TIMELINE_FILE).read_text())
-    page.add(f"<p>Profiled run: {_e(tl.get('run'))} on {_e(tl.get('device'))}; Chrome trace: "
-             f"<code>{_e(os.path.relpath(d / tl.get('trace_file', 'trace.json'), study_dir))}</code> "
+    page.add(f"<p>Profiled run: {esc(tl.get('run'))} on {esc(tl.get('device'))}; Chrome trace: "
+             f"<code>{esc(os.path.relpath(d / tl.get('trace_file', 'trace.json'), study_dir))}</code> "
              "(open it in a trace viewer for the full detail). Stage rows come from the engine's stage "
              "clocks laid end to end when the engine emits no profiler annotations, so they show each "
              "stage's share and order, not exact alignment with the kernel rows.</p>")
     page.figure(timeline_figure(tl))
     top = tl.get("top_kernels", [])[:15]
     if top:
-        page.add(_table(["kernel / op (hover for the full name)", "calls", "total ms", "share"],
-                        [[f'<span title="{_e(k["name"])}">{_e(short_kernel_name(k["name"], 90))}</span>',
+        page.add(html_table(["kernel / op (hover for the full name)", "calls", "total ms", "share"],
+                        [[f'<span title="{esc(k["name"])}">{esc(short_kernel_name(k["name"], 90))}</span>',
                           f'<td class="num">{k["count"]}</td>',
                           f'<td class="num">{k["total_us"] / 1e3:.2f}</td>',
                           f'<td class="num">{100 * k.get("share", 0):.1f}%</td>'] for k in top]))
@@ -198,7 +122,7 @@ def _kernel_section(page: _Page, study_dir: Path, rows: list[dict]) -> None:
         page.add("<h3>Verify micro-benchmark</h3>")
         page.figure(microbench_figure(mb))
         if mb.get("note"):
-            page.add(f"<p class='sub'>{_e(mb['note'])}</p>")
+            page.add(f"<p class='sub'>{esc(mb['note'])}</p>")
 
 
 BENCH_COLUMNS = [("method", "method", "{}"), ("budget", "budget", "{}"), ("mean_tau", "mean τ", "{:.2f}"),
@@ -212,7 +136,7 @@ def _bench_files(study_dir: Path) -> list[Path]:
     return sorted(study_dir.glob("bench/*.json")) + sorted(study_dir.glob("*.bench.json"))
 
 
-def _bench_section(page: "_Page", study_dir: Path) -> None:
+def _bench_section(page: "Page", study_dir: Path) -> None:
     files = _bench_files(study_dir)
     if not files:
         return
@@ -225,11 +149,11 @@ def _bench_section(page: "_Page", study_dir: Path) -> None:
         env = b.get("environment") or {}
         head = " · ".join(str(x) for x in (b.get("kind"), b.get("model"), b.get("attention"), env.get("device"),
                                            env.get("commit")) if x)
-        page.add(f"<h3>{_e(f.name)}</h3><p class='sub'>{_e(head)}</p>")
+        page.add(f"<h3>{esc(f.name)}</h3><p class='sub'>{esc(head)}</p>")
         roof = b.get("roofline") or {}
         if roof.get("copy_bytes_per_second"):
             page.add(f"<p class='sub'>measured copy bandwidth {roof['copy_bytes_per_second'] / 1e9:.0f} GB/s; AR step "
-                     f"{_num(roof.get('ar_step_over_roofline'))}× its weight-read roofline</p>")
+                     f"{fmt_num(roof.get('ar_step_over_roofline'))}× its weight-read roofline</p>")
         rows = [r for r in b.get("rows", []) if isinstance(r, dict)]
         cols = [c for c in BENCH_COLUMNS if any(c[0] in r for r in rows)]
         body = []
@@ -239,10 +163,10 @@ def _bench_section(page: "_Page", study_dir: Path) -> None:
                 v = r.get(key)
                 if fmt.startswith("1e3:") and isinstance(v, (int, float)):
                     v, fmt = v * 1e3, fmt[4:]
-                cells.append(f'<td class="num">{_num(v, fmt)}</td>' if isinstance(v, float) else _e(v if v is not None else "–"))
+                cells.append(f'<td class="num">{fmt_num(v, fmt)}</td>' if isinstance(v, float) else esc(v if v is not None else "–"))
             body.append(cells)
         if body:
-            page.add(_table([c[1] for c in cols], body))
+            page.add(html_table([c[1] for c in cols], body))
 
 
 def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
@@ -257,7 +181,7 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
         study = {"study": {"name": study_dir.name}}
     grid = grid_rows(rows)
     ok = [r for r in grid if r.get("results")]
-    page = _Page()
+    page = Page()
 
     page.section("setup", "Setup")
     page.add(_setup_html(study, rows))
@@ -269,11 +193,11 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     if best and best["speedup"] >= 1:
         page.add(f"<div class='callout'><b>Recommended budget: {best['budget']}</b> "
                  f"(topk {best['topk'] or '= budget'}, T {best['temperature']:g}): "
-                 f"{best['speedup']:.2f}× over AR, mean τ {_num(best['mean_tau'])} — run {_e(best['run'])}.</div>")
+                 f"{best['speedup']:.2f}× over AR, mean τ {fmt_num(best['mean_tau'])} — run {esc(best['run'])}.</div>")
     elif best:
         page.add(f"<div class='callout'><b>No budget beat AR here.</b> The best DDTree run, budget "
-                 f"{best['budget']} ({_e(best['run'])}), reached {best['speedup']:.2f}× with mean τ "
-                 f"{_num(best['mean_tau'])}: the drafter is not accepted often enough to pay for drafting "
+                 f"{best['budget']} ({esc(best['run'])}), reached {best['speedup']:.2f}× with mean τ "
+                 f"{fmt_num(best['mean_tau'])}: the drafter is not accepted often enough to pay for drafting "
                  "and a wider verify on this hardware.</div>")
     else:
         page.add("<p class='na'>No recommendation: it needs an AR run and at least one complete DDTree run.</p>")
@@ -311,11 +235,18 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     _bench_section(page, study_dir)
 
+    # -- results from serving stacks (ddtree-lab ingest): the study file's `external:` paths, or an
+    #    external.json in the study directory; the section lives in workbench/external.py
+    ext = ingest.study_external(study_dir, study)
+    if ext is not None:
+        external.add_section(page, ext, ingest.THRESHOLDS, rows)
+    # -- end of serving-stack results
+
     page.section("lossless", "Losslessness")
     page.add("<p>At T = 0 every run must emit exactly the AR run's tokens for every prompt.</p>")
-    page.add(_table(["run", "verdict", "detail"],
-                    [[_e(r["name"]), _verdict_html((r.get("comparison") or {}).get("verdict")),
-                      _e((r.get("comparison") or {}).get("detail"))] for r in ok]))
+    page.add(html_table(["run", "verdict", "detail"],
+                    [[esc(r["name"]), verdict_html((r.get("comparison") or {}).get("verdict")),
+                      esc((r.get("comparison") or {}).get("detail"))] for r in ok]))
 
     page.section("suspect", "Failed or suspect runs")
     bad = [(r, suspect_reason(r)) for r in rows]
@@ -324,14 +255,14 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
         page.add("<p class='ok'>None: every run completed, produced tokens and matched AR where checked.</p>")
     for r, why in bad:
         nb = r["run"].get("error_notebook")
-        link = f" — notebook <a href='{_e(r['name'])}/{_e(nb)}'>{_e(r['name'])}/{_e(nb)}</a>" if nb else ""
-        page.add(f"<h3 class='bad'>{_e(r['name'])}</h3><p>{_e(why)}{link}</p>")
+        link = f" — notebook <a href='{esc(r['name'])}/{esc(nb)}'>{esc(r['name'])}/{esc(nb)}</a>" if nb else ""
+        page.add(f"<h3 class='bad'>{esc(r['name'])}</h3><p>{esc(why)}{link}</p>")
         if r["run"].get("error_detail"):
-            page.add(f"<pre>{_e(r['run']['error_detail'])}</pre>")
+            page.add(f"<pre>{esc(r['run']['error_detail'])}</pre>")
 
     name = study.get("study", {}).get("name", study_dir.name)
     subtitle = (f"{len(grid)} runs · {sum(r['status'] == 'failed' for r in rows)} failed · "
-                f"built {time.strftime('%Y-%m-%d %H:%M')} from <code>{_e(study_dir)}</code>")
+                f"built {time.strftime('%Y-%m-%d %H:%M')} from <code>{esc(study_dir)}</code>")
     out = Path(out) if out else study_dir / REPORT_FILE
     atomic_write_text(out, page.render(f"DDTree study: {name}", subtitle))
     return out

@@ -81,6 +81,7 @@ class Study:
     report: bool = True
     description: str = ""
     warmup: bool = True           # one short untimed generate before timing (kernels, caches)
+    external: list[str] = field(default_factory=list)  # serving-benchmark result files/folders for the report
     path: Path | None = None      # the study file (paths inside are relative to its directory)
 
     def to_json(self) -> dict:
@@ -92,7 +93,7 @@ class Study:
 # The allowed keys, with their types, per section. A type is a tuple of accepted Python types.
 _SECTIONS: dict[str, dict[str, Any]] = {
     "": {"name": str, "description": str, "models": dict, "prompts": dict, "methods": list,
-         "grid": dict, "notebooks": dict, "report": bool, "warmup": bool},
+         "grid": dict, "notebooks": dict, "report": bool, "warmup": bool, "external": list},
     "models": {"pair": (str, type(None)), "target": (str, type(None)),
                "drafter": (str, type(None)), "device": str, "dtype": str, "attention": str,
                "compile": bool},
@@ -314,9 +315,17 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
             dirs = ", ".join(str(d) for d in notebook_dirs(base))
             raise StudyError(fname, f"notebook {nb!r} not found (looked in {dirs})", src)
 
+    # results from serving stacks (ddtree-lab ingest) that join this study's report
+    external = _as_list("external", data["external"], str, src) if data.get("external") not in (None, []) else []
+    for i, x in enumerate(external):
+        resolved = _resolve_path(x, base)
+        if check_files and not (resolved.exists() or resolved.is_symlink()):
+            raise StudyError(f"external[{i}]", f"{x!r} does not exist", src)
+        external[i] = str(resolved)
+
     return Study(name=name, models=models, prompts=prompts, methods=methods, grid=grid,
                  notebooks=nbs, report=report, description=data.get("description", ""),
-                 warmup=data.get("warmup", True), path=path)
+                 warmup=data.get("warmup", True), external=external, path=path)
 
 
 def load_study(path: str | os.PathLike, check_files: bool = True) -> Study:
