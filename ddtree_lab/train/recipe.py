@@ -1,182 +1,267 @@
-"""Batched pieces shared by lab training and evaluation.
+"""The DFlash recipe: the loop that trains drafters on a pool of target sequences.
 
-- `greedy_extend`: batched greedy generation with a KV cache built from the target's own layers
-  (the engine's cached forward serves one sequence at a time; training wants thousands at once).
-  It computes exactly what `Target.forward_train` computes, position by position.
-- `block_logits`: the DFlash training forward — for anchors p in a sequence, the block
-  [x_p, MASK x (bs-1)] at positions p … p+bs-1 attends (non-causally) to its own block and to the
-  projected target features of positions < p; returns the drafter's logits for block slots 1 … bs-1.
+`train_drafters` is the loop (variants on the same batches, a time budget, checkpoints, data parallel
+under torchrun, a quick held-out τ), configured by a `DFlashRecipe` that each pipeline's config nests.
 """
 from __future__ import annotations
 
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
+
+from .common import autocast, init_weights, load_weights, log, lr_at, optimizer, save_state, save_weights, synchronize
+from .blocks import block_logits, block_loss, follow_up_anchors, position_weights
+from .evaluate import fast_tau
 
 
-@torch.no_grad()
-def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.Tensor | None = None,
-                  stop_id: int | None = None, temperature: float = 0.0,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """tokens [B, P] -> [B, P + n_new], the target's greedy continuation of every row (or, with
-    temperature > 0, one sampled from softmax(logits / temperature) with `generator`).
+@dataclass
+class DFlashRecipe:
+    """The drafter's shape and the knobs of its training loop. The names are the `--set` keys."""
+    drafter_layers: int = 2
+    drafter_intermediate: int = 768
+    block_size: int = 16
+    target_layer_ids: tuple = (1, 3, 5)
+    drafter_batch: int = 64
+    anchors: int = 16                     # blocks per sequence per step
+    drafter_lr: float = 2e-3
+    drafter_warmup: int = 100
+    drafter_steps: int = 0                # 0 = fit drafter_seconds
+    drafter_seconds: float = 150.0
+    gamma: float = 7.0                    # loss weight of slot k: exp(-(k-1)/gamma)
+    soft_weight: float = 0.0              # mix of KL to the target's distribution into the loss
+    compile_loss: bool = True             # on CUDA, torch.compile the loss (see train_drafters)
+    round_anchors: float = 0.0            # share of anchors (≤ 0.5) moved to where a round from another would end
+    variants: str = ""                    # extra drafters trained on the same batches, ';'-separated
+    drafter_init: str = ""                # warm start (every variant of main's shape): a DFlash dir or a work-dir safetensors
+    # the quick held-out τ after training
+    eval_prompts: int = 16                # per prompt set
+    n_new: int = 96
+    budgets: tuple = (16, 64, 256)
 
-    prompt_lens [B] (optional): rows are left-padded, row b's prompt is its last prompt_lens[b] tokens;
-    pad keys are masked and positions count from the row's first real token, so a padded row gets the
-    same tokens as alone (chat prompts differ in length, and one batch must hold them all).
-    stop_id (optional): stop early once every row has produced it (the output is then shorter)."""
-    cfg = target.cfg
-    B, P = tokens.shape
-    S = P + n_new
-    dev, dt = tokens.device, target.embed_tokens.weight.dtype
-    if torch.is_autocast_enabled(dev.type):
-        dt = torch.get_autocast_dtype(dev.type)
-    kc = torch.zeros(cfg.num_hidden_layers, B, cfg.num_key_value_heads, S, cfg.head_dim, device=dev, dtype=dt)
-    vc = torch.zeros_like(kc)
-    out = torch.empty(B, S, dtype=tokens.dtype, device=dev)
-    out[:, :P] = tokens
-    pad = None if prompt_lens is None else (P - prompt_lens.to(dev))  # [B] left pads per row
-    key_ok = None if pad is None else torch.arange(S, device=dev)[None] >= pad[:, None]  # [B, S]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    step_in, pos0 = tokens, 0
-    for _ in range(n_new):
-        T = step_in.shape[1]
-        x = target.embed(step_in)
-        pos = torch.arange(pos0, pos0 + T, device=dev)
-        if pad is not None:
-            pos = (pos[None] - pad[:, None]).clamp(min=0)  # [B, T]
-        cos, sin = target.rotary(pos, x.dtype)
-        for li, blk in enumerate(target.layers):
-            q, k, v = blk.qkv.project(blk.input_layernorm(x))  # [B, H*, T, D]
-            q, k = blk.qkv.norm_rope_q(q, cos, sin), blk.qkv.norm_rope_k(k, cos, sin)
-            kc[li, :, :, pos0:pos0 + T] = k
-            vc[li, :, :, pos0:pos0 + T] = v
-            if T > 1 and pad is None:  # prefill (pos0 == 0): causal over itself
-                att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-            elif T > 1:  # padded prefill: causal, pad keys hidden; every query sees itself (no empty rows)
-                m = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & key_ok[:, None, :T]
-                m = m | torch.eye(T, dtype=torch.bool, device=dev)[None]
-                att = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None],
-                                                     enable_gqa=q.shape[1] != k.shape[1])
-            else:  # one new token sees the whole cache; grouped matmuls, no K/V copies per query head
-                att = _decode_attention(q, kc[li, :, :, :pos0 + 1], vc[li, :, :, :pos0 + 1],
-                                        None if key_ok is None else key_ok[:, :pos0 + 1])
-            x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
-            x = x + blk.mlp(blk.post_attention_layernorm(x))
-        logits = target.lm_head_logits(target.norm(x[:, -1]))  # [B, V]
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
-        else:
-            nxt = logits.argmax(-1)  # [B]
-        out[:, pos0 + T] = nxt
-        step_in, pos0 = nxt[:, None], pos0 + T
-        if stop_id is not None:
-            done |= nxt == stop_id
-            if bool(done.all()):  # one host sync per step; cheap next to a 30-layer step
-                return out[:, :pos0 + 1]
+
+def parse_variants(cfg: DFlashRecipe) -> dict[str, dict]:
+    """'main' uses the config; each extra variant 'k=v,k=v' overrides gamma/soft_weight/layers/lr/
+    round_anchors (e.g. 'round_anchors=0.5' trains a second drafter on the same batches for an A/B)."""
+    out = {"main": {"gamma": cfg.gamma, "soft_weight": cfg.soft_weight, "layers": cfg.drafter_layers,
+                    "lr": cfg.drafter_lr, "intermediate": cfg.drafter_intermediate,
+                    "round_anchors": cfg.round_anchors}}
+    for spec in filter(None, (s.strip() for s in cfg.variants.split(";"))):
+        v = dict(out["main"])
+        for kv in spec.split(","):
+            k, val = kv.split("=")
+            v[k.strip()] = type(out["main"][k.strip()])(float(val)) if k.strip() != "layers" else int(val)
+        out[spec.replace("=", "").replace(",", "_")] = v
     return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok=None) -> torch.Tensor:
-    """q [B, Hq, 1, D], k/v [B, Hkv, S, D] (query head h uses KV head h // (Hq/Hkv)) -> [B, Hq, 1, D].
-
-    key_ok [B, S] (optional): False hides a key (left padding)."""
-    B, Hq, _, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.to(k.dtype).reshape(B, Hkv, Hq // Hkv, D)              # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() / D ** 0.5  # [B, Hkv, G, S]
-    if key_ok is not None:
-        scores = scores.masked_fill(~key_ok[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)          # [B, Hkv, G, D]
-    return out.reshape(B, Hq, 1, D)
-
-
-def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
-                 lengths: torch.Tensor | None = None):
-    """tokens [B, S], anchors [B, A] -> block tokens [B, A, bs], positions [B, A, bs], labels [B, A, bs-1].
-
-    Labels past the end of the sequence (or of row b's first lengths[b] tokens) are -100 (ignored)."""
-    B, S = tokens.shape
-    ar = torch.arange(block_size, device=tokens.device)
-    pos = anchors[..., None] + ar  # [B, A, bs]
-    blk = torch.full_like(pos, mask_token_id)
-    blk[..., 0] = torch.gather(tokens, 1, anchors)
-    lab_pos = pos[..., 1:]
-    labels = torch.gather(tokens, 1, lab_pos.clamp(max=S - 1).flatten(1)).view_as(lab_pos)
-    end = S if lengths is None else lengths.to(tokens.device)[:, None, None]
-    labels = labels.masked_fill(lab_pos >= end, -100)
-    return blk, pos, labels
-
-
-def block_mask(anchors: torch.Tensor, S: int, block_size: int) -> torch.Tensor:
-    """anchors [B, A] -> bool [B, A*bs, S + A*bs]: a block sees context < its anchor and itself."""
-    B, A = anchors.shape
-    dev = anchors.device
-    ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # [B, A, S]
-    ctx_ok = ctx_ok[:, :, None, :].expand(B, A, block_size, S).reshape(B, A * block_size, S)
-    blk_id = torch.arange(A, device=dev).repeat_interleave(block_size)  # [A*bs]
-    own = (blk_id[:, None] == blk_id[None, :])[None].expand(B, -1, -1)
-    return torch.cat([ctx_ok, own], dim=-1)
-
-
-def block_logits(target, drafter, tokens: torch.Tensor, target_hidden: torch.Tensor,
-                 anchors: torch.Tensor, mask_token_id: int, lengths: torch.Tensor | None = None):
-    """One DFlash forward for A anchors per row.
-
-    tokens [B, S]; target_hidden [B, S, k*H] (target features at the drafter's target_layer_ids);
-    anchors [B, A] with anchor >= 1 (a block needs some context). Returns logits [B, A, bs-1, V]
-    and labels [B, A, bs-1] (the sequence's own next tokens, -100 past its end or lengths [B])."""
-    bs = drafter.cfg.block_size
-    B, S = tokens.shape
-    A = anchors.shape[1]
-    blk, pos, labels = block_inputs(tokens, anchors, bs, mask_token_id, lengths)
-    ctx = drafter.project_context(target_hidden)  # [B, S, H]
-    ctx_pos = torch.arange(S, device=tokens.device).expand(B, S)
-    x = target.embed(blk.view(B, A * bs))  # [B, A*bs, H]
-    h = drafter(x, pos.view(B, A * bs), ctx, ctx_pos, block_mask(anchors, S, bs))  # [B, A*bs, H]
-    h = h.view(B, A, bs, -1)[:, :, 1:]
-    return target.lm_head_logits(h), labels
+@torch.no_grad()
+def soft_targets(t_logits: torch.Tensor, anchors: torch.Tensor, bs: int) -> torch.Tensor:
+    """The target's logits for block slots 1 … bs-1 of each anchor: [B, S, V] -> [B, A, bs-1, V]
+    (the distribution of token p+k sits at position p+k-1)."""
+    B, S, V = t_logits.shape
+    at = (anchors[..., None] + torch.arange(bs - 1, device=anchors.device)).flatten(1).clamp(max=S - 1)
+    return torch.gather(t_logits, 1, at[..., None].expand(-1, -1, V)).view(B, anchors.shape[1], bs - 1, V)
 
 
 @torch.no_grad()
-def follow_up_anchors(logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, end) -> torch.Tensor:
-    """Where the engine's next round would start after a round at each anchor: anchor + its DFlash
-    acceptance (1 + the leading slots the drafter got right). logits [B, A, L, V], labels/anchors
-    [B, A]; end: sequence lengths [B] or one int. Rounds start right after a token the drafter missed,
-    which uniform anchors rarely hit; an anchor past end - 2 (no next token) stays where it was."""
-    hits = (logits.argmax(-1) == labels) & (labels >= 0)              # [B, A, L]
-    follow = anchors + 1 + torch.cumprod(hits.long(), -1).sum(-1)     # [B, A]
-    last = (end[:, None] if torch.is_tensor(end) else torch.tensor(end)).to(anchors.device) - 2
-    return torch.where(follow <= last, follow, anchors)
+def round_start_anchors(target, drafter, seq, hid, anchors, share: float, mask_id: int, lengths):
+    """Train where the engine's rounds start: the last k = share·A anchors (at most half) move to where
+    a round from the first k ends under this drafter, i.e. right after a token it missed."""
+    k = min(int(anchors.shape[1] * share), anchors.shape[1] // 2)
+    if k == 0:
+        return anchors
+    first = anchors[:, :k]
+    with autocast(seq.device):
+        lg, lb = block_logits(target, drafter, seq, hid, first, mask_id, lengths)
+    end = seq.shape[1] if lengths is None else lengths.to(seq.device)
+    return torch.cat([anchors[:, :-k], follow_up_anchors(lg, lb, first, end)], 1)
 
 
-def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """Loss weight of block slot k = 1 … bs-1: exp(-(k-1)/gamma); early slots decide acceptance."""
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma) if gamma > 0 else torch.ones_like(k)
+# ----------------------------------------------------------------------------- data parallel (one process per GPU)
+# `torchrun --nproc_per_node N … --stages drafter` runs the drafter loop on N GPUs: every process draws its own
+# batches, gradients are averaged before each step (so the weights stay equal everywhere), and process 0 plans the
+# step count, logs, checkpoints and evaluates. One process is the ordinary loop.
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torchrun."""
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-               soft_targets: torch.Tensor | None = None, soft_weight: float = 0.0):
-    """Position-weighted cross-entropy [B, A, L, V] vs labels [B, A, L]; optional KL to soft targets.
-
-    Returns (loss, per-slot top-1 accuracy [L], mean chain acceptance 1 + leading hits)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    valid = labels >= 0
-    nll = -torch.gather(logp, -1, labels.clamp(min=0)[..., None])[..., 0]  # [B, A, L]
-    if soft_targets is not None and soft_weight > 0:
-        # KL(target || draft) per slot; the target's distribution is the richer signal for ranks > 1.
-        tp = F.log_softmax(soft_targets.float(), dim=-1)
-        kl = (tp.exp() * (tp - logp)).sum(-1)
-        nll = (1 - soft_weight) * nll + soft_weight * kl
-    w = weights * valid
-    loss = (nll * w).sum() / w.sum().clamp(min=1e-6)
-    with torch.no_grad():
-        hit = (logp.argmax(-1) == labels) & valid
-        acc = hit.flatten(0, 1).float().sum(0) / valid.flatten(0, 1).float().sum(0).clamp(min=1)
-        tau = 1.0 + torch.cumprod(hit.float(), -1).sum(-1).mean()
-    return loss, acc, tau
+def average_gradients(model: nn.Module) -> None:
+    """All-reduce the gradients (mean over processes) in one collective."""
+    import torch.distributed as dist
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
-__all__ = ["greedy_extend", "block_inputs", "block_mask", "block_logits", "follow_up_anchors", "position_weights",
-           "block_loss"]
+def from_rank0(value: int, device: torch.device) -> int:
+    """Process 0's value everywhere (the step plan must agree, or the collectives stop matching)."""
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.broadcast(t, 0)
+    return int(t)
+
+
+def weights_in_sync(model: nn.Module, device: torch.device) -> bool:
+    """Whether every process holds the same weights (a sum of all parameters, compared across processes)."""
+    import torch.distributed as dist
+    total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1).to(device)
+    lo, hi = total.clone(), total.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(lo == hi)
+
+
+def train_drafters(cfg: DFlashRecipe, seed: int, target, new_drafter, sample, work: Path, device: torch.device,
+                   mask_id: int, eval_prompts, eos_id: int | None, pool_desc: str = "") -> dict:
+    """The DFlash loop of every pipeline: cfg is the pipeline's DFlashRecipe, seed its seed.
+
+    new_drafter(layers, intermediate) -> Drafter; sample(step, generator) -> (seq [B, S], anchors [B, A],
+    lengths [B] or None: labels at positions >= lengths are ignored); eval_prompts() -> token-id prompts for
+    the quick held-out τ. Writes drafter_<variant>.safetensors, drafter_final.* and drafter_summary.json."""
+    variants = parse_variants(cfg)
+    drafters, opts = {}, {}
+    for i, (name, v) in enumerate(variants.items()):
+        torch.manual_seed(seed + 100 + i)
+        d = new_drafter(v["layers"], v["intermediate"])
+        init_weights(d, v["layers"])
+        same_shape = (v["layers"], v["intermediate"]) == (variants["main"]["layers"], variants["main"]["intermediate"])
+        if cfg.drafter_init and same_shape:  # an A/B of settings starts every drafter from the same weights
+            if Path(cfg.drafter_init).is_dir():  # a DFlash checkpoint, e.g. the shipped drafter
+                from ..checkpoint import load_drafter
+                d.load_state_dict(load_drafter(cfg.drafter_init).state_dict())
+            else:
+                load_weights(d, Path(cfg.drafter_init))
+            log(f"drafter: variant {name} starts from {cfg.drafter_init}")
+        drafters[name] = d.to(device).train()
+        opts[name] = optimizer(drafters[name], v["lr"], 0.01, device)
+    rank, n_proc = world()
+    if n_proc > 1:  # every process starts from process 0's weights
+        import torch.distributed as dist
+        for d in drafters.values():
+            for t in d.state_dict().values():
+                dist.broadcast(t, 0)
+    state_path = work / "drafter_state.pt"
+    step, total, trained_s, hist = 0, cfg.drafter_steps, 0.0, []
+    fit_time = cfg.drafter_steps == 0  # the step count follows drafter_seconds (a resumed run keeps its plan)
+    if state_path.exists():
+        st = torch.load(state_path, map_location=device, weights_only=False)
+        for n in drafters:
+            drafters[n].load_state_dict(st["models"][n]), opts[n].load_state_dict(st["opts"][n])
+        step, total, trained_s, hist = st["step"], st["total"], st["seconds"], st["history"]
+        fit_time = False
+        log(f"drafter: resuming at step {step}/{total}")
+    layers = list(cfg.target_layer_ids)
+    bs = cfg.block_size
+    weights = position_weights(bs, cfg.gamma, device)
+    n_params = {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()}
+    log(f"drafter: variants {variants}, params {n_params}, {pool_desc}")
+    # The loss reads [B, A, bs-1, vocab] logits a dozen times in eager mode (log-softmax, KL, their
+    # gradients, each as large as the logits); compiled, those passes fuse into a few kernels.
+    loss_fn = torch.compile(block_loss) if device.type == "cuda" and cfg.compile_loss else block_loss
+    t0, t_mark, s_mark = time.time(), time.time(), step
+    run = {n: [0.0, torch.zeros(bs - 1, device=device), 0.0, 0] for n in drafters}
+    while total == 0 or step < total:
+        g = torch.Generator().manual_seed((seed * 7_919 + step) * n_proc + rank)  # each process its own batch
+        seq, anchors, lengths = sample(step, g)
+        seq, anchors = seq.to(device), anchors.to(device)
+        with torch.no_grad(), autocast(device):
+            t_logits, hid = target.forward_train(seq, hidden_layers=layers)
+        for name, d in drafters.items():
+            v = variants[name]
+            lr = lr_at(step, total or 10**9, cfg.drafter_warmup, v["lr"], 0.05)
+            for gr in opts[name].param_groups:
+                gr["lr"] = lr
+            anc = round_start_anchors(target, d, seq, hid, anchors, v["round_anchors"], mask_id, lengths)
+            soft = soft_targets(t_logits, anc, bs) if v["soft_weight"] > 0 else None
+            with autocast(device):
+                logits, labels = block_logits(target, d, seq, hid, anc, mask_id, lengths)
+            w = weights if v["gamma"] == cfg.gamma else position_weights(bs, v["gamma"], device)
+            try:
+                loss, acc, tau = loss_fn(logits, labels, w, soft, v["soft_weight"])
+            except Exception as e:  # a compiler failure must not cost the run: train on in eager mode
+                if loss_fn is block_loss:
+                    raise
+                log(f"drafter: compiled loss failed ({type(e).__name__}: {e}); eager from here")
+                loss_fn = block_loss
+                loss, acc, tau = loss_fn(logits, labels, w, soft, v["soft_weight"])
+            opts[name].zero_grad(set_to_none=True)
+            loss.backward()
+            if n_proc > 1:
+                average_gradients(d)
+            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+            opts[name].step()
+            r = run[name]
+            r[0] += loss.detach()
+            r[1] += acc.detach()
+            r[2] += tau.detach() if torch.is_tensor(tau) else tau
+            r[3] += 1
+        step += 1
+        if total == 0 and step == 10:
+            synchronize(device)
+            t_mark, s_mark = time.time(), step
+        if total == 0 and step == 40:
+            synchronize(device)
+            per_step = (time.time() - t_mark) / (step - s_mark)
+            total = max(step + 1, int(cfg.drafter_seconds / per_step))
+            total = from_rank0(total, device) if n_proc > 1 else total
+            log(f"drafter: {per_step * 1e3:.1f} ms/step -> {total} steps" + (f" on {n_proc} processes" if n_proc > 1 else ""))
+        elif fit_time and total and step % max(1, total // 10) == 0 and step < total:
+            # Refit to the time budget at each tenth: steps 10-40 can run slow (allocator growth, a
+            # busy host), and a plan fixed then can leave much of the budget unused.
+            per_step = (time.time() - t_mark) / (step - s_mark)
+            total = max(step + 1, s_mark + int((cfg.drafter_seconds - (t_mark - t0)) / per_step))
+            total = from_rank0(total, device) if n_proc > 1 else total
+        if rank == 0 and (step % max(1, (total or 100) // 10) == 0 or step == total):
+            line = []
+            for name, r in run.items():
+                acc = (r[1] / max(r[3], 1)).tolist()
+                line.append(f"{name}: loss {float(r[0]) / max(r[3], 1):.3f} chain τ {float(r[2]) / max(r[3], 1):.2f} acc@1 {acc[0]:.2f} acc@4 {acc[3]:.2f}")
+                hist.append({"step": step, "variant": name, "chain_tau": float(r[2]) / max(r[3], 1),
+                             "acc": [round(a, 3) for a in acc]})
+                run[name] = [0.0, torch.zeros(bs - 1, device=device), 0.0, 0]
+            log(f"drafter: step {step}/{total} " + " | ".join(line) + f" {time.time() - t0:.0f}s")
+            save_state(state_path, {"models": {n: d.state_dict() for n, d in drafters.items()},
+                                    "opts": {n: o.state_dict() for n, o in opts.items()}, "step": step,
+                                    "total": total, "seconds": trained_s + time.time() - t0, "history": hist})
+    train_seconds = trained_s + time.time() - t0
+    if n_proc > 1:
+        in_sync = all(weights_in_sync(d, device) for d in drafters.values())
+        if rank != 0:  # process 0 evaluates and writes
+            return {}
+        log(f"drafter: {n_proc} processes, weights in sync: {in_sync}")
+    # Quick τ on held-out prompts for every variant; the best DFlash τ ships.
+    prompts = eval_prompts()
+    results = {}
+    for name, d in drafters.items():
+        d.eval()
+        save_weights(d, work / f"drafter_{name}.safetensors")
+        if not prompts:
+            results[name] = {"tau": {"dflash": 0.0}, "config": variants[name], "params": n_params[name]}
+            continue
+        te = time.time()
+        r = fast_tau(target, d, prompts, cfg.n_new, cfg.budgets, eos_id=eos_id, device=device)
+        results[name] = {"tau": r.summary(), "dflash_tau_every_position": round(r.anchor_mean(), 3),
+                         "config": variants[name], "params": n_params[name]}
+        log(f"drafter {name}: quick τ on {len(prompts)} held-out prompts {r.summary()}; DFlash chain at every "
+            f"position {r.anchor_mean():.2f} ({time.time() - te:.0f}s)")
+    best = max(results, key=lambda n: results[n]["tau"]["dflash"])
+    shutil.copy(work / f"drafter_{best}.safetensors", work / "drafter_final.safetensors")
+    (work / "drafter_final.json").write_text(json.dumps(variants[best]) + "\n")
+    summary = {"variants": results, "chosen": best, "steps": step, "seconds": train_seconds,
+               "eval_seconds": trained_s + time.time() - t0 - train_seconds,
+               "history": hist, "anchors_per_seq": cfg.anchors, "batch": cfg.drafter_batch,
+               "processes": n_proc, **({"weights_in_sync": in_sync} if n_proc > 1 else {})}
+    (work / "drafter_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"drafter: chose '{best}'")
+    return summary

@@ -1,7 +1,7 @@
 """The lab pair's corpus: Python source files, a byte-level BPE tokenizer, token arrays.
 
-The corpus is the Python standard library of the interpreter that builds it (CPython 3.11.7 for the
-shipped pair), read file by file in sorted order so the file list is deterministic. Files are held
+The corpus is the Python standard library of the interpreter that builds it (the card names the
+version), read file by file in sorted order so the file list is deterministic. Files are held
 out for evaluation by a hash of their relative path, so the split does not depend on the order of
 the walk or on which other files exist. Everything derived (tokenizer, token arrays, meta.json)
 goes to a cache folder; the token arrays are what a GPU machine needs for training.
