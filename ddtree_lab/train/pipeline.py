@@ -38,10 +38,10 @@ def owners(cfg) -> dict:
     out = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            out.update(owners(value))
-        else:
-            out[f.name] = cfg
+        inner = owners(value) if is_dataclass(value) else {f.name: cfg}
+        if inner.keys() & out.keys():
+            raise TypeError(f"{type(cfg).__name__}: {sorted(inner.keys() & out.keys())} declared twice")
+        out.update(inner)
     return out
 
 

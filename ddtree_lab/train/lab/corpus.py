@@ -193,5 +193,5 @@ def heldout_texts(cfg: CorpusConfig) -> list[tuple[str, str]]:
     return [(r, t) for r, t in list_files(cfg) if is_heldout(r, cfg.heldout_per_mille)]
 
 
-if __name__ == "__main__":  # python -m ddtree_lab.lab.corpus CACHE_DIR
+if __name__ == "__main__":  # python -m ddtree_lab.train.lab.corpus CACHE_DIR
     build_corpus(CorpusConfig(), sys.argv[1] if len(sys.argv) > 1 else ".cache/lab_corpus")

@@ -288,9 +288,9 @@ def stage_pool(cfg: LabConfig, cache: Path, work: Path, device: torch.device) ->
 # ----------------------------------------------------------------------------- stage: drafter
 
 def load_eval_prompts(cache: Path, tok, n: int) -> list[list[int]]:
-    from .prompts import read_jsonl
+    from .prompts import PROMPT_SETS, read_jsonl
     ids = []
-    for name in ("code", "docstring"):
+    for name in PROMPT_SETS:
         rows = read_jsonl(cache / "prompts" / f"{name}.jsonl")[:n]
         ids += [tok.encode(r["prompt"], add_special_tokens=False).ids for r in rows]
     return ids
