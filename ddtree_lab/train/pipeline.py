@@ -177,6 +177,16 @@ def parse_stages(text: str, known: tuple) -> list[str]:
     return stages
 
 
+def start_run(args, make_config, known: tuple):
+    """The command line -> (config: the preset, --seed and every --set; the stages; the work dir, created)."""
+    cfg = make_config(args.preset, seed=args.seed)
+    apply_overrides(cfg, args.set)
+    stages = parse_stages(args.stages, known)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    return cfg, stages, work
+
+
 def write_config(cfg, work: Path) -> None:
     (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from ..common import (autocast, frozen, init_weights, load_weights, log, lr_at, optimizer, pick_device, save_state,
                       save_weights, synchronize)
 from ..generate import greedy_extend
-from ..pipeline import (PipelineConfig, add_pipeline_args, apply_overrides, chosen_variant, cli_main, drafter_config,
-                        make_config as _make_config, parse_stages, run_stages, write_config)
+from ..pipeline import (PipelineConfig, add_pipeline_args, chosen_variant, cli_main, drafter_config,
+                        make_config as _make_config, run_stages, start_run, write_config)
 from ..recipe import DFlashRecipe, train_drafters
 from . import LAB_PAIR_DIR
 from .corpus import CorpusConfig, build_corpus, default_root, load_corpus, load_tokenizer
@@ -357,13 +357,10 @@ def add_train_args(p):
 
 
 def run_train_cli(args) -> int:
-    cfg = make_config(args.preset, seed=args.seed)
-    apply_overrides(cfg, args.set)
-    _resolve_root(cfg)
-    stages = parse_stages(args.stages, STAGES)
-    cache, work = Path(args.cache), Path(args.work)
+    cfg, stages, work = start_run(args, make_config, STAGES)
+    _resolve_root(cfg)  # a --set corpus_root=<stdlib subfolder>
+    cache = Path(args.cache)
     out = Path(args.out) if args.out else LAB_PAIR_DIR
-    work.mkdir(parents=True, exist_ok=True)
     device = pick_device(args.device)
     torch.manual_seed(cfg.seed)
     write_config(cfg, work)

@@ -30,8 +30,8 @@ import torch
 
 from ..common import autocast, frozen, init_weights, load_weights, log, pick_device
 from ..generate import greedy_extend, left_padded
-from ..pipeline import (PipelineConfig, add_pipeline_args, apply_overrides, chosen_variant, cli_main, drafter_config,
-                        make_config as _make_config, parse_stages, run_stages, write_config)
+from ..pipeline import (PipelineConfig, add_pipeline_args, chosen_variant, cli_main, drafter_config,
+                        make_config as _make_config, run_stages, start_run, write_config)
 from ..recipe import DFlashRecipe, train_drafters
 from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir
 from . import train_prompts
@@ -353,11 +353,7 @@ def join_processes(stages: list[str], device: torch.device) -> int | None:
 
 
 def run_smollm2_train_cli(args) -> int:
-    cfg = make_config(args.preset, seed=args.seed)
-    apply_overrides(cfg, args.set)
-    stages = parse_stages(args.stages, STAGES)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    cfg, stages, work = start_run(args, make_config, STAGES)
     tiny = cfg.preset == "tiny"
     tdir = Path(args.target) if args.target else (make_tiny_target(work / "tiny") if tiny else target_dir())
     if not (tdir / "config.json").is_file() and any(s in stages for s in ("prepare", "pool", "drafter", "export", "card")):
