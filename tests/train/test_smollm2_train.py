@@ -1,11 +1,11 @@
 """SmolLM2 drafter training: held-out prompts never trained on, padded batched generation, the whole
-pipeline with --preset tiny (a tiny random Llama target) on the CPU, and pack/unpack."""
+pipeline with --preset tiny (a tiny random Llama target) on the CPU, and pack/unpack of a work dir."""
 import json
 
 import pytest
 import torch
 
-from ddtree_lab.smollm2 import PROMPT_SETS, load_prompts, train_prompts
+from ddtree_lab.train.smollm2 import PROMPT_SETS, load_prompts, train_prompts
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ def test_prompt_versions():
 
 def test_left_padded_generation_equals_alone(tmp_path):
     from ddtree_lab.checkpoint import load_target
-    from ddtree_lab.lab.dflash import greedy_extend
+    from ddtree_lab.train.generate import greedy_extend
     from ddtree_lab.testing import make_tiny_pair
     tdir, _ = make_tiny_pair(tmp_path, arch="llama", tokenizer=False)
     t = load_target(tdir)
@@ -69,7 +69,7 @@ def test_left_padded_generation_equals_alone(tmp_path):
 
 def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     import ddtree_lab as dl
-    from ddtree_lab.smollm2.train import main
+    from ddtree_lab.train.smollm2.pipeline import main
     work = tmp_path / "work"
     assert main(["--preset", "tiny", "--work", str(work), "--device", "cpu"]) == 0
     out = work / "drafter"
@@ -83,7 +83,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in (work / "prompts.jsonl").read_text().splitlines()]
     assert {len(r["ids"]) for r in rows} == set(z["starts"].tolist())
     # bulk rendering (template spliced around a marker) equals render_chat per message
-    from ddtree_lab.smollm2.train import tokenizer_and_chat
+    from ddtree_lab.train.smollm2.pipeline import tokenizer_and_chat
     _, encode, _ = tokenizer_and_chat(work / "tiny" / "target")
     texts = [r["messages"][0]["content"] for r in rows[:5]]
     assert encode.many(texts) == [encode([{"role": "user", "content": t}]) for t in texts] == [r["ids"] for r in rows[:5]]
@@ -112,17 +112,17 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (work2 / "drafter" / "model.safetensors").is_file()
     # round_anchors: part of each row's anchors move to where a round from another anchor would end
-    from ddtree_lab.lab import train as lab_train
+    from ddtree_lab.train import recipe
     moved = []
-    real = lab_train.follow_up_anchors
-    monkeypatch.setattr(lab_train, "follow_up_anchors", lambda *a: moved.append(real(*a)) or moved[-1])
+    real = recipe.follow_up_anchors
+    monkeypatch.setattr(recipe, "follow_up_anchors", lambda *a: moved.append(real(*a)) or moved[-1])
     work3 = tmp_path / "work3"
     work3.mkdir()
     for f in ("prompts.jsonl", "pool.npz"):
         (work3 / f).write_bytes((work / f).read_bytes())
     loaded = []
-    real_load = lab_train.load_weights
-    monkeypatch.setattr(lab_train, "load_weights", lambda d, path: loaded.append(path) or real_load(d, path))
+    real_load = recipe.load_weights
+    monkeypatch.setattr(recipe, "load_weights", lambda d, path: loaded.append(path) or real_load(d, path))
     main(["--preset", "tiny", "--work", str(work3), "--stages", "drafter", "--set", "variants=round_anchors=0.5",
           "--set", f"drafter_init={work / 'drafter_final.safetensors'}",
           "--target", str(work / "tiny" / "target")])  # an A/B: main (uniform anchors) and the variant
@@ -136,52 +136,22 @@ def test_shipped_config_sizes():
     """The SmolLM2 drafter configuration fits the 20 MiB bf16 limit (no target needed)."""
     from ddtree_lab.config import RopeConfig, TargetConfig
     from ddtree_lab.drafter import Drafter
-    from ddtree_lab.smollm2.train import drafter_config, make_config
+    from ddtree_lab.train.pipeline import drafter_config
+    from ddtree_lab.train.smollm2.pipeline import make_config
     tcfg = TargetConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                         tie_word_embeddings=True, rope=RopeConfig(theta=100000.0), eos_token_id=[2])
     cfg = make_config("smollm2")
     with torch.device("meta"):
-        d = Drafter(drafter_config(cfg, tcfg))
+        d = Drafter(drafter_config(cfg.dflash, tcfg, cfg.mask_token_id))
     n = sum(p.numel() for p in d.parameters())
     assert 2 * n / 2**20 <= 20.0
     assert d.cfg.target_layer_ids == [1, 8, 14, 20, 27] and d.cfg.mask_token_id == 16
 
 
-def test_ship_target_bit_exact(tmp_path):
-    """pack stores Q4_1 / Q8_0-born tensors as their block codes; unpack rebuilds them bit for bit."""
-    from safetensors.torch import load_file, save_file
-    from ddtree_lab.smollm2 import ship
-    g = torch.Generator().manual_seed(0)
-    q4 = torch.randint(0, 16, (256, 32), generator=g).float()  # 4 KiB of codes: more than a part holds
-    d4, m4 = (torch.rand(256, generator=g) * 0.01).half(), (-torch.rand(256, generator=g) * 0.05).half()
-    q4[:, 0], q4[:, 1] = 0, 15  # the quantizer puts the block's min and max at codes 0 and 15
-    w4 = (d4.float()[:, None] * q4 + m4.float()[:, None]).reshape(128, 64)
-    q8 = torch.randint(-127, 128, (16, 32), generator=g).float()
-    q8[:, 0] = 127
-    w8 = ((torch.rand(16, generator=g) * 0.01).half().float()[:, None] * q8).reshape(8, 64)
-    src = tmp_path / "target"
-    src.mkdir()
-    tensors = {"a.weight": w4, "emb.weight": w8, "norm.weight": torch.randn(64, generator=g)}
-    save_file(tensors, str(src / "model.safetensors"))
-    (src / "config.json").write_text("{}")
-    info = ship.pack(src, tmp_path / "pack", part_mib=0.001)  # tiny parts: several folders
-    assert info["kinds"] == {"q4_1": 1, "q8_0": 1, "raw": 1} and len(info["parts_mib"]) >= 3
-    parts = sorted((tmp_path / "pack").iterdir())
-    from safetensors import safe_open
-    names = [k for p in parts for k in safe_open(str(p / "weights.safetensors"), "pt").keys()]
-    assert "a.weight.q#0" in names and "a.weight.q#3" in names  # the big blob travels in row chunks
-    out = ship.unpack(parts, tmp_path / "rebuilt")  # the parts given one by one, as they travel
-    back = load_file(str(out / "model.safetensors"))
-    assert all(torch.equal(back[k], v) for k, v in tensors.items())
-    assert (out / "config.json").read_text() == "{}"
-    with pytest.raises(SystemExit):
-        ship.unpack(parts[:-1], tmp_path / "partial")
-
-
 def test_sampled_generation_is_seeded_and_greedy_in_the_cold_limit(tmp_path):
     from ddtree_lab.checkpoint import load_target
-    from ddtree_lab.lab.dflash import greedy_extend
+    from ddtree_lab.train.generate import greedy_extend
     from ddtree_lab.testing import make_tiny_pair
     tdir, _ = make_tiny_pair(tmp_path, arch="llama", tokenizer=False)
     t = load_target(tdir)
@@ -196,7 +166,7 @@ def test_sampled_generation_is_seeded_and_greedy_in_the_cold_limit(tmp_path):
 def test_ask_stage_keeps_clean_distinct_new_requests(tmp_path, monkeypatch):
     """The target's written requests (faked here) are tidied, and only new, finished, well-sized ones join
     prompts.jsonl, with ids as the chat template renders them."""
-    from ddtree_lab.smollm2 import train as smt
+    from ddtree_lab.train.smollm2 import pipeline as smt
     work = tmp_path / "work"
     assert smt.main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "prepare"]) == 0
     tok, encode, eos = smt.tokenizer_and_chat(work / "tiny" / "target")
@@ -235,7 +205,7 @@ def test_ask_stage_keeps_clean_distinct_new_requests(tmp_path, monkeypatch):
 
 
 def test_card_names_the_self_written_requests():
-    from ddtree_lab.smollm2.card import _ask_line
+    from ddtree_lab.train.smollm2.card import _ask_line
     assert _ask_line({}) == "" and _ask_line({"kept": 0}) == ""
     line = _ask_line({"kept": 1200, "asked": 4096, "temperature": 1.0, "kinds": {"self-chat": 700, "self-code": 500}})
     assert line.startswith("- 1200 more requests written by the target itself") and "4096 asked" in line
@@ -244,8 +214,8 @@ def test_card_names_the_self_written_requests():
 
 def test_card_counts_responses_per_step_over_every_process():
     from types import SimpleNamespace
-    from ddtree_lab.smollm2.card import _per_step
-    cfg = SimpleNamespace(drafter_batch=128)
+    from ddtree_lab.train.smollm2.card import _per_step
+    cfg = SimpleNamespace(dflash=SimpleNamespace(drafter_batch=128))  # what _per_step reads of a SmolConfig
     assert _per_step({}, cfg) == "128"
     assert _per_step({"processes": 1, "batch": 64}, cfg) == "64"
     assert _per_step({"processes": 2, "batch": 128}, cfg).startswith("2 processes") and "× 128" in _per_step(
@@ -265,7 +235,7 @@ def test_clean_request(written, kept):
 
 
 def test_card_speed_table_splits_out_the_prefill():
-    from ddtree_lab.smollm2.card import speed_section
+    from ddtree_lab.train.smollm2.card import speed_section
 
     def row(method, budget, tps, decode, tau, equal):
         return dict(method=method, budget=budget, tokens_per_second=tps, decode_tokens_per_second=decode,
@@ -285,7 +255,7 @@ def test_pool_in_shards_equals_one_pool(tmp_path):
     """Two processes (one per GPU) each make every other batch into one work dir; a run with one shard and
     gen_seconds=0 only merges. The merged pool equals the pool one process makes."""
     import numpy as np
-    from ddtree_lab.smollm2.train import main
+    from ddtree_lab.train.smollm2.pipeline import main
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["--preset", "tiny", "--work", str(one), "--device", "cpu", "--stages", "prepare,pool"]) == 0
     target = ["--target", str(one / "tiny" / "target")]
@@ -317,11 +287,11 @@ def test_drafter_trains_on_two_processes(tmp_path):
     import os
     import subprocess
     import sys
-    from ddtree_lab.smollm2.train import main
+    from ddtree_lab.train.smollm2.pipeline import main
     work = tmp_path / "work"
     assert main(["--preset", "tiny", "--work", str(work), "--device", "cpu", "--stages", "prepare,pool"]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "ddtree_lab.smollm2.train", "--preset", "tiny", "--work", str(work), "--device", "cpu",
+           "-m", "ddtree_lab.train.smollm2", "--preset", "tiny", "--work", str(work), "--device", "cpu",
            "--stages", "drafter", "--target", str(work / "tiny" / "target")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)

@@ -1,4 +1,4 @@
-"""Measuring the lab pair: held-out loss, and acceptance τ for DFlash and DDTree at T = 0.
+"""Acceptance τ of a drafter for DFlash and DDTree, while training and for the model cards.
 
 Two ways to get τ:
 - `fast_tau` (used while training, batched on the GPU): at T = 0 the committed sequence is always
@@ -17,25 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .dflash import block_logits, greedy_extend
-
-
-@torch.no_grad()
-def heldout_loss(target, ids: np.ndarray, seq_len: int, device, max_windows: int = 256,
-                 batch: int = 32) -> float:
-    """Mean next-token loss over non-overlapping held-out windows of seq_len + 1 tokens."""
-    n = min((len(ids) - 1) // seq_len, max_windows)
-    arr = torch.from_numpy(ids[: n * seq_len + 1].astype(np.int64))
-    tot, cnt = 0.0, 0
-    for i in range(0, n, batch):
-        rows = range(i, min(i + batch, n))
-        x = torch.stack([arr[r * seq_len: r * seq_len + seq_len] for r in rows]).to(device)
-        y = torch.stack([arr[r * seq_len + 1: r * seq_len + seq_len + 1] for r in rows]).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits, _ = target.forward_train(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-        tot, cnt = tot + float(loss), cnt + y.numel()
-    return tot / max(cnt, 1)
+from .blocks import block_logits
+from .generate import greedy_all
 
 
 def _walk(tree, truth: list[int]) -> int:
@@ -75,23 +58,6 @@ class TauResult:
 
 
 @torch.no_grad()
-def _greedy_all(target, prompts: list[list[int]], n_new: int, device, batch: int = 64):
-    """Each prompt + its greedy continuation of n_new tokens ([1, P + n_new] each), generated in
-    left-padded batches (a padded row gets the tokens it gets alone)."""
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        lens = torch.tensor([len(p) for p in chunk], device=device)
-        P = int(lens.max())
-        x = torch.zeros(len(chunk), P, dtype=torch.long, device=device)
-        for r, p in enumerate(chunk):
-            x[r, P - len(p):] = torch.tensor(p, device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = greedy_extend(target, x, n_new, prompt_lens=lens if len(set(lens.tolist())) > 1 else None)
-        for r, p in enumerate(chunk):
-            yield torch.cat([out[r, P - len(p):P], out[r, P:]])[None]
-
-
-@torch.no_grad()
 def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets=(16, 64, 256),
              eos_id: int | None = None, device=None) -> TauResult:
     """τ of DFlash and DDTree(budget) per round at T = 0, simulated on the greedy sequence."""
@@ -104,14 +70,14 @@ def fast_tau(target, drafter, prompts: list[list[int]], n_new: int = 96, budgets
     layers = list(drafter.cfg.target_layer_ids)
     methods = ["dflash"] + [f"ddtree{b}" for b in budgets]
     res = TauResult({m: [] for m in methods}, {m: [] for m in methods})
-    for ids, seq in zip(prompts, _greedy_all(target, prompts, n_new + bs, device)):
+    for ids, seq in zip(prompts, greedy_all(target, prompts, n_new + bs, device)):
         P = len(ids)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             _, hid = target.forward_train(seq, hidden_layers=layers)
             anchors = torch.arange(P, P + n_new, device=device)[None]  # a round can start anywhere here
             logits, _ = block_logits(target, drafter, seq, hid, anchors, mask_id)  # [1, A, L, V]
         logits = logits[0].float()  # [A, L, V] stays on the device: trees are built there (a CPU
-        # copy of 128 × 15 × a 49k vocabulary is ~0.4 GB, and top-k over it on the host is slow)
+        # copy of every position's block over the whole vocabulary is large, and top-k on the host slow)
         toks = seq[0].tolist()
         n_out = n_new
         if eos_id is not None and eos_id in toks[P:P + n_new]:
@@ -173,3 +139,11 @@ def engine_tau(pair, prompt_rows: list[dict], n_new: int = 96, budgets=(16, 64, 
             "rounds": {m: len(v) for m, v in taus.items()},
             "tokens_per_s": {m: toks[m] / max(secs[m], 1e-9) for m in secs},
             "mismatches": mismatches, "samples": samples, "n_prompts": len(prompt_rows)}
+
+
+def pooled(sets: dict) -> dict:
+    """engine_tau results per prompt set -> {"sets", "overall_tau", "lossless"}: τ pooled over every round of
+    every set (accepted tokens / rounds), and whether no set had a mismatch."""
+    rounds = {m: sum(s["rounds"][m] for s in sets.values()) for m in next(iter(sets.values()))["rounds"]}
+    overall = {m: sum(s["tau"][m] * s["rounds"][m] for s in sets.values()) / max(rounds[m], 1) for m in rounds}
+    return {"sets": sets, "overall_tau": overall, "lossless": all(not s["mismatches"] for s in sets.values())}

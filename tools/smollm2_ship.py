@@ -1,14 +1,16 @@
 """Carry the imported SmolLM2 target to a machine that cannot download it, in few small files.
 
-The imported target is 538 MB of float32, but every weight came from a Q4_1 or Q8_0 block of the GGUF
-file, so the exact float32 values are recovered from the block data: 4-bit codes with an fp16 scale and
+The imported target is float32, but every weight came from a Q4_1 or Q8_0 block of the GGUF file, so
+the exact float32 values are recovered from the block data: 4-bit codes with an fp16 scale and
 minimum per 32 weights (Q4_1), or int8 codes with an fp16 scale (Q8_0). `pack` finds that form for
 each tensor (and keeps a tensor as it is when no form reproduces it bit for bit), writes the codes into
 safetensors parts of at most --part-mib, and records a sha256 per tensor; `unpack` rebuilds the
-HF directory and checks every hash. About 92 MiB in all, so it travels in three parts.
+HF directory and checks every hash (docs/smollm2.md gives the sizes).
 
-    python -m ddtree_lab.smollm2.ship pack   TARGET_DIR PACK_DIR [--part-mib 30]
-    python -m ddtree_lab.smollm2.ship unpack PACK_DIR_OR_PARTS... OUT_DIR
+A helper for moving files between machines, not part of the installed package:
+
+    python tools/smollm2_ship.py pack   TARGET_DIR PACK_DIR [--part-mib 30]
+    python tools/smollm2_ship.py unpack PACK_DIR_OR_PARTS... OUT_DIR
 """
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ def pack(target: Path, out: Path, part_mib: float = 30.0, log=print) -> dict:
 
 
 def _split_rows(blobs: list, limit: float) -> list:
-    """A blob larger than a part (the 27 MiB int8 embedding) travels as row chunks 'name#0', 'name#1', …"""
+    """A blob larger than a part (the int8 embedding) travels as row chunks 'name#0', 'name#1', …"""
     out = []
     for k, t in blobs:
         row_bytes = t[0].numel() * t.element_size() if t.dim() else t.element_size()
@@ -173,7 +175,7 @@ def unpack(sources: list[Path], out: Path, log=print) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddtree_lab.smollm2.ship", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/smollm2_ship.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack")
     a.add_argument("target")

@@ -6,6 +6,9 @@ import math
 import time
 from pathlib import Path
 
+from ..card import bars_table, cached_evaluation, read_summary, slim, tau_bars, tau_table
+from ..evaluate import engine_tau, pooled
+from . import LAB_PAIR_DIR
 from .prompts import read_jsonl
 
 
@@ -16,42 +19,20 @@ def _size_mib(path: Path) -> float:
 def evaluate_pair(out: Path, n_new: int, budgets, log=print, n_prompts: int | None = None) -> dict:
     """Load the exported pair (timed) and run the engine on every prompt of every shipped set."""
     import ddtree_lab as dl
-    from ..lab.train import PACKAGE_PAIR_DIR
 
     t0 = time.perf_counter()
-    if out.resolve() == PACKAGE_PAIR_DIR.resolve():
+    if out.resolve() == LAB_PAIR_DIR.resolve():
         pair = dl.load_pair("lab")
     else:
         pair = dl.load_pair(target=out / "target", drafter=out / "drafter")
     load_s = time.perf_counter() - t0
     log(f"card: pair loaded in {load_s:.2f}s")
-    from .evaluate import engine_tau
     sets = {}
     for f in sorted((out / "prompts").glob("*.jsonl")):
         rows = read_jsonl(f)[:n_prompts] if n_prompts else read_jsonl(f)
         log(f"card: engine evaluation on {len(rows)} '{f.stem}' prompts")
         sets[f.stem] = engine_tau(pair, rows, n_new, budgets, log=log)
-    rounds = {m: sum(s["rounds"][m] for s in sets.values()) for m in next(iter(sets.values()))["rounds"]}
-    # Pooled over both sets: accepted tokens / rounds.
-    overall = {m: sum(s["tau"][m] * s["rounds"][m] for s in sets.values()) / max(rounds[m], 1) for m in rounds}
-    return {"load_seconds": load_s, "sets": sets, "overall_tau": overall,
-            "lossless": all(not s["mismatches"] for s in sets.values())}
-
-
-def _fmt_tau_table(ev: dict, budgets, checked: bool = True) -> str:
-    """checked=False: outputs were sampled (T > 0), so the equality column reads n/a."""
-    methods = ["dflash"] + [f"ddtree{b}" for b in budgets]
-    head = "| prompt set | DFlash | " + " | ".join(f"DDTree({b})" for b in budgets) + " | DDTree(64) / DFlash | output == AR |"
-    sep = "|" + "---|" * (len(methods) + 3)
-    rows = [head, sep]
-    entries = list(ev["sets"].items()) + [("all", {"tau": ev["overall_tau"], "mismatches": sum(
-        (s["mismatches"] for s in ev["sets"].values()), [])})]
-    for name, s in entries:
-        t = s["tau"]
-        ratio = t.get("ddtree64", float("nan")) / t["dflash"] if "ddtree64" in t else float("nan")
-        ok = ("yes" if not s["mismatches"] else f"NO ({len(s['mismatches'])})") if checked else "n/a (sampled)"
-        rows.append(f"| {name} | " + " | ".join(f"{t[m]:.2f}" for m in methods) + f" | {ratio:.2f} | {ok} |")
-    return "\n".join(rows)
+    return {"load_seconds": load_s, **pooled(sets)}
 
 
 def _phases(dsum: dict) -> str:
@@ -66,7 +47,7 @@ def _phases(dsum: dict) -> str:
 
 def write_card(cfg, meta: dict, tsum: dict, dsum: dict, ev: dict, out: Path, command: str,
                notes: str = "") -> str:
-    budgets = tuple(cfg.budgets)
+    budgets = tuple(cfg.dflash.budgets)
     tgt = json.loads((out / "target" / "config.json").read_text())
     drf = json.loads((out / "drafter" / "config.json").read_text())
     n_t = tsum.get("params", 0)
@@ -82,15 +63,8 @@ def write_card(cfg, meta: dict, tsum: dict, dsum: dict, ev: dict, out: Path, com
         for n, v in dsum.get("variants", {}).items())
     hist = tsum.get("history", [])
     ov = ev["overall_tau"]
-    bars = [
-        ("DFlash mean τ ≥ 3.0", ov["dflash"] >= 3.0, f"{ov['dflash']:.2f}"),
-        ("DDTree(64) ≥ 1.3 × DFlash", ov.get("ddtree64", 0) >= 1.3 * ov["dflash"],
-         f"{ov.get('ddtree64', float('nan')) / ov['dflash']:.2f}×"),
-        ("DDTree(256) ≥ DDTree(64)", ov.get("ddtree256", 0) >= ov.get("ddtree64", 1e9),
-         f"{ov.get('ddtree256', float('nan')):.2f} vs {ov.get('ddtree64', float('nan')):.2f}"),
-        ("DFlash and DDTree output == AR output", ev["lossless"], "all prompts" if ev["lossless"] else "mismatch"),
-        ("`load_pair(\"lab\")` < 3 s on the CPU", ev["load_seconds"] < 3.0, f"{ev['load_seconds']:.2f} s"),
-    ]
+    bars = tau_bars(ov, ev["lossless"], "DFlash and DDTree output == AR output") + [
+        ("`load_pair(\"lab\")` < 3 s on the CPU", ev["load_seconds"] < 3.0, f"{ev['load_seconds']:.2f} s")]
     text = f"""# The ddtree_lab lab pair
 
 A small **Qwen3-architecture target** and its **DFlash drafter** (block size {drf['block_size']}), trained
@@ -151,29 +125,27 @@ and normalised by `hidden_norm`; mask token {drf['dflash_config']['mask_token_id
 Training, the DFlash way, with the target frozen (and its weights rounded to the shipped dtype first):
 1. **Pool.** The target's greedy continuations of random training-file windows: acceptance is
    measured against the target's greedy output, so the drafter learns to predict exactly that.
-2. **Blocks.** Per sequence {cfg.anchors} random anchors p in the greedy part; block = [x_p, MASK × {drf['block_size'] - 1}] at positions
+2. **Blocks.** Per sequence {cfg.dflash.anchors} random anchors p in the greedy part; block = [x_p, MASK × {drf['block_size'] - 1}] at positions
    p … p+{drf['block_size'] - 1}; the block attends to itself (no causal mask) and to the projected target features of positions < p.
-3. **Loss.** Cross-entropy of block slot k against the greedy token p+k, weighted exp(−(k−1)/{cfg.gamma:g}),
+3. **Loss.** Cross-entropy of block slot k against the greedy token p+k, weighted exp(−(k−1)/{cfg.dflash.gamma:g}),
    optionally mixed with KL to the target's own distribution at those positions (`soft_weight`).
    AdamW, cosine schedule, bf16 autocast; {dsum.get('steps')} steps in {dsum.get('seconds', 0):.0f} s of GPU time in all.
 """ + _phases(dsum) + f"""
 
-Variants trained on the same batches (quick τ on {2 * cfg.eval_prompts} held-out prompts, simulated on the greedy sequence);
+Variants trained on the same batches (quick τ on {2 * cfg.dflash.eval_prompts} held-out prompts, simulated on the greedy sequence);
 the one with the best DFlash τ ships (`{dsum.get('chosen')}`){(' — ' + dsum['variants_note']) if dsum.get('variants_note') else ''}:
 
 | variant | settings | DFlash | """ + " | ".join(f"DDTree({b})" for b in budgets) + """ |
 |---|---|---|""" + "---|" * len(budgets) + f"""
 {variants}
 
-## Acceptance (held-out prompts, T = 0, {cfg.n_new} new tokens, `ddtree_lab.generate` on the CPU, float32)
+## Acceptance (held-out prompts, T = 0, {cfg.dflash.n_new} new tokens, `ddtree_lab.generate` on the CPU, float32)
 
 Mean τ = accepted tokens per target forward (root included), pooled over all rounds of all prompts.
 
-{_fmt_tau_table(ev, budgets)}
+{tau_table(ev, budgets)}
 
-| bar | met | value |
-|---|---|---|
-""" + "\n".join(f"| {b} | {'yes' if ok else 'NO'} | {v} |" for b, ok, v in bars) + """
+""" + bars_table("bar", bars) + """
 
 ## Samples (target, greedy)
 
@@ -198,19 +170,11 @@ the CPU in seconds (the test suite does).
 def stage_card(cfg, cache: Path, work: Path, out: Path, log=print) -> dict:
     from .corpus import load_corpus
     _, _, meta = load_corpus(cache)
-    tsum = json.loads((work / "target_summary.json").read_text()) if (work / "target_summary.json").exists() else {}
-    dsum = json.loads((work / "drafter_summary.json").read_text()) if (work / "drafter_summary.json").exists() else {}
-    ev_path = work / "card_eval.json"  # the slow part; kept so the card can be rewritten without it
-    if ev_path.exists():
-        ev = json.loads(ev_path.read_text())
-        log(f"card: reusing the engine evaluation in {ev_path} (delete it to measure again)")
-    else:
-        ev = evaluate_pair(out, cfg.n_new, cfg.budgets, log=log, n_prompts=cfg.card_prompts or None)
-        ev_path.write_text(json.dumps(ev, indent=1) + "\n")
+    tsum, dsum = read_summary(work, "target_summary"), read_summary(work, "drafter_summary")
+    ev = cached_evaluation(work, lambda: evaluate_pair(out, cfg.dflash.n_new, cfg.dflash.budgets, log=log,
+                                                       n_prompts=cfg.card_prompts or None), log=log)
     (out / "eval.json").write_text(json.dumps({"overall_tau": ev["overall_tau"], "load_seconds": ev["load_seconds"],
-                                               "lossless": ev["lossless"],
-                                               "sets": {k: {kk: vv for kk, vv in v.items() if kk != "samples"}
-                                                        for k, v in ev["sets"].items()}}, indent=2) + "\n")
+                                               **slim(ev)}, indent=2) + "\n")
     cmd_file, notes_file = work / "card_command.txt", work / "card_notes.md"
     command = cmd_file.read_text().strip() if cmd_file.exists() else (
         "ddtree-lab train-lab-pair --stages prepare   # CPU\n"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from pathlib import Path
 
 # ---------------------------------------------------------------- chat and instructions
 CHAT_TOPICS = [
@@ -397,7 +396,8 @@ def normalise(text: str) -> str:
 def heldout_messages() -> set[str]:
     """Normalised user messages of the evaluation sets (prompts/*.jsonl)."""
     out = set()
-    for f in sorted((Path(__file__).resolve().parent / "prompts").glob("*.jsonl")):
+    from . import PROMPTS_DIR
+    for f in sorted(PROMPTS_DIR.glob("*.jsonl")):
         for line in f.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 out |= {normalise(m["content"]) for m in json.loads(line)["messages"] if m["role"] == "user"}

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from .corpus import CorpusConfig, heldout_texts
 
+PROMPT_SETS = ("code", "docstring")
+
 
 def _order(files):
     # Files in hash order: deterministic, yet not alphabetical (no clustering by package).
@@ -104,8 +106,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def build_prompt_sets(cfg: CorpusConfig, tok, out_dir: str | Path, n: int = 32, seed: int = 0,
                       min_tokens: int = 64, log=print) -> dict[str, list[dict]]:
     files = heldout_texts(cfg)
-    sets = {"code": code_prompts(files, tok, n, min_tokens=min_tokens, seed=seed),
-            "docstring": docstring_prompts(files, tok, n, seed=seed)}
+    make = {"code": lambda: code_prompts(files, tok, n, min_tokens=min_tokens, seed=seed),
+            "docstring": lambda: docstring_prompts(files, tok, n, seed=seed)}
+    sets = {name: make[name]() for name in PROMPT_SETS}
     for name, rows in sets.items():
         write_jsonl(rows, Path(out_dir) / f"{name}.jsonl")
         log(f"prompts: {len(rows)} {name} prompts from {len({r['source'].split(':')[0] for r in rows})} held-out files")

@@ -1,8 +1,8 @@
 """The SmolLM2 drafter's model card: engine τ per held-out prompt set at T = 0 and 1, and README.md.
 
 The evaluation runs `ddtree_lab.generate` (AR, DFlash, DDTree(budgets)) on the shipped prompt sets
-through the lab's `engine_tau`; at T = 0 it also checks that DFlash and DDTree emit exactly the AR tokens.
-It is slow on a CPU (all 90 prompts x 2 temperatures), so it is kept in work/card_eval.json and reused.
+through `engine_tau`; at T = 0 it also checks that DFlash and DDTree emit exactly the AR tokens.
+It is slow on a CPU (every prompt at every temperature), so it is kept in work/card_eval.json and reused.
 """
 from __future__ import annotations
 
@@ -10,20 +10,15 @@ import json
 import time
 from pathlib import Path
 
-from ..lab.card import _fmt_tau_table
-from ..lab.evaluate import engine_tau
-from ..lab.train import log
+from ..card import bars_table, cached_evaluation, read_summary, slim, tau_bars, tau_table
+from ..common import log
+from ..evaluate import engine_tau, pooled
 from . import PROMPT_SETS, load_prompts
 
 # What docs/smollm2.md ("Training the drafter") runs; a work/card_command.txt replaces it in the card.
 GPU_COMMAND = """ddtree-lab pull smollm2                                   # once, CPU
 ddtree-lab train-smollm2-drafter --stages prepare,pool,drafter,pack --device cuda --pack-dir $OUT/pack   # one GPU call
 ddtree-lab train-smollm2-drafter --stages unpack,export,card --pack-dir PACK --device cpu                 # CPU"""
-
-
-def _read(work: Path, name: str) -> dict:
-    f = work / f"{name}.json"
-    return json.loads(f.read_text()) if f.exists() else {}
 
 
 def evaluate(cfg, tdir: Path, out: Path) -> dict:
@@ -33,18 +28,16 @@ def evaluate(cfg, tdir: Path, out: Path) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     pair = dl.load_pair(target=tdir, drafter=out, device=device)  # float32: T = 0 equality is exact
-    res = {"load_seconds": time.perf_counter() - t0, "device": device, "n_new": cfg.n_new, "temperatures": {}}
+    res = {"load_seconds": time.perf_counter() - t0, "device": device, "n_new": cfg.dflash.n_new, "temperatures": {}}
     for T in cfg.temperatures:
         sets = {}
         for name in PROMPT_SETS:
             rows = load_prompts(name)[:cfg.card_prompts or None]
             rows = [{"id": r["id"], "prompt": r["messages"], "source": name} for r in rows]
             log(f"card: T={T:g}, {len(rows)} '{name}' prompts")
-            sets[name] = engine_tau(pair, rows, cfg.n_new, cfg.budgets, log=log, temperature=T, seed=cfg.seed)
-        rounds = {m: sum(s["rounds"][m] for s in sets.values()) for m in next(iter(sets.values()))["rounds"]}
-        overall = {m: sum(s["tau"][m] * s["rounds"][m] for s in sets.values()) / max(rounds[m], 1) for m in rounds}
-        res["temperatures"][f"{T:g}"] = {"sets": sets, "overall_tau": overall,
-                                         "lossless": all(not s["mismatches"] for s in sets.values())}
+            sets[name] = engine_tau(pair, rows, cfg.dflash.n_new, cfg.dflash.budgets, log=log, temperature=T,
+                                    seed=cfg.seed)
+        res["temperatures"][f"{T:g}"] = pooled(sets)
     return res
 
 
@@ -81,7 +74,7 @@ Best budget: {bench.get('best_budget')}.
 def _per_step(dsum: dict, cfg) -> str:
     """Responses per optimiser step: the batch, times the processes that trained data-parallel."""
     n = dsum.get("processes", 1)
-    b = dsum.get("batch", cfg.drafter_batch)
+    b = dsum.get("batch", cfg.dflash.drafter_batch)
     return f"{b}" if n == 1 else f"{n} processes (one per GPU, gradients averaged) × {b}"
 
 
@@ -96,29 +89,21 @@ def _ask_line(ask: dict) -> str:
 
 def write_card(cfg, tdir: Path, work: Path, out: Path, ev: dict) -> str:
     drf = json.loads((out / "config.json").read_text())
-    prep, pool, dsum, timing = _read(work, "prepare_summary"), _read(work, "pool_summary"), \
-        _read(work, "drafter_summary"), _read(work, "timing")
-    from ..checkpoint import load_tokenizer
+    prep, pool, dsum, timing = read_summary(work, "prepare_summary"), read_summary(work, "pool_summary"), \
+        read_summary(work, "drafter_summary"), read_summary(work, "timing")
+    from ...checkpoint import load_tokenizer
     tok, _ = load_tokenizer(tdir)
     mask_text = tok.id_to_token(drf["dflash_config"]["mask_token_id"]) if tok else "?"
     pt = prep.get("prompt_tokens", {})
     n_d = dsum.get("variants", {}).get(dsum.get("chosen", ""), {}).get("params", 0)
-    budgets = tuple(cfg.budgets)
+    budgets = tuple(cfg.dflash.budgets)
     t0 = ev["temperatures"].get("0", {})
     ov = t0.get("overall_tau", {})
-    bars = []
-    if ov:
-        bars = [("DFlash mean τ ≥ 3.0", ov["dflash"] >= 3.0, f"{ov['dflash']:.2f}"),
-                ("DDTree(64) ≥ 1.3 × DFlash", ov.get("ddtree64", 0) >= 1.3 * ov["dflash"],
-                 f"{ov.get('ddtree64', float('nan')) / ov['dflash']:.2f}×"),
-                ("DDTree(256) ≥ DDTree(64)", ov.get("ddtree256", 0) >= ov.get("ddtree64", 1e9),
-                 f"{ov.get('ddtree256', float('nan')):.2f} vs {ov.get('ddtree64', float('nan')):.2f}"),
-                ("DFlash and DDTree output == AR output (T = 0)", t0["lossless"],
-                 "all prompts" if t0["lossless"] else "mismatch")]
+    bars = tau_bars(ov, t0["lossless"], "DFlash and DDTree output == AR output (T = 0)") if ov else []
     tables = []
     for T, e in ev["temperatures"].items():
         tps = {m: sum(s["tokens_per_s"][m] for s in e["sets"].values()) / len(e["sets"]) for m in ["ar", "dflash"]}
-        tables.append(f"### T = {T}\n\n{_fmt_tau_table(e, budgets, checked=T == '0')}\n\n"
+        tables.append(f"### T = {T}\n\n{tau_table(e, budgets, checked=T == '0')}\n\n"
                       f"({ev['device']} tokens/s, a sanity figure, not the H200 one: AR {tps['ar']:.1f}, DFlash {tps['dflash']:.1f})\n")
     hist = dsum.get("history", [])
     last = hist[-1] if hist else {}
@@ -148,21 +133,21 @@ markers left untrained: its embedding row equals those of the other unused marke
 ## Data
 
 - {prep.get('prompts', '?')} distinct single-turn user messages composed offline from templates × topics
-  (`ddtree_lab/smollm2/train_prompts.py`, seed {cfg.seed}): {prep.get('kinds', {})}; none equals a held-out prompt.
+  (`ddtree_lab/train/smollm2/train_prompts.py`, seed {cfg.seed}): {prep.get('kinds', {})}; none equals a held-out prompt.
   Rendered with the checkpoint's chat template (default system message included), {pt.get('min', '?')}–{pt.get('max', '?')} tokens (mean {pt.get('mean', 0):.0f}).
-{_ask_line(_read(work, "ask_summary"))}- Responses: the target's own greedy output (bf16 weights, batched, left-padded) up to its first `<|im_end|>`,
+{_ask_line(read_summary(work, "ask_summary"))}- Responses: the target's own greedy output (bf16 weights, batched, left-padded) up to its first `<|im_end|>`,
   at most {pool.get('gen_len', '?')} tokens: {pool.get('sequences', '?')} responses, {pool.get('response_tokens', '?')} tokens
   (mean {pool.get('mean_response', 0):.0f}; {pool.get('ended_with_eos', '?')} ended with EOS),
   {pool.get('generation_seconds', 0):.0f} s on {pool.get('device', '?')}.
 
-## Recipe (the lab pair's, `ddtree_lab/lab/train.py: train_drafters`)
+## Recipe (the lab pair's, `ddtree_lab/train/recipe.py: train_drafters`)
 
-Target frozen. Per step {_per_step(dsum, cfg)} responses × {cfg.anchors} anchors p drawn in the response (the first at the
+Target frozen. Per step {_per_step(dsum, cfg)} responses × {cfg.dflash.anchors} anchors p drawn in the response (the first at the
 prompt's end, as the engine's first round); block [x_p, MASK × {drf['block_size'] - 1}] attends to itself and to the target
-features of positions < p; cross-entropy of slot k against the greedy token p+k weighted exp(−(k−1)/{cfg.gamma:g}),
-KL weight {cfg.soft_weight:g}; labels after the response's EOS ignored. AdamW, peak LR {cfg.drafter_lr:g}, warmup {cfg.drafter_warmup},
+features of positions < p; cross-entropy of slot k against the greedy token p+k weighted exp(−(k−1)/{cfg.dflash.gamma:g}),
+KL weight {cfg.dflash.soft_weight:g}; labels after the response's EOS ignored. AdamW, peak LR {cfg.dflash.drafter_lr:g}, warmup {cfg.dflash.drafter_warmup},
 cosine, bf16 autocast on CUDA. {dsum.get('steps', '?')} steps in {dsum.get('seconds', 0):.0f} s; last chain τ on training batches
-{last.get('chain_tau', float('nan')):.2f}{f"; quick held-out τ (simulated, {cfg.eval_prompts} prompts per set) {quick}" if quick else ""}.
+{last.get('chain_tau', float('nan')):.2f}{f"; quick held-out τ (simulated, {cfg.dflash.eval_prompts} prompts per set) {quick}" if quick else ""}.
 
 Stage times: {', '.join(f"{k} {v['seconds']:.0f} s ({v['device']})" for k, v in timing.items())}.
 
@@ -171,10 +156,8 @@ Stage times: {', '.join(f"{k} {v['seconds']:.0f} s ({v['device']})" for k, v in 
 Mean τ = accepted tokens per target forward (root included), pooled over all rounds of all prompts.
 
 """ + "\n".join(tables) + """
-| bar (T = 0) | met | value |
-|---|---|---|
-""" + "\n".join(f"| {b} | {'yes' if ok else 'NO'} | {v} |" for b, ok, v in bars) + f"""
-{speed_section(_read(work, "speed"))}
+""" + bars_table("bar (T = 0)", bars) + f"""
+{speed_section(read_summary(work, "speed"))}
 ## Reproduce
 
 ```
@@ -189,18 +172,9 @@ Mean τ = accepted tokens per target forward (root included), pooled over all ro
 
 
 def stage_card(cfg, tdir: Path, work: Path, out: Path) -> dict:
-    ev_path = work / "card_eval.json"
-    if ev_path.exists():
-        ev = json.loads(ev_path.read_text())
-        log(f"card: reusing {ev_path} (delete it to measure again)")
-    else:
-        ev = evaluate(cfg, tdir, out)
-        ev_path.write_text(json.dumps(ev, indent=1) + "\n")
-    slim = {T: {"overall_tau": e["overall_tau"], "lossless": e["lossless"],
-                "sets": {k: {kk: vv for kk, vv in v.items() if kk != "samples"} for k, v in e["sets"].items()}}
-            for T, e in ev["temperatures"].items()}
-    (out / "eval.json").write_text(json.dumps({"n_new": ev["n_new"], "device": ev["device"], "temperatures": slim},
-                                              indent=2) + "\n")
+    ev = cached_evaluation(work, lambda: evaluate(cfg, tdir, out), log=log)
+    (out / "eval.json").write_text(json.dumps({"n_new": ev["n_new"], "device": ev["device"], "temperatures": {
+        T: slim(e) for T, e in ev["temperatures"].items()}}, indent=2) + "\n")
     write_card(cfg, tdir, work, out, ev)
     for T, e in ev["temperatures"].items():
         log(f"card: T={T} " + ", ".join(f"{m} τ {t:.2f}" for m, t in e["overall_tau"].items()) +

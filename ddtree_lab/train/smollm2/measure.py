@@ -1,7 +1,7 @@
 """CPU figures that size the GPU training plan: batched greedy generation and one drafter step.
 
-    DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.smollm2.measure [--batches 1,4,8] [--new 48]
-    DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.smollm2.measure --tau 4 [--drafter DIR]
+    DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.train.smollm2.measure [--batches 1,4,8] [--new 48]
+    DDTREE_LAB_CACHE=/tmp/ddcache python -m ddtree_lab.train.smollm2.measure --tau 4 [--drafter DIR]
 
 Generation runs `greedy_extend` (left-padded chat prompts, as the pool stage does) on the pulled target
 and reports new tokens per second and seconds per 1k new tokens per batch size; it also checks that a
@@ -20,9 +20,12 @@ import time
 
 import torch
 
-from ..lab.dflash import greedy_extend
-from . import target_dir, train_prompts
-from .train import drafter_config, frozen_target, left_padded, make_config, tokenizer_and_chat
+from ..blocks import block_logits, block_loss, position_weights
+from ..evaluate import fast_tau
+from ..generate import greedy_extend, left_padded
+from ..pipeline import drafter_config
+from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir, train_prompts
+from .pipeline import frozen_target, make_config, tokenizer_and_chat
 
 
 @torch.no_grad()
@@ -53,21 +56,20 @@ def measure_generation(tdir, batches=(1, 4, 8), n_new: int = 48, check: int = 3)
 
 
 def measure_drafter_step(tdir, batch: int = 2, seq: int = 256, anchors: int = 16) -> dict:
-    from ..drafter import Drafter
-    from ..lab.dflash import block_logits, block_loss, position_weights
+    from ...drafter import Drafter
     cfg = make_config("smollm2")
     target = frozen_target(cfg, tdir, "cpu")
-    d = Drafter(drafter_config(cfg, target.cfg))
+    d = Drafter(drafter_config(cfg.dflash, target.cfg, cfg.mask_token_id))
     opt = torch.optim.AdamW(d.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, 40000, (batch, seq), generator=g)
     anc = torch.randint(64, seq - 2, (batch, anchors), generator=g)
-    w = position_weights(cfg.block_size, cfg.gamma)
+    w = position_weights(cfg.dflash.block_size, cfg.dflash.gamma)
     times = []
     for _ in range(3):
         t = time.perf_counter()
         with torch.no_grad():
-            _, hid = target.forward_train(tokens, hidden_layers=list(cfg.target_layer_ids))
+            _, hid = target.forward_train(tokens, hidden_layers=list(cfg.dflash.target_layer_ids))
         t_fwd = time.perf_counter() - t
         logits, labels = block_logits(target, d, tokens, hid, anc, cfg.mask_token_id)
         loss, _, _ = block_loss(logits, labels, w)
@@ -84,9 +86,7 @@ def measure_drafter_step(tdir, batch: int = 2, seq: int = 256, anchors: int = 16
 
 
 def measure_tau_gap(tdir, drafter_dir=None, n_per_set: int = 4, n_new: int = 128) -> dict:
-    from ..checkpoint import load_drafter
-    from ..lab.evaluate import fast_tau
-    from . import DRAFTER_DIR, PROMPT_SETS, load_prompts
+    from ...checkpoint import load_drafter
     cfg = make_config("smollm2")
     _, encode, eos = tokenizer_and_chat(tdir)
     target = frozen_target(cfg, tdir, "cpu")
@@ -104,7 +104,7 @@ def measure_tau_gap(tdir, drafter_dir=None, n_per_set: int = 4, n_new: int = 128
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddtree_lab.smollm2.measure", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree_lab.train.smollm2.measure", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None)
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--new", type=int, default=48)

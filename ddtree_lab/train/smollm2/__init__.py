@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..pairs import PAIRS, SMOLLM2_PULL, cache_dir
+from ...pairs import PAIRS, SMOLLM2_PULL, cache_dir
 
 TARGET_DIRNAME = SMOLLM2_PULL.dirname
 PAIR_DIR = PAIRS["smollm2"].prompt_dir.parent

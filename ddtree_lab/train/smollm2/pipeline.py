@@ -4,81 +4,66 @@ Stages (products in --work; a rerun skips a stage whose product exists, --force 
   prepare  training prompts (train_prompts.build) rendered with the target's chat template -> prompts.jsonl
   ask      (with --set self_prompts=N) requests the target writes itself, sampled, added to prompts.jsonl
   pool     the target's greedy responses, batched and left-padded, each up to its first EOS -> pool.npz
-  drafter  the DFlash loop of ddtree_lab.lab.train (train_drafters) on that pool -> drafter_final.safetensors
+  drafter  the DFlash recipe (ddtree_lab.train.recipe: train_drafters) on that pool -> drafter_final.safetensors
   pack     the trained drafter as files < 16 MiB (+ summaries) in --pack-dir, to carry a GPU run back
   unpack   the reverse, on the machine that exports
-  export   the drafter in DFlash format (bf16) -> --out (default ddtree_lab/smollm2/drafter)
+  export   the drafter in DFlash format (bf16) -> --out (default ddtree_lab/pairs/smollm2/drafter)
   card     engine τ per prompt set at T = 0 and 1 with the lossless check -> README.md, eval.json in --out
 
 Why greedy responses: at T = 0 acceptance is measured against the target's greedy tokens, so the drafter
 learns exactly those (the DFlash authors also train on target-generated responses). Labels stop at the
 response's first EOS: the engine stops there, so later tokens would only teach noise.
+
+    ddtree-lab train-smollm2-drafter [--preset tiny] [--stages …]   (or python -m ddtree_lab.train.smollm2)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..lab.dflash import greedy_extend
-from ..lab.train import (apply_overrides, autocast, init_weights, load_parts, load_weights, log, pick_device,
-                         save_parts, train_drafters)
+from ..common import autocast, frozen, init_weights, load_weights, log, pick_device
+from ..generate import greedy_extend, left_padded
+from ..pipeline import (PipelineConfig, add_pipeline_args, chosen_variant, cli_main, drafter_config,
+                        make_config as _make_config, run_stages, start_run, write_config)
+from ..recipe import DFlashRecipe, train_drafters
 from . import DRAFTER_DIR, PROMPT_SETS, load_prompts, target_dir
 from . import train_prompts
 
 
 @dataclass
-class SmolConfig:
+class SmolConfig(PipelineConfig):
     preset: str = "smollm2"
-    seed: int = 0
+    dflash: DFlashRecipe = field(default_factory=lambda: DFlashRecipe(
+        drafter_intermediate=1536, target_layer_ids=(1, 8, 14, 20, 27),  # spread over the 30 layers
+        drafter_batch=128, drafter_lr=1e-3, drafter_seconds=200.0,
+        soft_weight=0.5,                  # the lab pair's winning variant: half KL to the target's distribution
+        eval_prompts=8,                   # per held-out set
+        n_new=128))
+    mask_token_id: int = 16               # <empty_output>: see docs/smollm2.md
     n_prompts: int = 32000                # distinct training user messages (a big pool: see docs/lab_pair.md)
     prompt_version: int = 1               # train_prompts template set: 1 made the shipped pool, 2 adds kinds
     # ask: requests the target writes itself (sampled), added to the template prompts; 0 = none
     self_prompts: int = 0
-    ask_temperature: float = 0.7            # 1.0 made more rambling than requests on the real target
+    ask_temperature: float = 0.7          # higher made more rambling than requests (docs/smollm2.md)
     ask_len: int = 64                     # tokens at most per written request (longer ones are dropped)
     ask_seconds: float = 120.0            # stop starting new batches after this
     ask_min_chars: int = 15
     # pool: the target's greedy responses
     gen_len: int = 192                    # new tokens at most per response (the card measures 128)
-    gen_batch: int = 2048                 # rows per batched greedy generation (KV cache ~13 GB at 2048 x 267)
+    gen_batch: int = 2048                 # rows per batched greedy generation (the KV cache grows with it)
     gen_seconds: float = 100.0            # stop starting new batches after this
     # one process per GPU: shard k of n makes batches b with b % n == k into the same work dir; then a run
     # with pool_shards=1 and gen_seconds=0 only merges the parts (docs/smollm2.md)
     pool_shards: int = 1
     pool_shard: int = 0
-    # drafter (LabConfig's names: ddtree_lab.lab.train.train_drafters reads them)
-    drafter_layers: int = 2
-    drafter_intermediate: int = 1536
-    block_size: int = 16
-    target_layer_ids: tuple = (1, 8, 14, 20, 27)  # DESIGN §4 spread for 5 of 30 layers
-    mask_token_id: int = 16               # <empty_output>: see docs/smollm2.md
-    drafter_batch: int = 128
-    anchors: int = 16                     # blocks per sequence per step
-    drafter_lr: float = 1e-3
-    drafter_warmup: int = 100
-    drafter_steps: int = 0                # 0 = fit drafter_seconds
-    drafter_seconds: float = 200.0
-    gamma: float = 7.0
-    soft_weight: float = 0.5              # the lab pair's winning variant: half KL to the target's distribution
-    compile_loss: bool = True             # on CUDA, torch.compile the loss (ddtree_lab.lab.train.train_drafters)
-    round_anchors: float = 0.0            # share of anchors moved to where a round would start (LabConfig's)
-    variants: str = ""
-    drafter_init: str = ""
-    # evaluation
-    eval_prompts: int = 8                 # per held-out set, quick τ after training
-    n_new: int = 128
-    budgets: tuple = (16, 64, 256)
-    card_prompts: int = 0                 # per set for the card; 0 = all
-    temperatures: tuple = (0.0, 1.0)
-    save_dtype: str = "bfloat16"
+    temperatures: tuple = (0.0, 1.0)      # the card's
 
 
 PRESETS = {
@@ -90,14 +75,11 @@ PRESETS = {
                  budgets=(4, 8), card_prompts=1, save_dtype="float32"),
 }
 MAX_DRAFTER_MIB = 20.0
+STAGES = ("prepare", "ask", "pool", "drafter", "pack", "unpack", "export", "card")
 
 
 def make_config(preset: str = "smollm2", **overrides) -> SmolConfig:
-    cfg = SmolConfig(preset=preset, **PRESETS[preset])
-    for k, v in overrides.items():
-        if v is not None:
-            setattr(cfg, k, v)
-    return cfg
+    return _make_config(SmolConfig, PRESETS, preset, **overrides)
 
 
 TINY_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
@@ -106,7 +88,7 @@ TINY_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['con
 
 def make_tiny_target(directory: Path) -> Path:
     """A random tiny Llama in HF format with a chat template (the tiny preset's stand-in for SmolLM2)."""
-    from ..testing import make_tiny_pair
+    from ...testing import make_tiny_pair
     if (directory / "target" / "config.json").is_file():
         return directory / "target"
     tdir, _ = make_tiny_pair(directory, arch="llama", vocab_size=300, seed=0, num_hidden_layers=4,
@@ -119,8 +101,8 @@ def make_tiny_target(directory: Path) -> Path:
 
 def tokenizer_and_chat(tdir: Path):
     """-> (tokenizer, encode(messages) -> ids, eos id), as dl.generate renders chat prompts."""
-    from ..checkpoint import _token_text, load_tokenizer
-    from ..prompts import render_chat
+    from ...checkpoint import _token_text, load_tokenizer
+    from ...prompts import render_chat
     tok, tcfg = load_tokenizer(tdir)
     if tok is None or not tcfg.get("chat_template"):
         raise SystemExit(f"{tdir}: needs tokenizer.json and a chat template")
@@ -131,8 +113,8 @@ def tokenizer_and_chat(tdir: Path):
         return tok.encode(render_chat(tcfg["chat_template"], messages, special), add_special_tokens=False).ids
 
     def encode_many(user_texts: list[str]) -> list[list[int]]:
-        """Single-turn user messages in bulk. render_chat compiles the template per call (~2 ms); for tens
-        of thousands we render once around a marker and splice, after checking the splice on a sample."""
+        """Single-turn user messages in bulk. render_chat compiles the template per call, too slow for tens
+        of thousands: we render once around a marker and splice, after checking the splice on a sample."""
         mark = "\x00MSG\x00"
         pre, _, post = render_chat(tcfg["chat_template"], [{"role": "user", "content": mark}], special).partition(mark)
         texts = [pre + t + post for t in user_texts]
@@ -148,33 +130,8 @@ def tokenizer_and_chat(tdir: Path):
 
 def frozen_target(cfg: SmolConfig, tdir: Path, device):
     """The target, weights rounded to bf16 first (what the GPU study runs), frozen."""
-    from ..checkpoint import load_target
-    t = load_target(tdir)
-    with torch.no_grad():
-        for p in t.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    return t.to(device).eval().requires_grad_(False)
-
-
-def drafter_config(cfg: SmolConfig, tcfg, layers: int | None = None, intermediate: int | None = None):
-    """Drafter layers are the target's width and heads; its context is target_layer_ids' outputs."""
-    from ..config import DrafterConfig
-    return DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=intermediate or cfg.drafter_intermediate,
-                         num_hidden_layers=layers or cfg.drafter_layers, num_attention_heads=tcfg.num_attention_heads,
-                         num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
-                         rms_norm_eps=tcfg.rms_norm_eps, vocab_size=tcfg.vocab_size, block_size=cfg.block_size,
-                         num_target_layers=tcfg.num_hidden_layers, target_layer_ids=list(cfg.target_layer_ids),
-                         mask_token_id=cfg.mask_token_id, rope=tcfg.rope,
-                         max_position_embeddings=tcfg.max_position_embeddings)
-
-
-def left_padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (x [B, P] left-padded with pad_id, prompt lengths [B]), as greedy_extend takes them."""
-    plen = torch.tensor([len(seq) for seq in ids])
-    x = torch.full((len(ids), int(plen.max())), pad_id, dtype=torch.long)
-    for r, seq in enumerate(ids):
-        x[r, x.shape[1] - len(seq):] = torch.tensor(seq)
-    return x, plen
+    from ...checkpoint import load_target
+    return frozen(load_target(tdir), torch.bfloat16, device)
 
 
 def heldout_ids(encode, n: int) -> list[list[int]]:
@@ -324,7 +281,7 @@ def stage_pool(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) ->
 
 
 def stage_drafter(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device) -> dict:
-    from ..drafter import Drafter
+    from ...drafter import Drafter
     _, encode, eos_id = tokenizer_and_chat(tdir)
     target = frozen_target(cfg, tdir, device)
     z = np.load(work / "pool.npz")
@@ -333,29 +290,28 @@ def stage_drafter(cfg: SmolConfig, tdir: Path, work: Path, device: torch.device)
     starts, lengths = torch.from_numpy(z["starts"][keep].astype(np.int64)), torch.from_numpy(z["lengths"][keep].astype(np.int64))
 
     def sample(step: int, g: torch.Generator):
-        rows = torch.randint(len(tokens), (cfg.drafter_batch,), generator=g)
+        rows = torch.randint(len(tokens), (cfg.dflash.drafter_batch,), generator=g)
         st, ln = starts[rows], lengths[rows]
         # Anchors p in [start, length - 2]: the first round sits right after the prompt, as in the engine.
-        u = torch.rand(len(rows), cfg.anchors, generator=g)
+        u = torch.rand(len(rows), cfg.dflash.anchors, generator=g)
         anchors = st[:, None] + (u * (ln - 1 - st)[:, None]).long()
         return tokens[rows, :int(ln.max())], anchors, ln
 
     def new_drafter(layers: int, intermediate: int):
-        d = Drafter(drafter_config(cfg, target.cfg, layers, intermediate))
-        init_weights(d, layers)
+        d = Drafter(drafter_config(cfg.dflash, target.cfg, cfg.mask_token_id, layers, intermediate))
+        init_weights(d, layers)  # train_drafters draws them again; kept so that a rerun repeats the shipped draws
         return d
 
-    return train_drafters(cfg, target, new_drafter, sample, work, device, cfg.mask_token_id,
-                          eval_prompts=lambda: heldout_ids(encode, cfg.eval_prompts), eos_id=eos_id,
+    return train_drafters(cfg.dflash, cfg.seed, target, new_drafter, sample, work, device, cfg.mask_token_id,
+                          eval_prompts=lambda: heldout_ids(encode, cfg.dflash.eval_prompts), eos_id=eos_id,
                           pool_desc=f"pool {len(tokens)} responses, {int((lengths - starts).sum())} tokens")
 
 
 def stage_export(cfg: SmolConfig, tdir: Path, work: Path, out: Path) -> Path:
-    from ..checkpoint import save_drafter
-    from ..drafter import Drafter
-    tcfg = _target_cfg(tdir)
-    v = json.loads((work / "drafter_final.json").read_text()) if (work / "drafter_final.json").exists() else {}
-    d = Drafter(drafter_config(cfg, tcfg, v.get("layers"), v.get("intermediate")))
+    from ...checkpoint import save_drafter
+    from ...drafter import Drafter
+    v = chosen_variant(work)
+    d = Drafter(drafter_config(cfg.dflash, _target_cfg(tdir), cfg.mask_token_id, v.get("layers"), v.get("intermediate")))
     load_weights(d, work / "drafter_final.safetensors")
     save_drafter(d, out, dtype=getattr(torch, cfg.save_dtype))
     mib = (out / "model.safetensors").stat().st_size / 2**20
@@ -366,38 +322,25 @@ def stage_export(cfg: SmolConfig, tdir: Path, work: Path, out: Path) -> Path:
 
 
 def _target_cfg(tdir: Path):
-    from ..checkpoint import read_json
-    from ..config import target_config_from_hf
+    from ...checkpoint import read_json
+    from ...config import target_config_from_hf
     return target_config_from_hf(read_json(tdir / "config.json"), tdir / "config.json")
 
 
 # ----------------------------------------------------------------------------- CLI
 
-STAGES = ("prepare", "ask", "pool", "drafter", "pack", "unpack", "export", "card")
-
-
-def add_smollm2_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="smollm2",
-                   help="smollm2: the shipped drafter (GPU, ~6 min); tiny: every stage on the CPU in seconds "
-                        "with a tiny random Llama target")
-    p.add_argument("--stages", default="prepare,pool,drafter,export,card",
-                   help=f"comma-separated subset of {','.join(STAGES)}, run in that order")
+def add_smollm2_train_args(p):
+    add_pipeline_args(p, PRESETS, "smollm2: the shipped drafter (GPU); tiny: every stage on the CPU in seconds "
+                      "with a tiny random Llama target", STAGES, "prepare,pool,drafter,export,card",
+                      "outputs/smollm2_train", f"export/card write the drafter here (default: {DRAFTER_DIR}; "
+                      "tiny: work/drafter)", "SmolConfig", "drafter_seconds=180")
     p.add_argument("--target", default=None, help="target dir (default: the pulled SmolLM2; tiny: work/tiny/target)")
-    p.add_argument("--work", default="outputs/smollm2_train", help="prompts, pool, checkpoints; a rerun resumes here")
-    p.add_argument("--out", default=None, help=f"export/card write the drafter here (default: {DRAFTER_DIR}; "
-                                               "tiny: work/drafter)")
-    p.add_argument("--pack-dir", default=None, help="pack/unpack: folder of the few files that carry a GPU run back")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--force", action="store_true", help="rerun stages whose product already exists")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a SmolConfig field, e.g. --set drafter_seconds=180 (repeatable)")
     return p
 
 
 def join_processes(stages: list[str], device: torch.device) -> int | None:
     """Under torchrun (WORLD_SIZE > 1): join the process group and return this process's rank; else None.
-    Only the drafter stage runs on several processes (ddtree_lab/lab/train.py: data parallel)."""
+    Only the drafter stage runs on several processes (ddtree_lab/train/recipe.py: data parallel)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if stages != ["drafter"]:
@@ -410,14 +353,7 @@ def join_processes(stages: list[str], device: torch.device) -> int | None:
 
 
 def run_smollm2_train_cli(args) -> int:
-    cfg = make_config(args.preset, seed=args.seed)
-    apply_overrides(cfg, args.set)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = [s for s in stages if s not in STAGES]
-    if bad:
-        raise SystemExit(f"--stages: unknown stage(s) {bad}; stages: {', '.join(STAGES)}")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    cfg, stages, work = start_run(args, make_config, STAGES)
     tiny = cfg.preset == "tiny"
     tdir = Path(args.target) if args.target else (make_tiny_target(work / "tiny") if tiny else target_dir())
     if not (tdir / "config.json").is_file() and any(s in stages for s in ("prepare", "pool", "drafter", "export", "card")):
@@ -437,56 +373,32 @@ def run_smollm2_train_cli(args) -> int:
         torch.distributed.barrier()  # until process 0 has evaluated and written: all leave together
         torch.distributed.destroy_process_group()
         return 0
-    (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    write_config(cfg, work)
     log(f"train-smollm2-drafter: preset {cfg.preset}, stages {stages}, target {tdir}, device {device}")
-    products = {"prepare": work / "prompts.jsonl", "ask": work / "ask_summary.json", "pool": work / "pool.npz",
-                "drafter": work / "drafter_final.safetensors"}
-    t_all = time.time()
-    for s in stages:
-        if s in products and products[s].exists() and not args.force:
-            log(f"{s}: {products[s]} exists, skipping (--force to redo)")
-            continue
-        if args.force and s == "drafter":
-            (work / "drafter_state.pt").unlink(missing_ok=True)
-        if args.force and s == "pool":
-            for f in (work / "pool_parts").glob("part*.npz"):
-                f.unlink()
-        t = time.time()
+
+    def run_stage(s: str) -> bool:
         if s == "prepare":
             stage_prepare(cfg, tdir, work)
         elif s == "ask":
             if cfg.self_prompts <= 0:
                 log("ask: self_prompts is 0, nothing to ask")
-                continue
+                return False
             stage_ask(cfg, tdir, work, device)
         elif s == "pool":
             stage_pool(cfg, tdir, work, device)
+            return cfg.pool_shards == 1  # a shard: the merge records the stage, its time and devices
         elif s == "drafter":
             if rank is not None:
                 torch.distributed.barrier()
             stage_drafter(cfg, tdir, work, device)
-        elif s in ("pack", "unpack"):
-            if not args.pack_dir:
-                raise SystemExit(f"--stages {s} needs --pack-dir")
-            pack = Path(args.pack_dir)
-            if s == "pack":
-                from safetensors.torch import load_file
-                save_parts(load_file(str(work / "drafter_final.safetensors")), pack, "drafter", torch.float32)
-                info = {f.stem: json.loads(f.read_text()) for f in sorted(work.glob("*.json"))}
-                (pack / "pack.json").write_text(json.dumps(info, indent=2) + "\n")
-            else:
-                save_weights_dict(load_parts(pack, "drafter"), work / "drafter_final.safetensors")
-                for name, obj in json.loads((pack / "pack.json").read_text()).items():
-                    if name != "config":
-                        (work / f"{name}.json").write_text(json.dumps(obj, indent=2) + "\n")
         elif s == "export":
             stage_export(cfg, tdir, work, out)
         elif s == "card":
             from .card import stage_card
             stage_card(cfg, tdir, work, out)
-        dt = time.time() - t
-        if s == "pool" and cfg.pool_shards > 1:
-            continue  # a shard: the merge records the stage, its time and devices
+        return True
+
+    def record_time(s: str, dt: float) -> None:
         timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").exists() else {}
         if s == "pool":  # a merge also counts the slowest shard (they ran side by side) and names their devices
             pool = json.loads((work / "pool_summary.json").read_text())
@@ -496,7 +408,13 @@ def run_smollm2_train_cli(args) -> int:
             where = str(device) if rank is None else f"{torch.distributed.get_world_size()} × {device.type} (data parallel)"
             timing[s] = {"seconds": round(dt, 1), "device": where}
         (work / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
-        log(f"{s}: {dt:.1f}s")
+
+    t_all = time.time()
+    run_stages(stages, run_stage, force=args.force, work=work, pack_dir=args.pack_dir,
+               pack_weights=lambda: {"drafter": torch.float32}, on_done=record_time,
+               products={"prepare": work / "prompts.jsonl", "ask": work / "ask_summary.json",
+                         "pool": work / "pool.npz", "drafter": work / "drafter_final.safetensors"},
+               stale={"drafter": [work / "drafter_state.pt"], "pool": (work / "pool_parts").glob("part*.npz")})
     if rank is not None:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -504,18 +422,7 @@ def run_smollm2_train_cli(args) -> int:
     return 0
 
 
-def save_weights_dict(sd: dict, path: Path) -> None:
-    from safetensors.torch import save_file
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp))
-    tmp.replace(path)
-
-
 def main(argv=None) -> int:
-    p = add_smollm2_train_args(argparse.ArgumentParser(prog="ddtree-lab train-smollm2-drafter",
-                                                       description="Train the SmolLM2 DFlash drafter."))
-    return run_smollm2_train_cli(p.parse_args(argv))
+    return cli_main(argv, "ddtree-lab train-smollm2-drafter", "Train the SmolLM2 DFlash drafter.",
+                    add_smollm2_train_args, run_smollm2_train_cli)
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

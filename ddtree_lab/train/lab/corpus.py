@@ -1,7 +1,7 @@
 """The lab pair's corpus: Python source files, a byte-level BPE tokenizer, token arrays.
 
-The corpus is the Python standard library of the interpreter that builds it (CPython 3.11.7 for the
-shipped pair), read file by file in sorted order so the file list is deterministic. Files are held
+The corpus is the Python standard library of the interpreter that builds it (the card names the
+version), read file by file in sorted order so the file list is deterministic. Files are held
 out for evaluation by a hash of their relative path, so the split does not depend on the order of
 the walk or on which other files exist. Everything derived (tokenizer, token arrays, meta.json)
 goes to a cache folder; the token arrays are what a GPU machine needs for training.
@@ -193,5 +193,5 @@ def heldout_texts(cfg: CorpusConfig) -> list[tuple[str, str]]:
     return [(r, t) for r, t in list_files(cfg) if is_heldout(r, cfg.heldout_per_mille)]
 
 
-if __name__ == "__main__":  # python -m ddtree_lab.lab.corpus CACHE_DIR
+if __name__ == "__main__":  # python -m ddtree_lab.train.lab.corpus CACHE_DIR
     build_corpus(CorpusConfig(), sys.argv[1] if len(sys.argv) > 1 else ".cache/lab_corpus")

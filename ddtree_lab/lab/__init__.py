@@ -1,1 +1,0 @@
-"""Building the embedded lab pair: corpus, tokenizer, prompt sets, training and evaluation."""
