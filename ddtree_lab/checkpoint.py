@@ -196,9 +196,31 @@ def _load(kind: str, directory, device, dtype, read_config, model_cls, mapping):
     reader = _TensorReader(directory)
     if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
         reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
-    _fill(model, reader, mapping(cfg))
+    wanted = mapping(cfg)
+    _check_all_used(reader, wanted, cfg)
+    _fill(model, reader, wanted)
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# Stored tensors a model may carry that hold nothing this engine reads: RoPE tables (recomputed from the
+# config), and an lm_head saved beside tied embeddings (the tie makes it the embedding).
+_IGNORABLE = (".rotary_emb.inv_freq",)
+
+
+def _check_all_used(reader: _TensorReader, mapping: dict[str, list[str]], cfg) -> None:
+    """Every stored tensor must be read: one left over means the config describes another model than the
+    weights (too few layers, the wrong architecture), which would load and silently compute something else."""
+    used = {name for stored in mapping.values() for name in stored}
+    tied_head = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    unused = sorted(n for n in reader.files if n not in used and n not in tied_head
+                    and not n.endswith(_IGNORABLE))
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise CheckpointError(
+            f"{reader.directory}: {len(unused)} stored tensor(s) that config.json does not describe ({shown}); "
+            f"check its architectures and num_hidden_layers ({getattr(cfg, 'arch', '?')}, "
+            f"{getattr(cfg, 'num_hidden_layers', '?')} layers)")
 
 
 def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
