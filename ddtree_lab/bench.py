@@ -3,7 +3,7 @@
   kernels  verify-attention latency and achieved bandwidth vs tree size and context (triton/sdpa/flex)
   e2e      per-round stage times, rounds/s and tokens/s for AR, DFlash and DDTree at several budgets,
            for a checkpoint, a named pair, or a random-weight real-size shape built on the GPU
-           (`random:qwen3-8b`, `random:qwen3-4b`, `random:llama3.1-8b`) so real costs can be measured
+           (`random:qwen3-8b`, `random:qwen3-4b`, `random:llama3.1-8b`, the MoE `random:qwen3-30b-a3b`) so real costs can be measured
            without the weights. Also the AR step's roofline (weight bytes ÷ copy bandwidth, same run).
   prompts  tokens/s and speedup of AR, DFlash and DDTree on a pair's shipped prompts
   profile  where a round's time goes: kernels launched and GPU time per stage, and the top kernels
@@ -40,8 +40,15 @@ RANDOM_SHAPES = {
                         max_position_embeddings=131072, tie_word_embeddings=False,
                         rope=RopeConfig(theta=5e5, type="llama3", factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, tie_word_embeddings=False, rope=RopeConfig(theta=1e6),
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
+# The drafters' MLP width where it is not the target's dense width. A drafter is dense: an MoE target's
+# expert width is never its size.
+DRAFT_INTERMEDIATE = {"qwen3-30b-a3b": 6144}
 
 
 def environment() -> dict:
@@ -79,18 +86,25 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="triton", seed=0,
-                compile: bool = False) -> Pair:
-    """A real-size target + DFlash drafter with random weights, built directly on the device."""
+def random_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
+    """The target and drafter configs of a random shape (nothing allocated)."""
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
     tcfg = TargetConfig(**RANDOM_SHAPES[shape])
-    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size,
+                         intermediate_size=DRAFT_INTERMEDIATE.get(shape, tcfg.intermediate_size),
                          num_hidden_layers=DRAFT_LAYERS, num_attention_heads=tcfg.num_attention_heads,
                          num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
                          vocab_size=tcfg.vocab_size, block_size=16, num_target_layers=tcfg.num_hidden_layers,
                          mask_token_id=tcfg.vocab_size - 1, rope=tcfg.rope,
                          max_position_embeddings=tcfg.max_position_embeddings)
+    return tcfg, dcfg
+
+
+def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="triton", seed=0,
+                compile: bool = False) -> Pair:
+    """A real-size target + DFlash drafter with random weights, built directly on the device."""
+    tcfg, dcfg = random_configs(shape)
     torch.manual_seed(seed)
     models = []
     for cls, cfg in ((Target, tcfg), (Drafter, dcfg)):
@@ -115,13 +129,20 @@ def random_pair(shape: str, device="cuda", dtype=torch.bfloat16, attention="trit
 
 
 def weight_bytes_per_step(target: Target) -> int:
-    """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding."""
+    """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding, and of
+    an MoE block the router and the top-k experts' share of the experts (one token reads k of E)."""
+    from .moe import SparseMoE
+
+    share = {}
+    for mname, m in target.named_modules():
+        if isinstance(m, SparseMoE):
+            share[f"{mname}.gate_up"] = share[f"{mname}.down"] = m.top_k / m.num_experts
     total = 0
     for name, p in target.named_parameters():
         if name == "embed_tokens.weight" and target.lm_head is not None:
             continue  # untied: the step reads one row, not the table
-        total += p.numel() * p.element_size()
-    return total
+        total += p.numel() * p.element_size() * share.get(name, 1.0)
+    return int(total)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -384,7 +405,7 @@ def add_bench_args(p) -> None:
     k.add_argument("--out", default="outputs/bench/kernels.json")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",
-                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | a pair name | a dir "
+                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | random:qwen3-30b-a3b | a pair name | a dir "
                         "holding target/ and drafter/")
     e.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
     e.add_argument("--prompt-len", type=int, default=512)

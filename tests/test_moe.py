@@ -288,3 +288,21 @@ def test_drafter_reading_past_the_targets_layers_refused(bad_dirs):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"target_layer_ids \[4\]"):
         dl.load_pair(target=t, drafter=d)
+
+
+def test_random_qwen3_30b_a3b_shape():
+    """The bench's random MoE shape: its public sizes, a dense drafter, and an AR step that reads top-k experts."""
+    from ddtree_lab.bench import RANDOM_SHAPES, random_configs, weight_bytes_per_step
+    from ddtree_lab.config import check_pair
+    from ddtree_lab.model import Target
+
+    tcfg, dcfg = random_configs("qwen3-30b-a3b")
+    check_pair(tcfg, dcfg)
+    assert "qwen3-30b-a3b" in RANDOM_SHAPES and dcfg.intermediate_size == 6144 and dcfg.num_hidden_layers == 5
+    with torch.device("meta"):
+        target = Target(tcfg).to(torch.bfloat16)
+    assert all(isinstance(b.mlp, SparseMoE) for b in target.layers) and target.layers[0].mlp.gate_up.shape == (128, 1536, 2048)
+    total = sum(p.numel() for p in target.parameters())
+    assert 30.0e9 < total < 31.0e9
+    active = weight_bytes_per_step(target) / 2  # bf16: one token reads about 3B of the 30.5B parameters
+    assert 2.9e9 < active < 3.4e9
