@@ -148,3 +148,18 @@ def test_gpu_cuda_graph_replays_new_routing():
         g.replay()
         want, want_counts = fused_moe(static_x, router, w_gate_up, w_down, 4, True)
         assert torch.equal(out, want) and torch.equal(counts, want_counts)
+
+
+def test_bench_smoke_runs_the_logic_path(tmp_path):
+    """`python -m kernels.bench_fused_moe --smoke`: tiny shapes, every column filled but the GPU's floor."""
+    import json
+
+    from ddtree_lab.kernels import bench_fused_moe
+
+    out = tmp_path / "fused_moe.json"
+    rows = bench_fused_moe.main(["--smoke", "--tokens", "1", "5", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["T"] for r in saved["rows"]] == [1, 5] == [r["T"] for r in rows] and saved["smoke"]
+    for r in rows:
+        assert r["counts_equal_reference"] and r["max_abs_diff"] < 1e-5 and r["triton_us"] > 0 and r["torch_us"] > 0
+        assert 2 <= r["experts_touched"] <= min(8, 2 * r["T"]) and r["floor_us"] is None
