@@ -186,12 +186,13 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_config(T: int, top_k: int, E: int, H: int, I: int, device) -> dict:
+def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2) -> dict:
     """Tile sizes from the static shape only (never from routing), so they are fixed at capture time.
 
     BLOCK_M covers every token of an expert when T is small (an expert gets at most T tokens); BLOCK_N
     shrinks until (slots × N-tiles) gives about two programs per SM, since a few programs cannot pull the
-    weights at full bandwidth. Under the interpreter: large tiles, few programs (it pays per operation)."""
+    weights at full bandwidth. fp32 takes half the K depth and two stages, so its tiles fit shared memory.
+    Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
     if _interpret():
         return dict(S=S, BLOCK_M=_pow2(T, 16, 64), BLOCK_N_UP=_pow2(I, 16, 128), BLOCK_N_DOWN=_pow2(H, 16, 128),
@@ -204,8 +205,10 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device) -> dict:
             bn //= 2
         return bn
 
+    depth = 128 if elsize <= 2 else 64
     return dict(S=S, BLOCK_M=_pow2(T, 16, 64), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
-                BLOCK_K_UP=min(128, _pow2(H, 16)), BLOCK_K_DOWN=min(128, _pow2(I, 16)), num_warps=4, num_stages=3)
+                BLOCK_K_UP=min(depth, _pow2(H, 16)), BLOCK_K_DOWN=min(depth, _pow2(I, 16)), num_warps=4,
+                num_stages=3 if elsize <= 2 else 2)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +257,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     x = x if x.stride(1) == 1 else x.contiguous()
     weights, ids = moe_route(F.linear(x, router_weight), top_k, renormalize)
     counts, slot_expert, slot_start, sorted_pairs = moe_align(ids, E, counts)
-    cfg = {**launch_config(T, top_k, E, H, I, x.device), **(config or {})}
+    cfg = {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
