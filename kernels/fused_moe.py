@@ -13,7 +13,8 @@ leaves the order of ties unspecified; on the CPU it does not take the lower inde
 Launches, none of them reading anything back to the host, every shape fixed by (T, E, top_k, H, I), so a
 round that calls it can be captured once as a CUDA graph for each tree size:
   1. router logits: F.linear in x's dtype (as the reference models compute them);
-  2. `_route_kernel`, one program per BLOCK_T tokens: softmax, top-k by repeated argmax, renormalisation;
+  2. `_route_kernel`, one program per BLOCK_T tokens: softmax, top-k by repeated argmax, renormalisation
+     (up to ROUTE_IN_ALIGN_MAX_T tokens the align program does this itself: a launch fewer for AR and small trees);
   3. `_align_kernel`, one program: per-expert counts, the touched experts compacted into S = min(E, T·top_k)
      slots (slot s holds the s-th touched expert in expert order, -1 past the last), each slot's start in the
      pair list, and the (token, j) pairs sorted by expert, stably (pair p = t·top_k + j);
@@ -21,7 +22,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      into h [T·top_k, I] in sorted order;
   5. `_down_kernel`, grid (S, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
      y [T·top_k, H] fp32 in pair order;
-  6. out = y.view(T, top_k, H).sum(1): the combine in a fixed order, so the result is deterministic.
+  6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
+     atomics), cast to x's dtype.
 
 Why this shape: decode and verify are bound by the weights' bytes. A program owns one expert's N-tile and
 loops over the slot's tokens, so each touched expert's weights are read once per call however many of the
@@ -44,9 +46,9 @@ def _interpret() -> bool:
 
 
 @triton.jit
-def _route_kernel(Logits, Weights, Ids, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _route_block(Logits, Weights, Ids, rows, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Route tokens `rows` [BLOCK_T]; -> how many of them chose each expert [BLOCK_E] int32."""
     cols = tl.arange(0, BLOCK_E)
     kcols = tl.arange(0, BLOCK_K)
     rmask = rows < T
@@ -61,29 +63,47 @@ def _route_kernel(Logits, Weights, Ids, T, E, s_row, TOP_K: tl.constexpr, RENORM
     cand = tl.where(cmask[None, :], p, -1.0)  # padding columns never win: probabilities are >= 0
     vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(cand, 1)
         idx = tl.argmax(cand, 1, tie_break_left=True).to(tl.int32)  # the lowest index among equals
         vals = tl.where(kcols[None, :] == j, best[:, None], vals)
         ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
-        cand = tl.where(cols[None, :] == idx[:, None], -1.0, cand)
+        chosen = cols[None, :] == idx[:, None]                               # [BT, BE]
+        counts += tl.sum((chosen & rmask[:, None]).to(tl.int32), 0)
+        cand = tl.where(chosen, -1.0, cand)
     if RENORM:
         vals = vals / tl.sum(vals, 1)[:, None]
     out = rows[:, None] * TOP_K + kcols[None, :]
     smask = rmask[:, None] & (kcols[None, :] < TOP_K)
     tl.store(Weights + out, vals, mask=smask)
     tl.store(Ids + out, ids, mask=smask)
+    return counts
 
 
 @triton.jit
-def _align_kernel(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S,
-                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+def _route_kernel(Logits, Weights, Ids, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_block(Logits, Weights, Ids, rows, T, E, s_row, TOP_K, RENORM, BLOCK_T, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPairs, T, P, E, S, s_row,
+                  ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):  # pass 1: tokens per expert
-        offs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(Ids + offs, mask=offs < P, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    if ROUTE:  # few tokens: route them here too (one launch less), then read the ids back
+        for t0 in range(0, T, BLOCK_T):
+            counts += _route_block(Logits, Weights, Ids, t0 + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
+                                   BLOCK_T, BLOCK_E, BLOCK_K)
+        tl.debug_barrier()  # the ids written above are read by other threads of this program below
+    else:
+        for p0 in range(0, P, BLOCK_P):  # pass 1: tokens per expert
+            offs = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(Ids + offs, mask=offs < P, other=-1)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
     tl.store(Counts + experts, counts, mask=experts < E)
     starts = tl.cumsum(counts, 0) - counts                                  # exclusive: each expert's first pair
     touched = counts > 0
@@ -211,6 +231,14 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
                 num_stages=3 if elsize <= 2 else 2)
 
 
+ROUTE_IN_ALIGN_MAX_T = 32  # up to this many tokens the align program routes them itself: one launch less
+
+
+def _route_blocks(T: int, E: int) -> tuple[int, int]:
+    BLOCK_E = _pow2(E, 16)
+    return BLOCK_E, max(1, min(_pow2(T), 4096 // BLOCK_E, 64 if _interpret() else 16))
+
+
 def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32), best first."""
     T, E = logits.shape
@@ -218,17 +246,15 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    BLOCK_E = _pow2(E, 16)
-    BLOCK_T = max(1, min(_pow2(T), 4096 // BLOCK_E, 64 if _interpret() else 16))
+    BLOCK_E, BLOCK_T = _route_blocks(T, E)
     _route_kernel[(triton.cdiv(T, BLOCK_T),)](x, weights, ids, T, E, x.stride(0), TOP_K=top_k,
                                               RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
                                               BLOCK_K=_pow2(top_k), num_warps=4)
     return weights, ids
 
 
-def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
-    """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
-    slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k)."""
+def _align(ids, E, counts, logits=None, weights=None, top_k=1, renormalize=False):
+    T = ids.shape[0]
     P = ids.numel()
     S = min(E, P)
     device = ids.device
@@ -237,11 +263,49 @@ def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
     slot_expert = torch.empty(S, dtype=torch.int32, device=device)
     slot_start = torch.empty(S, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=device)
-    BLOCK_E = _pow2(E, 16)
+    BLOCK_E, BLOCK_T = _route_blocks(T, E)
     BLOCK_P = max(16, min(_pow2(P), 8192 // BLOCK_E))
-    _align_kernel[(1,)](ids.reshape(-1), counts, slot_expert, slot_start, sorted_pairs, P, E, S,
-                        BLOCK_P=BLOCK_P, BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
+    route = logits is not None
+    _align_kernel[(1,)](logits if route else ids, weights if route else ids, ids, counts, slot_expert, slot_start,
+                        sorted_pairs, T, P, E, S, logits.stride(0) if route else 0, ROUTE=route, TOP_K=top_k,
+                        RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_K=_pow2(top_k), BLOCK_P=BLOCK_P,
+                        BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
     return counts, slot_expert, slot_start, sorted_pairs
+
+
+def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
+    """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
+    slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k)."""
+    return _align(ids, E, counts)
+
+
+def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
+                    fuse: bool | None = None):
+    """moe_route then moe_align: -> (weights, ids, counts, slot_expert, slot_start, sorted_pairs). With
+    `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T) the align program routes the tokens itself, in one launch."""
+    T, E = logits.shape
+    if fuse is None:
+        fuse = T <= ROUTE_IN_ALIGN_MAX_T
+    if not fuse:
+        weights, ids = moe_route(logits, top_k, renormalize)
+        return (weights, ids, *moe_align(ids, E, counts))
+    assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    return (weights, ids, *_align(ids, E, counts, x, weights, top_k, renormalize))
+
+
+@triton.jit
+def _combine_kernel(Y, Out, H, s_yt, s_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), cast to out's dtype
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Y + (t * TOP_K + j) * s_yt + cols, mask=mask, other=0.0)
+    tl.store(Out + t * s_ot + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -255,9 +319,9 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
         f"down {tuple(w_down.shape)} do not fit together")
     assert w_gate_up.stride(2) == 1 and w_down.stride(2) == 1, "expert weights must be row-major"
     x = x if x.stride(1) == 1 else x.contiguous()
-    weights, ids = moe_route(F.linear(x, router_weight), top_k, renormalize)
-    counts, slot_expert, slot_start, sorted_pairs = moe_align(ids, E, counts)
     cfg = {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
+    weights, _, counts, slot_expert, slot_start, sorted_pairs = moe_route_align(
+        F.linear(x, router_weight), top_k, renormalize, counts, cfg.get("fuse_route"))
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
@@ -271,7 +335,11 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
         h, w_down, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, h.stride(0), w_down.stride(0),
         w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
         BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
-    return y.view(T, top_k, H).sum(1).to(x.dtype), counts
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    BLOCK_H = min(1024, _pow2(H, 16))
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, out, H, y.stride(0), out.stride(0), TOP_K=top_k,
+                                                  BLOCK_H=BLOCK_H, num_warps=4)
+    return out, counts
 
 
 # ----------------------------------------------------------------------------- torch references

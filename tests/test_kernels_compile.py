@@ -53,9 +53,18 @@ CASES = [
     ("fused_moe", "_route_kernel",  # Qwen3-30B-A3B's router: 128 experts, top-8
      {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "T": "i32", "E": "i32", "s_row": "i32"},
      {"TOP_K": 8, "RENORM": True, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_K": 8}),
-    ("fused_moe", "_align_kernel",
-     {"Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32",
-      "P": "i32", "E": "i32", "S": "i32"}, {"BLOCK_P": 64, "BLOCK_E": 128, "BLOCK_S": 128}),
+    ("fused_moe", "_align_kernel",  # routing in the align program (AR, small trees)
+     {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32",
+      "SlotStart": "*i32", "SortedPairs": "*i32", "T": "i32", "P": "i32", "E": "i32", "S": "i32", "s_row": "i32"},
+     {"ROUTE": True, "TOP_K": 8, "RENORM": True, "BLOCK_T": 16, "BLOCK_K": 8, "BLOCK_P": 64, "BLOCK_E": 128,
+      "BLOCK_S": 128}),
+    ("fused_moe", "_align_kernel",  # routed by _route_kernel
+     {"Logits": "*i32", "Weights": "*i32", "Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32",
+      "SlotStart": "*i32", "SortedPairs": "*i32", "T": "i32", "P": "i32", "E": "i32", "S": "i32", "s_row": "i32"},
+     {"ROUTE": False, "TOP_K": 8, "RENORM": True, "BLOCK_T": 16, "BLOCK_K": 8, "BLOCK_P": 64, "BLOCK_E": 128,
+      "BLOCK_S": 128}),
+    ("fused_moe", "_combine_kernel",
+     {"Y": "*fp32", "Out": "*bf16", "H": "i32", "s_yt": "i32", "s_ot": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}),
     ("fused_moe", "_gate_up_kernel",
      {"X": "*bf16", "W": "*bf16", "Hbuf": "*bf16", "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32",
       "SortedPairs": "*i32", "H": "i32", "I": "i32", "s_xt": "i32", "s_we": "i32", "s_wn": "i32", "s_ht": "i32"},

@@ -163,3 +163,17 @@ def test_bench_smoke_runs_the_logic_path(tmp_path):
     for r in rows:
         assert r["counts_equal_reference"] and r["max_abs_diff"] < 1e-5 and r["triton_us"] > 0 and r["torch_us"] > 0
         assert 2 <= r["experts_touched"] <= min(8, 2 * r["T"]) and r["floor_us"] is None
+
+
+@pytest.mark.parametrize("T", [1, 17, 65])
+def test_routing_inside_the_align_program_equals_its_own_launch(T):
+    from ddtree_lab.kernels.fused_moe import moe_route_align
+
+    E, k = 24, 3
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    fused = moe_route_align(logits, k, True, fuse=True)
+    apart = moe_route_align(logits, k, True, fuse=False)
+    valid = apart[3] >= 0
+    for i, (a, b) in enumerate(zip(fused, apart)):
+        assert torch.equal(a[valid] if i == 4 else a, b[valid] if i == 4 else b), i
+    check_align(fused[1], E)
