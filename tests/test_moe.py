@@ -306,3 +306,16 @@ def test_random_qwen3_30b_a3b_shape():
     assert 30.0e9 < total < 31.0e9
     active = weight_bytes_per_step(target) / 2  # bf16: one token reads about 3B of the 30.5B parameters
     assert 2.9e9 < active < 3.4e9
+
+
+def test_e2e_bench_records_experts_touched(moe_pair):
+    from ddtree_lab.bench import bench_e2e, weight_bytes_per_step
+
+    out = bench_e2e(moe_pair, budgets=(4, 32), prompt_len=8, rounds=4, methods=("ar", "ddtree"), progress=False)
+    ar, small, large = out["rows"]
+    assert ar["experts_touched_per_layer"] == [2, 2, 2]  # one token: its top-2 in each of the 3 MoE layers
+    assert all(2 <= n <= 8 for n in large["experts_touched_per_layer"])
+    assert large["experts_touched_mean"] >= small["experts_touched_mean"] > 2
+    target = moe_pair.target
+    assert weight_bytes_per_step(target, [2, 2, 2]) == weight_bytes_per_step(target)
+    assert weight_bytes_per_step(target, [8, 8, 8]) > weight_bytes_per_step(target)
