@@ -27,11 +27,11 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermedia
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
             rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2, rope_theta=1e6)
 
-CASES = {  # (config overrides, save in transformers' stacked in-memory layout)
-    "renorm-per-expert": (dict(norm_topk_prob=True, tie_word_embeddings=False), False),
-    "plain-stacked": (dict(norm_topk_prob=False, tie_word_embeddings=True), True),
-    "dense-layer-1": (dict(norm_topk_prob=True, mlp_only_layers=[1]), False),
-    "sparse-step-2": (dict(norm_topk_prob=True, decoder_sparse_step=2, num_experts_per_tok=3), True),
+CASES = {  # (config overrides, save in transformers' stacked in-memory layout, shard size or None)
+    "renorm-per-expert": (dict(norm_topk_prob=True, tie_word_embeddings=False), False, None),
+    "plain-stacked": (dict(norm_topk_prob=False, tie_word_embeddings=True), True, None),
+    "dense-layer-1-sharded": (dict(norm_topk_prob=True, mlp_only_layers=[1]), False, "100KB"),
+    "sparse-step-2-sharded": (dict(norm_topk_prob=True, decoder_sparse_step=2, num_experts_per_tok=3), True, "100KB"),
 }
 
 
@@ -47,18 +47,24 @@ def hf_moe(extra, seed):
     return model
 
 
-def save_hf(model, directory, stacked):
-    model.save_pretrained(directory, safe_serialization=True, save_original_format=not stacked)
-    names = load_file(directory / "model.safetensors").keys()
-    assert any("experts.gate_up_proj" in n for n in names) == stacked  # the layout this case tests
+def save_hf(model, directory, stacked, shard=None):
+    kw = {} if shard is None else {"max_shard_size": shard}
+    model.save_pretrained(directory, safe_serialization=True, save_original_format=not stacked, **kw)
+    index = directory / "model.safetensors.index.json"
+    if shard is None:
+        names = load_file(directory / "model.safetensors").keys()
+    else:  # the layout this case tests: shards listed in the index
+        names = json.loads(index.read_text())["weight_map"]
+        assert len(set(names.values())) > 1
+    assert any("experts.gate_up_proj" in n for n in names) == stacked  # the expert layout this case tests
     return directory
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_ar_and_tree_logits_match_transformers(case, tmp_path):
-    extra, stacked = CASES[case]
+    extra, stacked, shard = CASES[case]
     ref = hf_moe(extra, seed=len(case))
-    ours = load_target(save_hf(ref, tmp_path, stacked))
+    ours = load_target(save_hf(ref, tmp_path, stacked, shard))
     kinds = [type(b.mlp).__name__ for b in ours.layers]
     assert kinds == [type(b.mlp).__name__.replace("Qwen3MoeSparseMoeBlock", "SparseMoE")
                      .replace("Qwen3MoeMLP", "GatedMLP") for b in ref.model.layers]
