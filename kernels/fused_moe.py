@@ -33,6 +33,7 @@ The counts are an intermediate of the sort, so handing them out (for telemetry) 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -203,7 +204,12 @@ def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
 def _sm_count(device) -> int:
     if _interpret() or torch.device(device).type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(torch.device(device).index or 0)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # asked once per GPU: an eager forward calls this for every MoE layer
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2) -> dict:
