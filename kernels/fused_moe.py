@@ -204,7 +204,8 @@ def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
 def _sm_count(device) -> int:
     if _interpret() or torch.device(device).type != "cuda":
         return 1
-    return _cuda_sms(torch.device(device).index or 0)
+    index = torch.device(device).index
+    return _cuda_sms(torch.cuda.current_device() if index is None else index)
 
 
 @functools.cache
