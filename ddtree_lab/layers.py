@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import options
 from .config import RopeConfig, rope_inv_freq
 
 
@@ -150,16 +151,10 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(self.post_attention_layernorm(x))
 
 
-# torch.compile options for every compiled layer function, e.g. {"mode": "max-autotune-no-cudagraphs"} to let
-# the compiler time its own matmul kernels against cuBLAS (`bench --compile-mode` sets it for a run).
-COMPILE_OPTIONS: dict = {}
-
-
-def compile_fn(fn, **options):
-    """torch.compile(fn) with COMPILE_OPTIONS, then `options` on top."""
-    import torch
-
-    return torch.compile(fn, **{**COMPILE_OPTIONS, **options})
+def compile_fn(fn, **kwargs):
+    """torch.compile(fn) with options.compile_options (e.g. mode="max-autotune-no-cudagraphs", to let the
+    compiler time its own matmuls against cuBLAS), then `kwargs` on top."""
+    return torch.compile(fn, **{**dict(options.current().compile_options), **kwargs})
 
 
 def compiled_layer_ops(**options):

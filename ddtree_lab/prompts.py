@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import re
+from pathlib import Path
+
+from .pairs import prompt_set_path
 
 
 @functools.lru_cache(maxsize=8)
@@ -49,3 +55,58 @@ def encode_prompt(pair, prompt) -> list[int]:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
         return list(prompt)
     raise ValueError("prompt must be text, a list of chat messages or a list of token ids")
+
+
+# ----------------------------------------------------------------------------- prompt sets
+
+SHIPPED_SET = re.compile(r"^([A-Za-z0-9_]+):([A-Za-z0-9_.\-]+)$")  # <pair>:<set>, e.g. lab:code
+
+
+def resolve_prompt_set(spec: str, base: Path | None = None) -> Path | None:
+    """`lab:code` -> the lab pair's shipped code.jsonl (likewise `<pair>:<set>` for every pair in
+    ddtree_lab/pairs); anything else is a .jsonl path, relative to `base` (a study file's folder) or the cwd."""
+    m = SHIPPED_SET.match(spec)
+    if m:
+        return prompt_set_path(m.group(1), m.group(2))
+    path = Path(os.path.expanduser(spec))
+    if not path.is_absolute() and base is not None and (base / path).exists():
+        path = base / path
+    return path.resolve() if path.is_file() else None
+
+
+def read_prompt_set(spec: str, n_prompts: int | None = None, base: Path | None = None) -> list[dict]:
+    """A prompt set -> [{"id", "prompt"}]. Each line holds "prompt" (text) or "messages" (chat messages,
+    rendered with the checkpoint's chat template); ids default to the line's index and must be unique
+    (runs are compared prompt by prompt)."""
+    path = resolve_prompt_set(spec, base)
+    if path is None:
+        raise FileNotFoundError(f"prompt set not found: {spec}")
+    rows, seen = [], {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}, column {e.colno})") from None
+        row = row if isinstance(row, dict) else {}
+        prompt = row.get("prompt", row.get("messages"))
+        chat = is_chat(prompt) and all("content" in m for m in prompt)
+        if not (chat or (isinstance(prompt, str) and "prompt" in row)):
+            raise ValueError(f"{path}:{i + 1}: each line must be an object with a string 'prompt' "
+                             "or a list of chat 'messages'")
+        pid = str(row.get("id", len(rows)))
+        if pid in seen:
+            raise ValueError(f"{path}:{i + 1}: prompt id {pid!r} repeats line {seen[pid]} (ids must be unique)")
+        seen[pid] = i + 1
+        rows.append({"id": pid, "prompt": prompt})
+    return rows[:n_prompts] if n_prompts else rows
+
+
+def prompt_text(prompt) -> str:
+    """Display text of a prompt: the text, or the last chat message's content."""
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""

@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .names import STAGES
 from .tree import DraftTree
-
-STAGES = ("draft", "tree_build", "verify", "commit", "other")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Building the draft tree from the drafter's per-depth distributions (DESIGN §1 step 2).
+"""Building the draft tree from the drafter's per-depth distributions (a round's second stage).
 
 A node is a rank prefix (r_1 … r_d) with score Σ log q_i[r_i]. The tree is the `budget` best prefixes.
 A child never outscores its parent, so the best `budget` nodes at depth d all hang below the best
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_BUDGET = 1024
+from . import options
+from .names import MAX_BUDGET, topk_width
 
 
 @dataclass
@@ -85,33 +86,19 @@ def beam_candidates(W: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]
 
 COUNTING_MAX_WIDTH = 128  # kernels/tree_build.py: its cost grows with W·K per child
 FUSED_MAX_WIDTH = 256     # kernels/tree_build.py: one program sorts all L·W beam entries in registers
-# The default is the one-launch build wherever it takes the beam: on the H200 (random:qwen3-8b, compiled,
-# 15 depths) it took 0.15 / 0.22 / 0.27 / 0.67 ms at budgets 16 / 64 / 128 / 256, against 0.29 / 0.63 / 0.65
-# / 0.71 for the torch sort; the counting build took 0.29 / 1.12 / 2.72 (docs/performance.md).
-# Which build the default picks, for comparing them (`bench --tree-build`): "sort", "count" or "fused"
-# wherever that build takes the beam (the sort elsewhere), or None for the measured choice above.
-TREE_BUILD: str | None = None
-# Which code builds, masks and walks trees and compacts the KV cache after the walk: "triton"
-# (kernels/tree_build.py, tree_walk.py, kv_compact.py), "torch" (this file, Target.compact_cache), or
-# None: Triton on CUDA devices when it is installed. `bench --tree-kernels` sets it.
-TREE_KERNELS: str | None = None
 
 
 def use_triton(device: torch.device) -> bool:
-    if TREE_KERNELS is not None:
-        return TREE_KERNELS == "triton"
+    """Whether the Triton tree kernels run here: options.tree_kernels, else on CUDA devices with Triton."""
+    choice = options.current().tree_kernels
+    if choice is not None:
+        return choice == "triton"
     return torch.device(device).type == "cuda" and _have_triton()
-
-
-# The per-depth top-K over the vocabulary: "torch" (log_softmax, topk) or "triton" (kernels/vocab_topk.py: one
-# launch, vocabularies up to its MAX_VOCAB, else torch). None: torch, which the H200 timed faster (docs/kernels.md).
-# `bench --tree-topk` sets it.
-TREE_TOPK: str | None = None
 
 
 def depth_topk(draft_logits: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """draft_logits [L, V] -> (log-probabilities [L, K] fp32, token ids [L, K]), each row descending."""
-    if TREE_TOPK == "triton" and use_triton(draft_logits.device):
+    if options.current().tree_topk == "triton" and use_triton(draft_logits.device):
         from .kernels.vocab_topk import MAX_VOCAB, vocab_topk
 
         if draft_logits.shape[1] <= MAX_VOCAB:
@@ -125,10 +112,12 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
 
     method: "sort" (torch, this function, any size), "count" (kernels/tree_build.py, beams up to 128
     wide: the same tree in L + 1 launches) or "fused" (the same, one launch, beams up to 256 wide).
-    Default: TREE_BUILD if set; else "fused" where `use_triton` says so and the beam fits, else "sort"."""
+    Default: options.tree_build if set (the sort where that build does not take the beam); else "fused"
+    where `use_triton` says so and the beam fits, else "sort" (the fused build was timed fastest,
+    docs/performance.md)."""
     check_budget(budget, topk)
     L, V = draft_logits.shape
-    K = min(topk or budget, budget, V)
+    K = topk_width(topk, budget, V)
     n = tree_size(L, K, budget)
     device = draft_logits.device
     top_lp, top_tok = depth_topk(draft_logits, K)  # [L, K] each, ranks ascending
@@ -139,8 +128,9 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
     widest = {"count": COUNTING_MAX_WIDTH, "fused": FUSED_MAX_WIDTH}
     fits = {m: W <= w and K <= w for m, w in widest.items()}
     if method is None:
-        if TREE_BUILD is not None:
-            method = TREE_BUILD if fits.get(TREE_BUILD, True) else "sort"
+        chosen = options.current().tree_build
+        if chosen is not None:
+            method = chosen if fits.get(chosen, True) else "sort"
         else:
             method = "fused" if fits["fused"] and use_triton(device) else "sort"
     if method in widest:

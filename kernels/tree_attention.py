@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree_lab.tree import ancestor_matrix  # noqa: F401  (re-exported: the mask helpers live together here)
-
 LOG2E = 1.4426950408889634
 
 
@@ -242,21 +240,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# Process-wide launch_config overrides, below any per-call `config` (`ddtree-lab bench --attn-config
-# min_chunk=128` sets them, so a whole decoding run can be timed with other choices).
-LAUNCH_OVERRIDES: dict = {}
-
-
 def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: torch.device,
                   overrides: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Static tile sizes and split count, from an upper bound of past_len (so graph-safe).
 
     Keys: block_m (rows = tree queries x packed heads), block_n (key slots per step; a multiple
     of 32), num_warps, num_stages, num_splits; and the split heuristic's inputs: waves (aim for
-    this many programs per SM) and min_chunk (fewest past slots worth a split). overrides win,
-    then LAUNCH_OVERRIDES.
+    this many programs per SM) and min_chunk (fewest past slots worth a split); overrides win.
     """
-    o = {**LAUNCH_OVERRIDES, **(overrides or {})}
+    o = overrides or {}
     M = T * G
     if _interpret():
         # the interpreter pays per op, not per element: big tiles, few programs

@@ -39,3 +39,13 @@ def small_vocab_pair(tmp_path_factory):
     t, d = make_tiny_pair(tmp_path_factory.mktemp("tiny_v8"), arch="qwen3", vocab_size=8, seed=5,
                           tokenizer=False)
     return dl.load_pair(target=t, drafter=d)
+
+
+@pytest.fixture
+def use_options():
+    """Set engine options (ddtree_lab/options.py) for one test: use_options(tree_kernels="torch"); restored after."""
+    from ddtree_lab import options
+
+    previous = options.current()
+    yield lambda **choices: options.replace(**choices)
+    options.restore(previous)

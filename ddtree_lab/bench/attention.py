@@ -1,0 +1,323 @@
+"""Micro-benchmarks of verify attention: the Triton tree kernel against torch baselines.
+
+    bench_tree_attention(tree_sizes, contexts, backends=("triton", "sdpa", "flex"), ...)
+        -> list of dicts, one per (T, context, backend)
+
+backends: "triton" = tree_attention (bit mask, GQA packing, split-K); "sdpa" = torch
+scaled_dot_product_attention with a dense bool mask [T, past_len+T] and enable_gqa; "flex" =
+torch flex_attention compiled with torch.compile, with a block mask from the same ancestor
+relation. Latency is the median of triton.testing.do_bench (L2 flushed between calls); bandwidth
+counts the bytes any backend must move: K/V of past_len+T slots once, q and out once.
+
+Command line (GPU): python -m ddtree_lab.bench.attention --out bench.json [--trees 16 64 --contexts 1024 8192]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from ..checkpoint import torch_dtype
+from ..kernels.tree_attention import pack_mask, tree_attention
+from ..names import STUDY_DTYPES
+from ..tree import ancestor_matrix
+
+
+def random_tree_parents(T: int, gen: torch.Generator, max_children_depth: int = 16) -> torch.Tensor:
+    """A DDTree-like tree: parents [T] (parents[0] = -1), node i's parent among the previous
+    max(1, i // 4) nodes, so trees are bushy near the root and a dozen or so levels deep."""
+    i = torch.arange(T)
+    hi = (i // 4).clamp(min=1).minimum(i)
+    p = (torch.rand(T, generator=gen) * hi).floor().long()
+    p[0] = -1
+    return p
+
+
+def _make_case(T, ctx, Hq, Hkv, D, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    S = ctx + T  # cache holds exactly the context plus the tree, so no backend slices it
+    q = torch.randn(Hq, T, D, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(Hkv, S, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(Hkv, S, D, generator=gen).to(device=device, dtype=dtype)
+    anc = ancestor_matrix(random_tree_parents(T, gen).to(device))  # [T, T]
+    return q, k, v, anc
+
+
+def _dense_mask(anc, ctx):
+    T = anc.shape[0]
+    return torch.cat([torch.ones(T, ctx, dtype=torch.bool, device=anc.device), anc], dim=1)
+
+
+def _make_fn(backend, q, k, v, anc, ctx, triton_kwargs=None, flex_compiled=None):
+    """A no-argument callable running one verify attention, plus a note."""
+    if backend == "triton":
+        bits = pack_mask(anc)
+        past = torch.tensor(ctx, device=q.device, dtype=torch.int32)  # graph-path: device past_len
+        cfg = dict(triton_kwargs or {})
+        return (lambda: tree_attention(q, k, v, past, bits, config=cfg)), ""
+    if backend == "sdpa":
+        mask = _dense_mask(anc, ctx)  # [T, ctx+T]
+        q4, k4, v4 = q[None], k[None], v[None]
+        f = torch.nn.functional.scaled_dot_product_attention
+        return (lambda: f(q4, k4, v4, attn_mask=mask, enable_gqa=True)[0]), "dense bool mask, enable_gqa"
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        dense = _dense_mask(anc, ctx)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return dense[q_idx, kv_idx]
+
+        T, S = anc.shape[0], k.shape[1]
+        bm = create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=S, device=q.device)
+        q4, k4, v4 = q[None], k[None], v[None]
+        return (lambda: flex_compiled(q4, k4, v4, block_mask=bm, enable_gqa=True)[0]), "torch.compile(flex_attention)"
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def time_cuda_graph(fn, n=20, reps=5, flush_bytes=256 << 20):
+    """GPU time of one fn() call in ms, as a decoding round would see it: n calls captured in a
+    CUDA graph (no host launch cost), each after a write of flush_bytes that evicts the L2; the
+    same graph without fn is timed too and subtracted. Median over reps replays."""
+    flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    meds = []
+    for g in graphs:
+        g.replay()  # warm
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        meds.append(sorted(ts)[len(ts) // 2])
+    del graphs, flush
+    return max(meds[0] - meds[1], 0.0) / n
+
+
+def _flex_compiled():
+    """torch.compile'd flex_attention, or (None, why)."""
+    try:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        for name in ("cache_size_limit", "recompile_limit"):  # one compile per shape
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+        return torch.compile(flex_attention, dynamic=False), ""
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return None, f"flex unavailable: {type(e).__name__}: {e}"
+
+
+def bench_tree_attention(tree_sizes=(16, 64, 256, 1024), contexts=(1024, 8192, 32768),
+                         backends=("triton", "sdpa", "flex"), Hq=32, Hkv=8, D=128,
+                         dtype=torch.bfloat16, *, device="cuda", seed=0, warmup_ms=25,
+                         rep_ms=100, triton_configs=None, check=True, progress=False,
+                         on_row=None, deadline_s=None, timing="graph"):
+    """Latency (median ms), bandwidth (GB/s) and useful TFLOP/s per (T, context, backend).
+
+    timing: "graph" (default) = GPU time from CUDA-graph replay with the L2 flushed before each
+    call (time_cuda_graph; the engine replays verify as a graph), falling back to do_bench if a
+    backend cannot be captured; "do_bench" = triton.testing.do_bench median, host launch
+    overhead included when it exceeds the GPU time.
+
+    triton_configs: optional list of keyword dicts for tree_attention (block_m, block_n,
+    num_warps, num_stages, num_splits); each is timed as backend "triton" with its "config".
+    check: record each backend's max |difference| from the first backend that ran.
+    on_row: called with each row as it is measured; deadline_s: wall seconds after which the
+    remaining rows are recorded as skipped.
+    """
+    import triton.testing
+
+    if isinstance(dtype, str):
+        dtype = torch_dtype(dtype)
+    elt = torch.tensor([], dtype=dtype).element_size()
+    flex_fn, flex_why = (None, "")
+    if "flex" in backends:
+        flex_fn, flex_why = _flex_compiled()
+    rows = []
+    t_start = time.perf_counter()
+    for T in tree_sizes:
+        for ctx in contexts:
+            q, k, v, anc = _make_case(T, ctx, Hq, Hkv, D, dtype, device, seed)
+            bytes_moved = 2 * Hkv * (ctx + T) * D * elt + 2 * Hq * T * D * elt
+            flops = 4 * Hq * D * (T * ctx + int(anc.sum()))  # QK^T and PV over visible pairs
+            runs = []
+            for backend in backends:
+                for cfg in (triton_configs or [None]) if backend == "triton" else [None]:
+                    runs.append((backend, cfg))
+            first = None
+            for backend, cfg in runs:
+                row = dict(backend=backend, T=T, context=ctx, Hq=Hq, Hkv=Hkv, D=D,
+                           dtype=str(dtype).replace("torch.", ""), bytes=bytes_moved, flops=flops)
+                if cfg:
+                    row["config"] = dict(cfg)
+                try:
+                    if deadline_s is not None and time.perf_counter() - t_start > deadline_s:
+                        raise TimeoutError("skipped: benchmark deadline reached")
+                    if backend == "flex" and flex_fn is None:
+                        raise RuntimeError(flex_why)
+                    fn, note = _make_fn(backend, q, k, v, anc, ctx, cfg, flex_fn)
+                    t0 = time.perf_counter()
+                    out = fn()
+                    torch.cuda.synchronize()
+                    row["first_call_s"] = round(time.perf_counter() - t0, 3)  # compile included
+                    ms = None
+                    if timing == "graph":
+                        try:
+                            ms, row["timing"] = time_cuda_graph(fn), "cuda_graph"
+                        except Exception as e:  # not capturable: time it eagerly
+                            row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                            torch.cuda.synchronize()
+                    if ms is None:
+                        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+                        row["timing"] = "do_bench"
+                    row.update(ms=ms, gbps=bytes_moved / ms * 1e-6, tflops=flops / ms * 1e-9, note=note)
+                    if check:
+                        if first is None:
+                            first = out.float()
+                        row["max_abs_diff"] = (out.float() - first).abs().max().item()
+                except Exception as e:  # record and go on: one failing backend must not stop a sweep
+                    row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+                if progress:
+                    print(_fmt_row(row), flush=True)
+            del q, k, v, anc
+            torch.cuda.empty_cache()
+    return rows
+
+
+def device_copy_gbps(nbytes=1 << 30):
+    """Device-to-device copy bandwidth (bytes read + written per second, GB/s): the roofline."""
+    import triton.testing
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
+    del a, b
+    return 2 * nbytes / ms * 1e-6
+
+
+def _fmt_row(r):
+    cfg = r.get("config")
+    name = r["backend"] + (("[" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "]") if cfg else "")
+    if r.get("ms") is None:
+        return f"T={r['T']:5d} ctx={r['context']:6d} {name:40s} ERROR {r.get('error')}"
+    return (f"T={r['T']:5d} ctx={r['context']:6d} {name:40s} {r['ms'] * 1e3:9.1f} us "
+            f"{r['gbps']:7.0f} GB/s {r['tflops']:6.1f} TF/s  diff={r.get('max_abs_diff', float('nan')):.3g}")
+
+
+def summary_table(rows):
+    """Text table: per (T, context) the latency of each backend and triton's speedups."""
+    by = {}
+    for r in rows:
+        if r.get("ms") is not None and "config" not in r:
+            by.setdefault((r["T"], r["context"]), {})[r["backend"]] = r["ms"]
+    lines = [f"{'T':>5} {'ctx':>6} {'triton us':>10} {'sdpa us':>10} {'flex us':>10} {'x sdpa':>7} {'x flex':>7}"]
+    for (T, ctx), d in sorted(by.items()):
+        tr, sd, fx = d.get("triton"), d.get("sdpa"), d.get("flex")
+        f = lambda x: f"{x * 1e3:10.1f}" if x else f"{'-':>10}"
+        sp = lambda a, b: f"{b / a:7.2f}" if a and b else f"{'-':>7}"
+        lines.append(f"{T:5d} {ctx:6d} {f(tr)} {f(sd)} {f(fx)} {sp(tr, sd)} {sp(tr, fx)}")
+    return "\n".join(lines)
+
+
+def _prewarm_job(job):
+    """Run one (backend, T, ctx, cfg) once in a worker process, filling the on-disk caches."""
+    backend, T, ctx, cfg, Hq, Hkv, D, dtype, device = job
+    try:
+        q, k, v, anc = _make_case(T, ctx, Hq, Hkv, D, torch_dtype(dtype), device, 0)
+        flex_fn = _flex_compiled()[0] if backend == "flex" else None
+        fn, _ = _make_fn(backend, q, k, v, anc, ctx, cfg, flex_fn)
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return ""
+    except Exception as e:
+        return f"{backend} T={T} ctx={ctx}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def prewarm(tree_sizes, contexts, backends, triton_configs=None, Hq=32, Hkv=8, D=128,
+            dtype="bfloat16", workers=8, device="cuda"):
+    """Compile every kernel variant a sweep will need in parallel processes (Triton and Inductor
+    cache on disk), so the timed process spends little time compiling."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = []
+    for T in tree_sizes:
+        for ctx in contexts:
+            for b in backends:
+                for cfg in (triton_configs or [None]) if b == "triton" else [None]:
+                    if b != "sdpa":
+                        jobs.append((b, T, ctx, cfg, Hq, Hkv, D, dtype, device))
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        return [e for e in ex.map(_prewarm_job, jobs) if e]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trees", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"])
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=STUDY_DTYPES)
+    ap.add_argument("--configs", default=None, help="JSON list of tree_attention keyword dicts")
+    ap.add_argument("--prewarm", type=int, default=0, help="compile in this many processes first")
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--timing", default="graph", choices=["graph", "do_bench"])
+    ap.add_argument("--out", default=None, help="write the rows as JSON here (and .jsonl as they come)")
+    ap.add_argument("--deadline", type=float, default=None, help="stop timing after this many s")
+    a = ap.parse_args(argv)
+    configs = json.loads(a.configs) if a.configs else None
+    if a.prewarm:
+        t0 = time.time()
+        errs = prewarm(a.trees, a.contexts, a.backends, configs, a.hq, a.hkv, a.head_dim,
+                       a.dtype, a.prewarm)
+        print(f"prewarm {time.time() - t0:.1f}s", *errs, sep="\n", flush=True)
+    log = open(a.out + "l", "w") if a.out else None
+    on_row = (lambda r: (log.write(json.dumps(r) + "\n"), log.flush())) if log else None
+    copy_gbps = device_copy_gbps()
+    print(f"device copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    rows = bench_tree_attention(a.trees, a.contexts, tuple(a.backends), a.hq, a.hkv, a.head_dim,
+                                torch_dtype(a.dtype), rep_ms=a.rep_ms, warmup_ms=max(5, a.rep_ms // 4),
+                                triton_configs=configs, progress=True, on_row=on_row,
+                                deadline_s=a.deadline, timing=a.timing)
+    if a.out:
+        import triton
+
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    triton=triton.__version__, copy_gbps=copy_gbps)
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+        os.replace(tmp, a.out)
+    print(summary_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

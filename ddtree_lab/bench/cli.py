@@ -1,0 +1,160 @@
+"""`ddtree-lab bench`: its subcommands and flags; the flags that pick implementations set options.py."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import options
+from ..atomic import atomic_write_text
+from ..decode import host_read_lag
+from ..environment import environment
+from ..pairs import load_pair
+from ..prompts import read_prompt_set
+from .attention import device_copy_gbps
+from .e2e import bench_model, bench_prompts, profile_rounds, run_e2e
+
+
+def _add_runtime_args(p) -> None:
+    """How the models run: the same options for every end-to-end bench."""
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention", default="triton")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
+    p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
+                   help="with --compile: torch.compile's mode; max-autotune-no-cudagraphs times the compiler's own "
+                        "matmul kernels against cuBLAS (compiling takes minutes)")
+    p.add_argument("--tree-kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="who builds, masks and walks trees: auto (Triton on CUDA), torch, or triton")
+    p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
+                   help="which tree build runs where it takes the beam (sort elsewhere): the torch sort, the "
+                        "counting kernels or the one-launch kernel; auto: tree.build_tree's measured choice")
+    p.add_argument("--tree-topk", choices=["auto", "torch", "triton"], default="auto",
+                   help="the per-depth top-K over the vocabulary: torch (log_softmax, topk) or triton (one launch, "
+                        "vocabularies up to kernels/vocab_topk.MAX_VOCAB); auto: torch")
+    p.add_argument("--host-read-lag", type=int, default=None,
+                   help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
+                        "0 elsewhere); 0 reads after each round")
+    p.add_argument("--attn-config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="Triton attention launch choices for the whole run (kernels/tree_attention.py: "
+                        "launch_config), e.g. min_chunk=128 waves=4 num_splits=8")
+
+
+def add_bench_args(p) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    k = sub.add_parser("kernels", help="verify attention: triton vs sdpa (dense mask) vs flex")
+    k.add_argument("--trees", type=int, nargs="+", default=[16, 64, 256, 1024])
+    k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    k.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"])
+    k.add_argument("--out", default="outputs/bench/kernels.json")
+    e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
+    e.add_argument("--model", default="random:qwen3-8b",
+                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | random:qwen3-30b-a3b | a pair name | a dir "
+                        "holding target/ and drafter/")
+    e.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
+    e.add_argument("--prompt-len", type=int, default=512)
+    e.add_argument("--rounds", type=int, default=24)
+    _add_runtime_args(e)
+    e.add_argument("--out", default="outputs/bench/e2e.json")
+    r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
+    r.add_argument("--pair", default="lab")
+    r.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
+    r.add_argument("--n-prompts", type=int, default=8)
+    r.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    r.add_argument("--max-new-tokens", type=int, default=96)
+    r.add_argument("--repeats", type=int, default=3, help="interleaved passes over all methods; tok/s is the median")
+    _add_runtime_args(r)
+    r.add_argument("--out", default="outputs/bench/prompts.json")
+    f = sub.add_parser("profile", help="kernels and GPU time per stage of eager rounds (torch.profiler)")
+    f.add_argument("--model", default="random:qwen3-8b", help="as for e2e")
+    f.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
+    f.add_argument("--budgets", type=int, nargs="+", default=[64])
+    f.add_argument("--prompt-len", type=int, default=512)
+    f.add_argument("--rounds", type=int, default=8)
+    _add_runtime_args(f)
+    f.add_argument("--out", default="outputs/bench/profile.json")
+
+
+ATTN_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "num_splits", "waves", "min_chunk")
+
+
+def parse_attn_config(items: list[str]) -> dict:
+    """['min_chunk=128', 'waves=4'] -> {'min_chunk': 128, 'waves': 4.0}; unknown keys are refused."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in ATTN_CONFIG_KEYS or not value:
+            raise ValueError(f"--attn-config {item!r}: expected KEY=VALUE with KEY one of {', '.join(ATTN_CONFIG_KEYS)}")
+        out[key] = float(value) if key == "waves" else int(value)
+    return out
+
+
+def run_options(args) -> dict:
+    """The process-wide choices (options.py) that a bench command's flags ask for."""
+    chosen = {}
+    for name in ("tree_kernels", "tree_build", "tree_topk"):
+        value = getattr(args, name, "auto")
+        if value != "auto":
+            chosen[name] = value
+    if getattr(args, "host_read_lag", None) is not None:
+        chosen["host_read_lag"] = max(0, args.host_read_lag)
+    compile_mode = getattr(args, "compile_mode", "default")
+    if compile_mode != "default":
+        chosen["compile_options"] = {"mode": compile_mode}
+    attn_config = parse_attn_config(getattr(args, "attn_config", []))
+    if attn_config:
+        chosen["attention_launch"] = attn_config
+    return chosen
+
+
+def run_bench_cli(args) -> int:
+    options.replace(**run_options(args))  # for this process: the CLI runs one bench and exits
+    compile_mode = getattr(args, "compile_mode", "default")
+    attn_config = dict(options.current().attention_launch)
+    if args.bench == "kernels":
+        if not torch.cuda.is_available():
+            raise ValueError("bench kernels needs a CUDA GPU")
+        from .attention import bench_tree_attention, summary_table
+
+        rows = bench_tree_attention(args.trees, args.contexts, tuple(args.backends), progress=True)
+        result = {"kind": "kernels", "environment": environment(), "copy_gbps": device_copy_gbps(), "rows": rows}
+        print(summary_table(rows), file=sys.stderr)
+    elif args.bench == "prompts":
+        pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
+                         compile=args.compile)
+        prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
+        result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(), "compile": args.compile,
+                  "tree_kernels": args.tree_kernels,
+                  "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                  **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens, repeats=args.repeats)}
+    elif args.bench == "profile":
+        pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
+        runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+        rows = []
+        for method, budget in runs:
+            row = profile_rounds(pair, method, budget or 16, args.prompt_len, args.rounds)
+            rows.append(row)
+            print(f"  {method:6s} budget={budget!s:5s} {row['kernels_per_round']:6.0f} kernels "
+                  f"{row['us_per_round']:9.1f} us/round  " + " ".join(
+                      f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
+                      for s, v in row["stages"].items()), file=sys.stderr, flush=True)
+        result = {"kind": "profile", "environment": environment(), "model": args.model, "dtype": args.dtype,
+                  "attention": args.attention, "compile": args.compile, "tree_kernels": args.tree_kernels, "rows": rows}
+    else:
+        start = time.perf_counter()
+        result = {"kind": "e2e", "environment": environment(),
+                  **run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention,
+                            args.device, args.compile)}
+        result["tree_kernels"] = args.tree_kernels
+        result["bench_seconds"] = time.perf_counter() - start
+    result["tree_build"] = getattr(args, "tree_build", "auto")
+    result["tree_topk"] = getattr(args, "tree_topk", "auto")
+    result["attn_config"] = attn_config
+    result["compile_mode"] = compile_mode
+    result["host_read_lag"] = host_read_lag(getattr(args, "device", "cuda"))
+    atomic_write_text(Path(args.out), json.dumps(result, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

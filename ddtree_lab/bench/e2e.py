@@ -1,0 +1,265 @@
+"""End-to-end benchmarks of the engine: rounds, prompts, profiles (run by `ddtree-lab bench`, bench/cli.py).
+
+  e2e      per-round stage times, rounds/s and tokens/s for AR, DFlash and DDTree at several budgets, for a
+           checkpoint, a named pair, or a random-weight real-size shape (`random:qwen3-8b`, the MoE
+           `random:qwen3-30b-a3b`, pairs/random.py), and
+           the AR step's roofline (weight bytes ÷ copy bandwidth, same run)
+  prompts  tokens/s and speedup of AR, DFlash and DDTree on a pair's shipped prompts
+  profile  where a round's time goes: kernels launched and GPU time per stage, and the top kernels
+           (eager rounds under torch.profiler: a graph replay hides its kernels from the profiler)
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Pair
+from ..decode import generate
+from ..model import Target
+from ..names import STAGES
+from ..pairs import load_pair
+from .attention import device_copy_gbps
+
+def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = None) -> int:
+    """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding, and of
+    an MoE block the router and the touched experts: `experts_touched[l]` of MoE layer l's E (default: the
+    top-k, what one token reads), e.g. a verify forward's counts from a traced round."""
+    from ..moe import SparseMoE
+
+    share = {}
+    moe = [(name, m) for name, m in target.named_modules() if isinstance(m, SparseMoE)]
+    for i, (mname, m) in enumerate(moe):
+        touched = m.top_k if experts_touched is None else experts_touched[i]
+        share[f"{mname}.gate_up"] = share[f"{mname}.down"] = touched / m.num_experts
+    total = 0
+    for name, p in target.named_parameters():
+        if name == "embed_tokens.weight" and target.lm_head is not None:
+            continue  # untied: the step reads one row, not the table
+        total += p.numel() * p.element_size() * share.get(name, 1.0)
+    return int(total)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (read + written), the roofline's denominator."""
+    return device_copy_gbps(nbytes) * 1e9
+
+
+def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, rounds: int = 24,
+              methods=("ar", "dflash", "ddtree"), cuda_graphs: bool | None = None, progress=True) -> dict:
+    """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt)."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, pair.target.cfg.vocab_size - 2, (prompt_len,), generator=g).tolist()
+    runs = [("ar", None)] if "ar" in methods else []
+    runs += [("dflash", None)] if "dflash" in methods else []
+    runs += [("ddtree", b) for b in budgets] if "ddtree" in methods else []
+    rows = []
+    for method, budget in runs:
+        kw = dict(method=method, budget=budget or 16, max_new_tokens=rounds, trace=False, stop=[],
+                  cuda_graphs=cuda_graphs)
+        generate(pair, prompt, **kw)  # warm-up: compiles kernels and captures graphs
+        res = generate(pair, prompt, **kw)
+        n = len(res.acceptance_lengths)
+        per_round = {k: v / n for k, v in res.stage_seconds.items() if k != "other"}
+        forward_s = sum(per_round.values())
+        row = {"method": method, "budget": budget, "rounds": n, "mean_tau": res.mean_acceptance,
+               "stage_seconds_per_round": per_round,
+               "round_seconds": forward_s,
+               "wall_seconds": res.wall_seconds, "prefill_seconds": res.prefill_seconds,
+               "rounds_per_second": n / max(res.wall_seconds - res.prefill_seconds, 1e-9),
+               "tokens_per_second": len(res.tokens) / max(res.wall_seconds, 1e-9),
+               "settings": res.settings}
+        if pair.target.cfg.is_moe:  # a few traced rounds: the experts each MoE layer's verify touched
+            traced = generate(pair, prompt, **{**kw, "trace": True, "max_new_tokens": min(rounds, 8)})
+            per_layer = [sum(col) / len(col) for col in zip(*(r.experts_touched for r in traced.rounds))]
+            row["experts_touched_per_layer"] = per_layer
+            row["experts_touched_mean"] = sum(per_layer) / len(per_layer)
+        rows.append(row)
+        if progress:
+            print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "
+                  + " ".join(f"{k}={v * 1e3:.3f}" for k, v in per_round.items()), file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
+def bench_model(model: str, dtype, attention, device, compile=False) -> Pair:
+    """A named pair (`lab`, `random:qwen3-8b`, …) or a directory holding target/ and drafter/."""
+    if "/" not in model and not Path(model).exists():
+        return load_pair(model, device=device, dtype=dtype, attention=attention, compile=compile)
+    return load_pair(target=Path(model) / "target", drafter=Path(model) / "drafter", device=device, dtype=dtype,
+                     attention=attention, compile=compile)
+
+
+def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False) -> dict:
+    pair = bench_model(model, dtype, attention, device, compile)
+    out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile}
+    if pair.device.type == "cuda":
+        bw = copy_bandwidth()
+        wb = weight_bytes_per_step(pair.target)
+        out["roofline"] = {"copy_bytes_per_second": bw, "weight_bytes_per_step": wb,
+                           "ar_step_roofline_seconds": wb / bw}
+    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds))
+    if "roofline" in out:
+        ar = next((r for r in out["rows"] if r["method"] == "ar"), None)
+        if ar:
+            out["roofline"]["ar_step_over_roofline"] = ar["round_seconds"] / out["roofline"]["ar_step_roofline_seconds"]
+            for r in out["rows"]:
+                r["round_over_ar_step"] = r["round_seconds"] / ar["round_seconds"]
+        for r in out["rows"]:  # MoE: the verify's floor is the weights of the experts it touched
+            if "experts_touched_per_layer" in r:
+                r["verify_floor_seconds"] = weight_bytes_per_step(pair.target, r["experts_touched_per_layer"]) / bw
+                r["verify_over_floor"] = r["stage_seconds_per_round"]["verify"] / r["verify_floor_seconds"]
+    return out
+
+
+def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max_new_tokens: int = 96,
+                  cuda_graphs: bool | None = None, progress=True, repeats: int = 3) -> dict:
+    """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup.
+
+    Each repeat runs every method over all prompts in turn, so drift (clocks, a busy host) touches
+    all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
+    Tokens/s counts the whole `generate` call, prefill included; `decode_tokens_per_second` leaves the
+    prefill out, and `stage_seconds` splits the median repeat's time by stage (events between stages)."""
+    import statistics
+
+
+    runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    kws = [dict(method=m, budget=b or 16, max_new_tokens=max_new_tokens, trace=False, cuda_graphs=cuda_graphs,
+                stop=[]) for m, b in runs]
+    for prompt in prompts:  # every prompt length once, untimed: a compiled model specialises on shapes
+        generate(pair, prompt, method="ar", max_new_tokens=2, trace=False, cuda_graphs=cuda_graphs, stop=[])
+    for kw in kws:
+        generate(pair, prompts[0], **kw)  # warm-up: kernels compiled, graphs captured
+    rows = [{"method": m, "budget": b, "seconds_per_repeat": [], "prefill_seconds_per_repeat": [],
+             "stage_seconds_per_repeat": []} for m, b in runs]
+    for rep in range(max(1, repeats)):
+        for row, kw in zip(rows, kws):
+            tokens, seconds, prefill, stages, taus, outputs = 0, 0.0, 0.0, {}, [], []
+            for prompt in prompts:
+                res = generate(pair, prompt, **kw)
+                tokens += len(res.tokens)
+                seconds += res.wall_seconds
+                prefill += res.prefill_seconds
+                for stage, sec in res.stage_seconds.items():
+                    stages[stage] = stages.get(stage, 0.0) + sec
+                taus += res.acceptance_lengths
+                outputs.append(res.tokens)
+            row["seconds_per_repeat"].append(seconds)
+            row["prefill_seconds_per_repeat"].append(prefill)
+            row["stage_seconds_per_repeat"].append(stages)
+            if rep == 0:  # tokens and τ are the same every repeat (T = 0)
+                row.update(tokens=tokens, mean_tau=sum(taus) / len(taus), outputs=outputs)
+    for row in rows:
+        per_repeat = [row["tokens"] / s for s in row["seconds_per_repeat"]]
+        row["tokens_per_second_per_repeat"] = per_repeat
+        row["tokens_per_second"] = statistics.median(per_repeat)
+        row["seconds"] = statistics.median(row["seconds_per_repeat"])
+        median = min(range(len(per_repeat)), key=lambda i: abs(per_repeat[i] - row["tokens_per_second"]))
+        row["prefill_seconds"] = row["prefill_seconds_per_repeat"][median]
+        row["stage_seconds"] = row["stage_seconds_per_repeat"][median]
+        row["decode_tokens_per_second"] = row["tokens"] / max(row["seconds_per_repeat"][median] - row["prefill_seconds"], 1e-9)
+        if progress:
+            print(f"  {row['method']:6s} budget={row['budget']!s:5s} {row['tokens_per_second']:9.1f} tok/s "
+                  f"(repeats {min(per_repeat):.0f}–{max(per_repeat):.0f})  tau {row['mean_tau']:.2f}  "
+                  f"prefill {row['prefill_seconds'] / row['seconds_per_repeat'][median]:.0%} of the time, "
+                  f"decode alone {row['decode_tokens_per_second']:.0f} tok/s", file=sys.stderr, flush=True)
+    ar = rows[0]
+    for r in rows:
+        r["speedup_over_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+        r["decode_speedup_over_ar"] = r["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
+        r["lossless"] = r["outputs"] == ar["outputs"]
+        # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
+        r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
+    for r in rows:
+        del r["outputs"]
+    best = max(rows[2:], key=lambda r: r["tokens_per_second"]) if len(rows) > 2 else None
+    return {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
+
+
+def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,
+                   rounds: int = 8, top: int = 25) -> dict:
+    """Kernels launched and their microseconds, per stage per round, from eager rounds under
+    torch.profiler.
+
+    On a GPU every device event counts (torch's kernels, Triton's, copies), attributed by its start
+    on the GPU to the stage running then: the rounds run with a synchronisation after each stage
+    (`generate(profile=True)`), so a stage's kernels start after its host span begins and before the
+    next stage's does. (Triton kernels are launched outside any torch op, so attributing kernels to
+    the op that launched them would miss them.) On the CPU the outermost ops of each stage count."""
+    from torch.profiler import ProfilerActivity, profile
+
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, pair.target.cfg.vocab_size - 2, (prompt_len,), generator=g).tolist()
+    on_gpu = pair.device.type == "cuda"
+    kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[], cuda_graphs=False,
+              profile=on_gpu)
+    generate(pair, prompt, **kw)  # warm-up (compiles, autotunes)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts) as prof:
+        res = generate(pair, prompt, **kw)
+    work = _device_work(prof, STAGES) if on_gpu else _cpu_work(prof, STAGES)
+    per_stage = {s: {"kernels": 0, "us": 0.0} for s in STAGES}
+    by_name: dict[tuple, list] = {}  # (stage, kernel) -> [us, count]
+    for stage, name, us in work:
+        per_stage[stage]["kernels"] += 1
+        per_stage[stage]["us"] += us
+        agg = by_name.setdefault((stage, name), [0.0, 0])
+        agg[0] += us
+        agg[1] += 1
+    n = len(res.acceptance_lengths)
+    stages = {s: {"kernels_per_round": v["kernels"] / n, "us_per_round": v["us"] / n}
+              for s, v in per_stage.items() if v["kernels"]}
+    total = sum(v["us_per_round"] for v in stages.values()) or 1.0
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"method": method, "budget": budget if method == "ddtree" else None, "rounds": n,
+            "device": "GPU kernels" if on_gpu else "CPU ops (outermost)", "stages": stages, "us_per_round": total,
+            "kernels_per_round": sum(v["kernels_per_round"] for v in stages.values()),
+            "top_kernels": [{"name": name[:120], "stage": stage, "us_per_round": v[0] / n, "per_round": v[1] / n,
+                             "share": v[0] / n / total} for (stage, name), v in tops]}
+
+
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto activity types that are device work
+
+
+def _device_work(prof, stage_names) -> list[tuple[str, str, float]]:
+    """(stage, kernel name, µs) for every GPU event that starts inside a stage's window: from the
+    stage span's start to the next span's start (prefill and the host reads have no stage)."""
+    from torch.autograd import DeviceType
+
+    events = prof.profiler.kineto_results.events()
+    spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
+                   if e.device_type() == DeviceType.CPU and e.name() in stage_names + ("prefill",))
+    starts = [a for a, _, _ in spans]
+    out = []
+    for e in events:
+        # kernels and copies only: not the GPU mirror of annotations, nor synchronisation waits
+        if e.device_type() != DeviceType.CUDA or e.duration_ns() <= 0 or not _is_device_work(e, stage_names):
+            continue
+        i = bisect.bisect_right(starts, e.start_ns()) - 1
+        if i < 0 or spans[i][2] == "prefill":
+            continue
+        out.append((spans[i][2], e.name(), e.duration_ns() / 1e3))
+    return out
+
+
+def _is_device_work(e, stage_names) -> bool:
+    if hasattr(e, "activity_type"):  # newer torch says what the event is
+        return e.activity_type() in GPU_WORK
+    # older: leave out annotations mirrored on the GPU and synchronisation waits by their names
+    name = e.name()
+    return name not in stage_names + ("prefill",) and "sync" not in name.lower() and not (
+        hasattr(e, "is_user_annotation") and e.is_user_annotation())
+
+
+def _cpu_work(prof, stage_names) -> list[tuple[str, str, float]]:
+    """On the CPU the outermost ops of a stage stand in for kernels."""
+    out = []
+    for e in prof.events():
+        parent = e.cpu_parent
+        if parent is not None and parent.name in stage_names:
+            out.append((parent.name, e.name, e.cpu_time_total))
+    return out
+
+

@@ -1,0 +1,184 @@
+"""CUDA-graph capture and replay of decoding rounds and prefills, and the per-pair cache that keeps them.
+
+A captured graph holds raw addresses and strides of the tensors it touched and every Python value that
+shaped its kernels, so it may be replayed only where all of those are unchanged. The cache here (`kept`)
+therefore keys each entry on everything that changes the computation — the caller's settings, the
+process-wide options and the cache tensors' addresses — and everything else a round reads is a device
+tensor (positions, lengths, the sampling noise).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from . import options
+from .attention import TreeMask
+
+@contextlib.contextmanager
+def capturing():
+    """Around CUDA graph captures: collect garbage first, then keep the collector off until done. A dead
+    reference cycle that holds an old graph (a round program dropped from the cache), collected in the middle
+    of a capture, would free its memory pool there and invalidate the capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def warm_up(fn, times: int = 2) -> None:
+    """Run fn on a side stream before its capture: kernels compile and workspaces are sized off the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+class GraphRunner:
+    """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
+
+    def __init__(self, program):  # a decode.RoundProgram
+        self.program = program
+        self.graphs: list[tuple[str, torch.cuda.CUDAGraph, object]] = []
+        self.pool = None
+
+    def capture(self) -> None:
+        p = self.program
+        saved = [t.clone() for t in self._scalars()]
+        rng = p.choose.generator.get_state()  # warm-up draws must not shift this call's samples
+
+        def one_round():
+            for _, fn, pre in p.stages:
+                then(pre, fn)()
+
+        warm_up(one_round)
+        self._restore(saved)
+        with capturing():
+            for name, fn, pre in p.stages:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    fn()
+                self.pool = self.pool or g.pool()
+                self.graphs.append((name, g, pre))
+        self._restore(saved)
+        p.choose.generator.set_state(rng)
+
+    def _scalars(self):
+        p = self.program
+        out = [p.n, p.bonus, p.out_len, p.round_idx]
+        if p.drafter is not None and p.method != "ar":
+            out += [p.drafter.ctx_len, p.ctx_count]
+        return out
+
+    def _restore(self, saved) -> None:
+        for t, s in zip(self._scalars(), saved):
+            t.copy_(s)
+
+    def stages(self):
+        return [(name, then(pre, g.replay)) for name, g, pre in self.graphs]
+
+    def release(self) -> None:
+        """Destroy the graphs now (their memory goes back), not whenever a garbage collection finds them."""
+        self.graphs.clear()
+        self.pool = None
+
+
+PREFILL_BUCKET = 64  # a captured prefill pads the prompt to a multiple of this many tokens (one graph each)
+
+
+class Prefill:
+    """The prompt's forward at a fixed padded length, replayed from a CUDA graph like the rounds.
+
+    An eager prefill of a new length is host-bound (a large share of a short generation on a GPU,
+    docs/performance.md). Rows past the prompt are padding: the causal
+    mask keeps them out of the prompt's attention, their K/V land in cache slots the first round writes
+    before anything reads them, and the drafter commits only the prompt's `count` rows."""
+
+    def __init__(self, pair, length: int, layers: list[int], with_drafter: bool):
+        device = pair.device
+        self.pair, self.layers, self.with_drafter = pair, layers, with_drafter
+        self.tokens = torch.zeros(length, dtype=torch.long, device=device)   # prompt, then padding
+        self.positions = torch.arange(length, device=device)
+        self.last_row = torch.zeros(1, dtype=torch.long, device=device)      # n - 1
+        self.count = torch.zeros(1, dtype=torch.long, device=device)         # n
+        self.mask = TreeMask.causal(length, device)
+        if pair.target.attention == "triton":
+            self.mask.bits  # packed now, outside the capture
+        self.graph = None
+
+    def forward(self) -> None:
+        self.logits, hidden = self.pair.target(self.tokens, self.positions, 0, self.mask, self.layers,
+                                               logits_rows=self.last_row)
+        if self.with_drafter:
+            self.pair.drafter.append_context(hidden, self.positions, self.count)
+
+    def capture(self) -> None:
+        warm_up(self.forward)
+        if self.with_drafter:
+            self.pair.drafter.ctx_len.zero_()  # the warm-up committed context; the replay starts from none
+        self.graph = torch.cuda.CUDAGraph()
+        with capturing(), torch.cuda.graph(self.graph):
+            self.forward()
+
+    def run(self, prompt_ids: list[int]) -> torch.Tensor:
+        """-> logits [1, V] of the prompt's last token; caches filled as an unpadded prefill would."""
+        n = len(prompt_ids)
+        padded = prompt_ids + [0] * (self.tokens.shape[0] - n)
+        self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
+        self.last_row.fill_(n - 1)
+        self.count.fill_(n)
+        if self.graph is not None:
+            self.graph.replay()
+        else:  # no GPU: the same padded forward, eagerly (the CPU test of the padding)
+            self.forward()
+        return self.logits
+
+
+def padded_prefill(graphs: bool, target) -> bool:
+    """With graphs the prefill is one too, at the prompt's padded length. (Flex attention builds its block
+    mask on the host at each call, so its prefill stays eager.)"""
+    return graphs and target.attention != "flex"
+
+
+MAX_KEPT = 16  # entries per kind and pair; past this the kind is cleared (graphs pin device memory)
+
+
+def kept(pair, kind: str, key: tuple, with_drafter: bool, make, release):
+    """make(), kept on the pair under `kind` for this key, the current options and these exact cache
+    tensors; past MAX_KEPT entries the kind is cleared, each dropped entry release()d at once."""
+    caches = [pair.target.kv] + ([pair.drafter.kv, pair.drafter.ctx_len] if with_drafter else [])
+    key = key + options.key() + tuple((t.data_ptr(), tuple(t.shape)) for t in caches)
+    cache = pair.__dict__.setdefault(kind, {})
+    if key not in cache:
+        if len(cache) >= MAX_KEPT:
+            for entry in cache.values():
+                release(entry)
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
+def prefill_for(pair, n: int, layers: list[int], with_drafter: bool) -> Prefill:
+    length = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+    return kept(pair, "_prefills", (length, tuple(layers), with_drafter, pair.target.attention), with_drafter,
+                 lambda: Prefill(pair, length, list(layers), with_drafter),
+                 lambda prefill: setattr(prefill, "graph", None))
+
+
+def then(pre, fn):
+    """fn, preceded by the eager step `pre` when there is one."""
+    if pre is None:
+        return fn
+
+    def run():
+        pre()
+        fn()
+
+    return run

@@ -1,0 +1,28 @@
+"""The project's vocabulary, defined once and torch-free, so the engine, the workbench, the bench CLI
+and the notebooks agree on every name and limit without importing each other."""
+from __future__ import annotations
+
+METHODS = ("ar", "dflash", "ddtree")                            # AR, single-path DFlash, DDTree
+STAGES = ("draft", "tree_build", "verify", "commit", "other")  # a round's stages, then everything else
+ATTENTION_BACKENDS = ("sdpa", "triton", "flex")                 # verify attention: dense reference, kernel, flex
+MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
+
+# dtype spellings a user may write -> the canonical name (torch.<name>)
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+               "bfloat16": "bfloat16", "bf16": "bfloat16"}
+STUDY_DTYPES = ("float32", "bfloat16", "float16")  # what a study file may name (canonical only)
+
+# what a study writes (outputs/<study>/...)
+STUDY_FILE = "study.json"
+RUN_FILE = "run.json"
+RESULTS_FILE = "results.json"
+TRACES_FILE = "traces.jsonl"
+REPORT_FILE = "report.html"
+TIMELINE_FILE = "timeline.json"
+MICROBENCH_FILE = "microbench.json"
+
+
+def topk_width(topk: int | None, budget: int, vocab: int) -> int:
+    """K, the tokens kept per depth: `topk` when given (0 and None both mean "as many as the budget"),
+    never more than the budget or the vocabulary."""
+    return min(topk or budget, budget, vocab)

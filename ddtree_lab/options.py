@@ -1,0 +1,88 @@
+"""Process-wide engine choices, in one explicit place.
+
+Each is a choice between implementations that give the same tokens (which code builds the tree, how
+the host reads results, how layers compile, the verify kernel's launch), set for a whole run by the
+bench CLI or a test. They are read when a round program is built, and `key()` is part of every captured
+program's cache key: a program captured under one choice is never replayed under another.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+TREE_BUILDS = ("sort", "count", "fused")
+TREE_KERNELS = ("triton", "torch")
+TREE_TOPKS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Options:
+    # Which code builds, masks and walks trees and compacts the KV cache: "triton" (kernels/), "torch"
+    # (tree.py, Target.compact_cache), or None: Triton on CUDA devices when it is installed.
+    tree_kernels: str | None = None
+    # Which tree build: "sort" (torch), "count" or "fused" (kernels/tree_build.py) wherever that build takes
+    # the beam (the sort elsewhere), or None: "fused" where the Triton tree kernels run, else "sort".
+    tree_build: str | None = None
+    # The per-depth top-K over the vocabulary: "torch" or "triton" (kernels/vocab_topk.py); None: torch.
+    tree_topk: str | None = None
+    # Host reads of new tokens in flight before the host waits for one; None: 1 on CUDA, 0 elsewhere
+    # (on the CPU nothing runs while the host reads, so a lag would only compute a round past the stop).
+    host_read_lag: int | None = None
+    # torch.compile keyword arguments for every compiled layer function, as sorted (key, value) pairs;
+    # read when a pair's layers are compiled (load_pair(compile=True)).
+    compile_options: tuple = ()
+    # kernels/tree_attention.launch_config overrides for the verify kernel, as sorted (key, value) pairs.
+    attention_launch: tuple = ()
+
+    def __post_init__(self):
+        for name, allowed in (("tree_kernels", TREE_KERNELS), ("tree_build", TREE_BUILDS),
+                              ("tree_topk", TREE_TOPKS)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)} (or None)")
+        lag = self.host_read_lag
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+            raise ValueError(f"host_read_lag={lag!r} must be an integer ≥ 0 (or None)")
+
+
+_current = Options()
+
+
+def current() -> Options:
+    return _current
+
+
+def _as_pairs(value) -> tuple:
+    return tuple(sorted(dict(value).items())) if value else ()
+
+
+def replace(**changes) -> Options:
+    """Set some choices for the rest of the process; -> the previous Options (to restore)."""
+    global _current
+    previous = _current
+    for name in ("compile_options", "attention_launch"):
+        if name in changes:
+            changes[name] = _as_pairs(changes[name])
+    _current = dataclasses.replace(_current, **changes)
+    return previous
+
+
+def restore(previous: Options) -> None:
+    global _current
+    _current = previous
+
+
+@contextlib.contextmanager
+def using(**changes):
+    """The choices for the duration of a block (tests, one timed variant)."""
+    previous = replace(**changes)
+    try:
+        yield _current
+    finally:
+        restore(previous)
+
+
+def key() -> tuple:
+    """The current choices as a hashable tuple, for cache keys."""
+    return dataclasses.astuple(_current)

@@ -1,0 +1,274 @@
+"""Every figure of the workbench, once: per-run figures (τ histogram, acceptance by depth, accepted
+paths) for notebooks and the report, and study figures (acceptance, speedup and throughput vs budget,
+stage breakdown, kernel timeline, verify micro-benchmark). Rows are `results.collect_study` rows."""
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..atomic import atomic_write_text
+from ..names import STAGES
+from .viz import make_decoder, round_view, show_token
+
+PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+
+
+# ----------------------------------------------------------------------------- table helpers
+def run_config(row: dict) -> dict:
+    return (row.get("results") or {}).get("config") or row.get("run", {}).get("params") or {}
+
+
+def run_summary(row: dict) -> dict:
+    return (row.get("results") or {}).get("summary") or {}
+
+
+def grid_rows(rows: list[dict]) -> list[dict]:
+    """The grid runs (not the once-per-study notebooks), in AR / DFlash / DDTree-by-budget order."""
+    order = {"ar": 0, "dflash": 1, "ddtree": 2}
+    runs = [r for r in rows if r["kind"] == "run"]
+    return sorted(runs, key=lambda r: (order.get(run_config(r).get("method"), 3), run_config(r).get("temperature", 0),
+                                       run_config(r).get("topk", 0), run_config(r).get("budget", 0), r["name"]))
+
+
+def _series_key(cfg: dict) -> str:
+    k = cfg.get("topk") or 0
+    return f"topk {k if k else '= budget'}, T {cfg.get('temperature', 0):g}"
+
+
+def busy_runs(runs: list[dict], limit: int = 8) -> set[str]:
+    """With many runs, which start hidden in per-run figures: keep DFlash and up to `limit` DDTree
+    runs spread over the budgets of the first (topk, temperature) series."""
+    if len(runs) <= limit:
+        return set()
+    ddt = [r for r in runs if run_config(r).get("method") == "ddtree"]
+    first = _series_key(run_config(ddt[0])) if ddt else None
+    ddt = [r for r in ddt if _series_key(run_config(r)) == first]
+    keep = {r["name"] for r in runs if run_config(r).get("method") == "dflash" and run_config(r).get("temperature", 0) == 0}
+    step = max(1, math.ceil(len(ddt) / (limit - len(keep) or 1)))
+    keep |= {r["name"] for r in ddt[::step]}
+    return {r["name"] for r in runs} - keep
+
+
+def recommend_budget(rows: list[dict]) -> dict | None:
+    """The DDTree run with the highest speedup among complete runs not found lossy."""
+    best = None
+    for r in grid_rows(rows):
+        cfg, cmp = run_config(r), r.get("comparison") or {}
+        if cfg.get("method") != "ddtree" or r["status"] != "complete" or cmp.get("speedup") is None:
+            continue
+        if cmp.get("verdict") in ("mismatch", "no tokens"):
+            continue
+        if best is None or cmp["speedup"] > best["speedup"]:
+            best = {"run": r["name"], "budget": cfg.get("budget"), "topk": cfg.get("topk"),
+                    "temperature": cfg.get("temperature"), "speedup": cmp["speedup"],
+                    "mean_tau": run_summary(r).get("mean_tau")}
+    return best
+
+
+# ----------------------------------------------------------------------------- study figures
+def _by_series(rows: list[dict], value) -> dict[str, tuple[list, list, list]]:
+    series: dict[str, tuple[list, list, list]] = {}
+    for r in grid_rows(rows):
+        cfg = run_config(r)
+        if cfg.get("method") != "ddtree" or r.get("results") is None:
+            continue
+        y = value(r)
+        if y is None:
+            continue
+        xs, ys, names = series.setdefault(_series_key(cfg), ([], [], []))
+        xs.append(cfg.get("budget"))
+        ys.append(y)
+        names.append(r["name"])
+    return series
+
+
+def _baseline_lines(fig: go.Figure, rows: list[dict], value, label_fmt: str) -> None:
+    for r in grid_rows(rows):
+        cfg = run_config(r)
+        if cfg.get("method") in ("ar", "dflash") and r.get("results") is not None and value(r) is not None:
+            dash = "dot" if cfg["method"] == "ar" else "dash"
+            fig.add_hline(y=value(r), line=dict(dash=dash, color="#888"),
+                          annotation_text=label_fmt.format(name=r["name"], v=value(r)),
+                          annotation_position="top left")
+
+
+def sweep_figure(rows: list[dict], metric: str = "mean_tau") -> go.Figure:
+    """metric: mean_tau | speedup | tokens_per_second, against budget (log2 axis)."""
+    titles = {"mean_tau": ("acceptance vs budget", "mean τ (tokens per target forward)"),
+              "speedup": ("speedup over AR vs budget", "speedup ×"),
+              "tokens_per_second": ("throughput vs budget", "tokens / s")}
+    get = {"mean_tau": lambda r: run_summary(r).get("mean_tau"),
+           "speedup": lambda r: (r.get("comparison") or {}).get("speedup"),
+           "tokens_per_second": lambda r: run_summary(r).get("tokens_per_second")}[metric]
+    title, ylabel = titles[metric]
+    fig = go.Figure()
+    for i, (key, (xs, ys, names)) in enumerate(_by_series(rows, get).items()):
+        fig.add_scatter(x=xs, y=ys, name=f"DDTree, {key}", mode="lines+markers", text=names,
+                        line=dict(color=PALETTE[i % len(PALETTE)]),
+                        hovertemplate="%{text}<br>budget %{x}: %{y:.3f}<extra></extra>")
+    _baseline_lines(fig, rows, get, "{name}: {v:.2f}")
+    if metric == "speedup":
+        best = recommend_budget(rows)
+        if best:
+            fig.add_scatter(x=[best["budget"]], y=[best["speedup"]], mode="markers+text",
+                            marker=dict(symbol="star", size=18, color="#e4572e"), name="recommended",
+                            text=[f"best: budget {best['budget']} ({best['speedup']:.2f}×)"],
+                            textposition="top left" if best["budget"] == max(
+                                (run_config(r).get("budget") or 0 for r in rows), default=0) else "top center")
+    fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
+                      margin=dict(l=55, r=20, t=60, b=45),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", dtick=math.log10(2)),
+                      yaxis=dict(title=dict(text=ylabel)))
+    return fig
+
+
+def stage_figure(rows: list[dict]) -> go.Figure:
+    """Stacked ms per output token by stage, per run."""
+    runs = [r for r in grid_rows(rows) if run_summary(r).get("new_tokens")]
+    names = [r["name"] for r in runs]
+    fig = go.Figure()
+    stages = list(STAGES) + sorted({k for r in runs for k in run_summary(r).get("stage_seconds", {})} - set(STAGES))
+    for i, st in enumerate(stages):
+        ys = [1e3 * run_summary(r).get("stage_seconds", {}).get(st, 0.0) / run_summary(r)["new_tokens"] for r in runs]
+        if any(ys):
+            fig.add_bar(name=st, x=names, y=ys, marker_color=PALETTE[i % len(PALETTE)],
+                        hovertemplate="%{x}<br>" + st + ": %{y:.2f} ms/token<extra></extra>")
+    fig.update_layout(title=dict(text="where the time goes (ms per output token)"), barmode="stack",
+                      template="plotly_white", height=420, margin=dict(l=55, r=20, t=60, b=90),
+                      yaxis=dict(title=dict(text="ms / token")))
+    return fig
+
+
+def short_kernel_name(name: str, width: int = 60) -> str:
+    """`void ns::kernel<128, 4, Functor<...>>(args)` -> `ns::kernel<…>`: templates and arguments out."""
+    if "<" not in name:  # plain names ("aten::linear", "Memcpy DtoD (Device -> Device)") stay
+        return name if len(name) <= width else name[: width - 1] + "…"
+    out, depth = [], 0
+    for ch in name.removeprefix("void "):
+        if ch in "<(":
+            if depth == 0:
+                out.append("<…>" if ch == "<" else "")
+            depth += 1
+        elif ch in ">)":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(ch)
+    s = "".join(out).strip() or name
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def timeline_figure(tl: dict, max_kernel_rows: int = 12) -> go.Figure:
+    """Horizontal bars on a time axis: one row per stage, then the busiest kernels/ops."""
+    fig = go.Figure()
+    t0 = min([e["start_us"] for e in tl.get("stages", []) + tl.get("kernels", [])] or [0])
+    for i, st in enumerate(sorted({e["name"] for e in tl.get("stages", [])}, key=lambda s: (s not in STAGES, s))):
+        ev = [e for e in tl["stages"] if e["name"] == st]
+        fig.add_bar(y=[f"stage: {st}"] * len(ev), x=[e["dur_us"] / 1e3 for e in ev],
+                    base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=st,
+                    marker_color=PALETTE[i % len(PALETTE)],
+                    hovertemplate=st + ": %{x:.3f} ms at %{base:.2f} ms<extra></extra>")
+    top = [k["name"] for k in tl.get("top_kernels", [])[:max_kernel_rows]]
+    labels: dict[str, int] = {}
+    for name in top:
+        ev = [e for e in tl.get("kernels", []) if e["name"] == name]
+        short = short_kernel_name(name, 44)
+        labels[short] = labels.get(short, 0) + 1
+        short += f" #{labels[short]}" if labels[short] > 1 else ""  # distinct instantiations, distinct rows
+        fig.add_bar(y=[short] * len(ev), x=[e["dur_us"] / 1e3 for e in ev],
+                    base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", showlegend=False,
+                    marker_color="#555", hovertemplate=html.escape(name) + ": %{x:.3f} ms<extra></extra>")
+    rows = len({*(f"stage: {e['name']}" for e in tl.get("stages", [])), *top})
+    fig.update_layout(title=dict(text=f"timeline ({tl.get('kind', 'kernels')}; {tl.get('source', '')})"),
+                      barmode="overlay", template="plotly_white", height=max(300, 60 + 26 * rows),
+                      margin=dict(l=260, r=20, t=60, b=45), xaxis=dict(title=dict(text="ms")),
+                      yaxis=dict(autorange="reversed"))
+    return fig
+
+
+def microbench_figure(mb: dict) -> go.Figure:
+    from plotly.subplots import make_subplots
+    pts = mb.get("points", [])
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("verify time per round", "achieved bandwidth"))
+    x = [p["budget"] for p in pts]
+    fig.add_scatter(x=x, y=[p.get("verify_ms") for p in pts], mode="lines+markers", name="verify ms",
+                    row=1, col=1)
+    fig.add_scatter(x=x, y=[p.get("achieved_gbps") for p in pts], mode="lines+markers",
+                    name="achieved GB/s", row=1, col=2)
+    if mb.get("peak_gbps"):
+        fig.add_hline(y=mb["peak_gbps"], line=dict(dash="dash", color="#c44e52"), row=1, col=2,
+                      annotation_text=f"datasheet {mb['peak_gbps']:.0f} GB/s ({mb.get('gpu', '')})")
+    if mb.get("copy_gbps"):
+        fig.add_hline(y=mb["copy_gbps"], line=dict(dash="dot", color="#8172b3"), row=1, col=2,
+                      annotation_text=f"measured copy {mb['copy_gbps']:.0f} GB/s", annotation_position="bottom right")
+    fig.update_xaxes(type="log", dtick=math.log10(2), title_text="budget")
+    fig.update_yaxes(title_text="ms", row=1, col=1)
+    fig.update_yaxes(title_text="GB/s", row=1, col=2)
+    fig.update_layout(template="plotly_white", height=380, margin=dict(l=55, r=20, t=60, b=45))
+    return fig
+
+
+# ----------------------------------------------------------------------------- run figures
+def save_figure(fig: go.Figure, run_dir, name: str):
+    """figures/<name>.json (plotly JSON; plotly.io.read_json reads it back), written atomically."""
+    return atomic_write_text(Path(run_dir) / "figures" / f"{name}.json", fig.to_json())
+
+
+def _fig(title: str, height: int = 380, **kw) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=dict(text=title), template="plotly_white", height=height,
+                      margin=dict(l=50, r=20, t=60, b=45), **kw)
+    return fig
+
+
+def tau_histogram_figure(runs: dict[str, dict], title: str = "τ histogram (share of rounds)",
+                         hidden: Sequence[str] = ()) -> go.Figure:
+    """runs: {label: tau_histogram dict {"values", "counts"}}; `hidden` labels start legend-only."""
+    fig = _fig(title, barmode="group", xaxis=dict(title=dict(text="τ (accepted tokens per round)"), dtick=1),
+               yaxis=dict(title=dict(text="share of rounds"), tickformat=".0%"))
+    for label, h in runs.items():
+        total = sum(h.get("counts", [])) or 1
+        fig.add_bar(name=label, x=h.get("values", []), y=[c / total for c in h.get("counts", [])],
+                    visible="legendonly" if label in hidden else True,
+                    hovertemplate="τ=%{x}: %{y:.1%}<extra>" + label + "</extra>")
+    return fig
+
+
+def acceptance_depth_figure(runs: dict[str, dict], title: str = "acceptance by depth",
+                            hidden: Sequence[str] = ()) -> go.Figure:
+    """runs: {label: acceptance_by_depth dict}. Left: share of rounds reaching depth >= d;
+    right: P(reach d | reach d-1). `hidden` labels start legend-only (click to show)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("share of rounds reaching depth ≥ d",
+                                                        "P(reach d | reach d−1)"))
+    for i, (label, a) in enumerate(runs.items()):
+        color = PALETTE[i % len(PALETTE)]
+        vis = "legendonly" if label in hidden else True
+        fig.add_scatter(x=a.get("depth", []), y=a.get("survival", []), name=label, legendgroup=label,
+                        mode="lines+markers", line=dict(color=color), visible=vis, row=1, col=1)
+        fig.add_scatter(x=a.get("depth", []), y=a.get("conditional", []), name=label, legendgroup=label,
+                        showlegend=False, mode="lines+markers", line=dict(color=color), visible=vis, row=1, col=2)
+    fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
+                      margin=dict(l=50, r=20, t=80, b=45))
+    fig.update_xaxes(title_text="depth d", dtick=1)
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return fig
+
+
+def accepted_paths_figure(rows: Sequence[dict], tokenizer: Any = None, title: str = "accepted path per round") -> go.Figure:
+    """One bar per round: its τ, hover shows the accepted tokens and the target's next token."""
+    decode = make_decoder(tokenizer)
+    x, y, hover = [], [], []
+    for k, row in enumerate(rows):
+        v = round_view(row)
+        x.append(k)
+        y.append(v.tau)
+        acc = " ".join(repr(show_token(decode(v.tokens[a]))) for a in v.accepted if a < len(v.tokens))
+        nxt = show_token(decode(v.next_token)) if v.next_token is not None else "?"
+        hover.append(f"round {k}: τ = {v.tau}<br>accepted {acc}<br>then target: {nxt!r}")
+    fig = _fig(title, xaxis=dict(title=dict(text="round")), yaxis=dict(title=dict(text="τ"), dtick=1))
+    fig.add_bar(x=x, y=y, hovertext=hover, hoverinfo="text", marker_color="#4c72b0")
+    return fig

@@ -1,0 +1,409 @@
+"""Per-run results: generate a run's prompts, record `results.json` + `traces.jsonl`, and compare
+runs against the AR run of the same study (speedup, losslessness).
+
+The first per-run notebook calls `ensure_results(RunParams)`; later notebooks of the same run load
+what it wrote. The report recomputes the comparisons from all results.json files (`compare`), so a
+run's verdict never depends on the order runs were executed in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..atomic import atomic_write_json, atomic_write_jsonl, read_jsonl
+from ..decode import generate
+from ..environment import device_info, git_commit, versions
+from ..metrics import summarize_taus
+from ..names import RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
+from ..pairs import load_pair
+from ..prompts import prompt_text, read_prompt_set
+from .runs import RunParams, read_run_status, run_name
+
+SCHEMA = "ddtree_lab.results/1"
+
+
+def summarize(prompts: list[dict], max_depth: int | None = None) -> dict:
+    """Run totals from per-prompt records (tokens, acceptance_lengths, wall/stage seconds).
+    max_depth: the drafter's L (block_size - 1), so runs of a study share their depth axis."""
+    taus = [t for p in prompts for t in p.get("acceptance_lengths", [])]
+    figures = summarize_taus(taus, max_depth)
+    new_tokens = sum(len(p.get("tokens", [])) for p in prompts)
+    wall = sum(p.get("wall_seconds", 0.0) for p in prompts)
+    stages: dict[str, float] = {}
+    for p in prompts:
+        for k, v in (p.get("stage_seconds") or {}).items():
+            stages[k] = stages.get(k, 0.0) + float(v)
+    return {
+        "new_tokens": new_tokens,
+        **figures,
+        "stage_seconds": stages,
+        "wall_seconds": wall,
+        "tokens_per_second": new_tokens / wall if wall > 0 else None,
+        "seconds_per_token": wall / new_tokens if new_tokens else None,
+    }
+
+
+# ----------------------------------------------------------------------------- recording
+def _plain(x: Any) -> Any:
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def round_to_json(r: Any) -> dict:
+    """A RoundTrace (or a dict already) -> JSON-ready dict."""
+    if isinstance(r, dict):
+        return r
+    if hasattr(r, "to_json"):
+        return r.to_json()
+    tree = getattr(r, "tree", None)
+    return {"tree": tree.to_json() if hasattr(tree, "to_json") else tree,
+            "accepted": _plain(getattr(r, "accepted", [])), "next_token": _plain(getattr(r, "next_token", None))}
+
+
+def prompt_record(prompt: dict, res: Any, n_prompt_tokens: int | None = None) -> dict:
+    """One prompt's GenerationResult -> the per-prompt entry of results.json."""
+    taus = [int(t) for t in (getattr(res, "acceptance_lengths", None) or [])]
+    tokens = [int(t) for t in _plain(getattr(res, "tokens", []))]
+    return {
+        "id": prompt["id"], "prompt": prompt["prompt"],
+        "n_prompt_tokens": n_prompt_tokens if n_prompt_tokens is not None
+        else len(getattr(res, "prompt_tokens", None) or []) or None,
+        "stop_reason": getattr(res, "stop_reason", None),
+        "tokens": tokens, "text": getattr(res, "text", ""),
+        "acceptance_lengths": taus, "rounds": len(taus),
+        "mean_tau": sum(taus) / len(taus) if taus else None,
+        "wall_seconds": float(getattr(res, "wall_seconds", 0.0) or 0.0),
+        "prefill_seconds": getattr(res, "prefill_seconds", None),
+        "tokens_per_second": getattr(res, "tokens_per_second", None),
+        "stage_seconds": {k: float(v) for k, v in (getattr(res, "stage_seconds", None) or {}).items()},
+    }
+
+
+def build_results(params: RunParams, pair: Any, prompts: list[dict], gen_results: list[Any],
+                  n_prompt_tokens: list[int] | None = None, extra: dict | None = None) -> dict:
+    """The results.json dict of one run, from its GenerationResults (one per prompt)."""
+    per_prompt = [prompt_record(p, r, n_prompt_tokens[i] if n_prompt_tokens else None)
+                  for i, (p, r) in enumerate(zip(prompts, gen_results))]
+    describe = getattr(pair, "describe", None)
+    models = describe() if callable(describe) else {}
+    models.setdefault("name", getattr(pair, "name", params.pair))
+    models.setdefault("target", getattr(pair, "target_id", None))
+    models.setdefault("drafter", getattr(pair, "drafter_id", None))
+    out = {
+        "schema": SCHEMA, "study": params.study_name, "run": params.run_name, "status": "complete",
+        "config": {k: v for k, v in params.to_json().items() if k not in ("run_dir", "study_dir", "budgets")},
+        "models": models,
+        "device": device_info(getattr(pair, "device", params.device)),
+        "versions": versions(), "commit": git_commit(),
+        "prompts": per_prompt,
+        "summary": summarize(per_prompt, drafter_depth(pair)),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    out.update(extra or {})
+    return out
+
+
+def drafter_depth(pair: Any) -> int | None:
+    """L = block_size - 1: the deepest a tree can go (None without a drafter)."""
+    cfg = getattr(getattr(pair, "drafter", None), "cfg", None)
+    bs = getattr(cfg, "block_size", None)
+    return bs - 1 if bs else None
+
+
+def trace_rows(prompt: dict, res: Any) -> list[dict]:
+    rows = []
+    for i, r in enumerate(getattr(res, "rounds", None) or []):
+        row = {"prompt_id": prompt["id"], "index": i}
+        row.update(round_to_json(r))
+        rows.append(row)
+    return rows
+
+
+def load_run_pair(params: RunParams):
+    """The pair a run names (`lab`, `random:<shape>`, another named pair, or target/drafter dirs)."""
+    device = params.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(device=device, dtype=params.dtype, attention=params.attention, compile=params.compile,
+              seed=params.seed)
+    if params.pair:
+        return load_pair(params.pair, **kw)
+    return load_pair(target=params.target_dir, drafter=params.drafter_dir, **kw)
+
+
+def prompt_input(pair: Any, prompt):
+    """What generate gets: the prompt itself, or for a pair without a tokenizer (random weights)
+    its UTF-8 bytes as token ids, which keeps prompt lengths realistic and runs deterministic."""
+    if getattr(pair, "tokenizer", True) is None:
+        return list(prompt_text(prompt).encode("utf-8"))
+    return prompt
+
+
+def gen_kwargs(params: RunParams) -> dict:
+    kw = dict(method=params.method, max_new_tokens=params.max_new_tokens,
+              temperature=params.temperature)
+    if params.method == "ddtree":
+        kw.update(budget=params.budget, topk=params.topk or None)
+    return kw
+
+
+def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Generate every prompt of the run; returns (results dict, trace rows)."""
+    pair = pair if pair is not None else load_run_pair(params)
+    prompts = read_prompt_set(params.prompt_set, params.n_prompts)
+    kw = gen_kwargs(params)
+    # On a GPU, tracing reads every round's tree back to the host, which a production loop (CUDA
+    # graphs, few syncs) never does: time an untraced call and record the trees from a second one.
+    # On the CPU tracing costs next to nothing, so one traced call serves both.
+    separate = str(getattr(pair, "device", params.device)).startswith("cuda")
+    if params.warmup:  # first calls pay for allocations, compilation, CUDA graph capture: untimed
+        # CUDA graphs are captured per generation length, so the GPU warm-up uses the real one.
+        warm = params.max_new_tokens if separate else min(8, params.max_new_tokens)
+        generate(pair, prompt_input(pair, prompts[0]["prompt"]), **{**kw, "max_new_tokens": warm},
+                    seed=params.seed, trace=False)
+    results, rows, ntok = [], [], []
+    for i, p in enumerate(prompts):
+        x = prompt_input(pair, p["prompt"])
+        res = generate(pair, x, seed=params.seed + i, trace=not separate, **kw)
+        traced = generate(pair, x, seed=params.seed + i, trace=True, **kw) if separate else res
+        results.append(res)
+        rows.extend(trace_rows(p, traced))
+        ntok.append(len(getattr(res, "prompt_tokens", None) or []) or None)
+        if progress:
+            taus = getattr(res, "acceptance_lengths", []) or []
+            print(f"{params.run_name} prompt {i + 1}/{len(prompts)}: {len(res.tokens)} tokens, "
+                  f"{len(taus)} rounds, {res.wall_seconds:.2f}s", flush=True)
+    timing = "untraced call (trees from a second, traced call)" if separate else "traced call"
+    return build_results(params, pair, prompts, results, ntok, extra={"timing": timing}), rows
+
+
+def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:
+    run_dir = Path(run_dir)
+    atomic_write_jsonl(run_dir / TRACES_FILE, rows)
+    atomic_write_json(run_dir / RESULTS_FILE, results)  # last: its presence means the run is whole
+
+
+def ensure_results(params: RunParams, pair: Any = None, progress: bool = True) -> dict:
+    """Load this run's results.json from params.run_dir, or generate and write it.
+
+    Results written for other parameters are regenerated. If the study's AR run already exists,
+    the comparison (speedup, losslessness) is added right away; the report recomputes it anyway."""
+    run_dir = Path(params.run_dir or ".")
+    path = run_dir / RESULTS_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("fingerprint") == params.fingerprint():
+            return old
+    results, rows = generate_run(params, pair, progress)
+    results["fingerprint"] = params.fingerprint()
+    ar = load_results(Path(params.study_dir) / ar_run_name(results)) if params.study_dir else None
+    results["comparison"] = compare(results, ar)
+    write_run(run_dir, results, rows)
+    return results
+
+
+def load_results(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_traces(run_dir: str | os.PathLike, prompt_id: str | None = None) -> list[dict]:
+    path = Path(run_dir) / TRACES_FILE
+    if not path.is_file():
+        return []
+    rows = read_jsonl(path)
+    return [r for r in rows if prompt_id is None or r.get("prompt_id") == prompt_id]
+
+
+def tokenizer_for(results: dict | None):
+    """The target's tokenizer (tokenizers only, no torch) from the checkpoint path in results."""
+    tid = ((results or {}).get("models") or {}).get("target") or {}
+    path = Path(tid["path"]) / "tokenizer.json" if isinstance(tid, dict) and tid.get("path") else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - token text is a nicety
+        return None
+
+
+def overview(results: dict) -> str:
+    """A few lines a notebook prints under a run."""
+    s, c, cfg = results.get("summary", {}), results.get("comparison") or {}, results.get("config", {})
+    tps, spt = s.get("tokens_per_second"), s.get("seconds_per_token")
+    lines = [f"run {results.get('run')}: {cfg.get('method')} budget={cfg.get('budget')} topk={cfg.get('topk') or '-'} "
+             f"T={cfg.get('temperature')} on {results.get('device', {}).get('gpu') or results.get('device', {}).get('device')}",
+             f"  {s.get('new_tokens')} tokens in {s.get('rounds')} rounds, mean tau "
+             f"{s.get('mean_tau') or 0:.2f}, {tps or 0:.1f} tokens/s ({(spt or 0) * 1e3:.1f} ms/token)",
+             f"  speedup over AR: {c.get('speedup'):.2f}x" if c.get("speedup") else "  speedup over AR: n/a",
+             f"  losslessness: {c.get('verdict')} ({c.get('detail')})"]
+    return "\n".join(lines)
+
+
+def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any = None) -> dict[int, list[dict]]:
+    """{budget: trace rows} for the tree explorer. For each budget: this run's own traces, else the
+    traces of the study's run at that budget, else rounds generated live (same prompts/settings).
+    As a once-per-study notebook every budget comes from the study's runs: nothing is generated."""
+
+    out: dict[int, list[dict]] = {}
+    if params.method == "ar":
+        return out  # AR rounds have no trees
+    own = [r for r in load_traces(params.run_dir) if r.get("tree")]
+    if params.method == "dflash":  # a single path of L nodes
+        return {len(own[0]["tree"]["tokens"]): own} if own else out
+    if own:
+        out[params.budget] = own
+    prompts = None
+    for b in budgets or [params.budget]:
+        if b in out:
+            continue
+        sibling = Path(params.study_dir) / run_name("ddtree", b, params.topk, params.temperature)
+        rows = [r for r in load_traces(sibling) if r.get("tree")] if params.study_dir else []
+        if not rows:
+            pair = pair if pair is not None else load_run_pair(params)
+            prompts = prompts or read_prompt_set(params.prompt_set, params.n_prompts)
+            kw = {**gen_kwargs(params), "method": "ddtree", "budget": b, "topk": params.topk or None}
+            for i, p in enumerate(prompts):
+                rows += trace_rows(p, generate(pair, prompt_input(pair, p["prompt"]), seed=params.seed + i,
+                                                  trace=True, **kw))
+        out[b] = rows
+    return out
+
+
+def run_tokenizer(params: RunParams):
+    """The tokenizer for token text: from this run's or any study run's results.json (no model
+    load), else from the pair itself."""
+    res = load_results(params.run_dir or ".")
+    if res is None and params.study_dir and Path(params.study_dir).is_dir():
+        res = next((r["results"] for r in collect_study(params.study_dir) if r.get("results")), None)
+    tok = tokenizer_for(res)
+    return tok if tok is not None else getattr(load_run_pair(params), "tokenizer", None)
+
+
+def is_study_dir(study_dir: str | os.PathLike) -> bool:
+    """Written by `ddtree-lab study` (it holds study.json), not by notebooks run on their own."""
+    return (Path(study_dir) / STUDY_FILE).is_file()
+
+
+def quick_sweep(params: RunParams, budgets: list[int], pair: Any = None) -> None:
+    """Without a study runner: write AR + DDTree runs (one per budget) into params.study_dir, in the
+    same layout a study uses, so the sweep and report functions read them alike."""
+    pair = pair if pair is not None else load_run_pair(params)
+    specs = [dataclasses.replace(params, method="ar", budget=0, topk=0)]
+    specs += [dataclasses.replace(params, method="ddtree", budget=b) for b in budgets]
+    for spec in specs:
+        name = run_name(spec.method, spec.budget, spec.topk, spec.temperature)
+        d = Path(spec.study_dir) / name
+        d.mkdir(parents=True, exist_ok=True)
+        res = ensure_results(dataclasses.replace(spec, run_name=name, run_dir=str(d)), pair, progress=False)
+        atomic_write_json(d / RUN_FILE, {"name": name, "kind": "run", "status": "complete",
+                                           "fingerprint": res.get("fingerprint"), "params": spec.to_json()})
+
+
+# ----------------------------------------------------------------------------- comparison
+def ar_run_name(results: dict) -> str:
+    return run_name("ar", temperature=float(results.get("config", {}).get("temperature", 0.0)))
+
+
+SAME_SETTINGS = ("pair", "target_dir", "drafter_dir", "device", "dtype", "prompt_set", "max_new_tokens",
+                 "temperature")
+
+
+def settings_differ(results: dict, ar: dict | None) -> list[str]:
+    """Settings in which a run and its AR reference differ (then neither speedup nor tokens compare)."""
+    a, b = results.get("config", {}), (ar or {}).get("config", {})
+    return [k for k in SAME_SETTINGS if ar is not None and a.get(k) != b.get(k)]
+
+
+def losslessness(results: dict, ar: dict | None) -> dict:
+    """At T = 0 every prompt's tokens must equal the AR run's, token for token."""
+    cfg = results.get("config", {})
+    if cfg.get("method") == "ar":
+        return {"verdict": "reference", "detail": "the AR run is the reference"}
+    if not results.get("summary", {}).get("new_tokens"):
+        return {"verdict": "no tokens", "detail": "the run produced no tokens"}
+    if float(cfg.get("temperature", 0.0)) > 0:
+        return {"verdict": "not checked", "detail": "sampling (T > 0): outputs differ by design"}
+    if ar is None:
+        return {"verdict": "not checked", "detail": "no AR run at T = 0 in this study"}
+    if settings_differ(results, ar):
+        return {"verdict": "not checked", "detail": f"the AR run used other {', '.join(settings_differ(results, ar))}"}
+    ar_tokens = {p["id"]: p["tokens"] for p in ar.get("prompts", [])}
+    bad = []
+    for p in results.get("prompts", []):
+        ref = ar_tokens.get(p["id"])
+        if ref is None:
+            return {"verdict": "not checked", "detail": f"prompt {p['id']} missing from the AR run"}
+        if p["tokens"] != ref:
+            pos = next((i for i, (a, b) in enumerate(zip(p["tokens"], ref)) if a != b),
+                       min(len(p["tokens"]), len(ref)))
+            bad.append(f"{p['id']} diverges at token {pos}")
+    if bad:
+        detail = "; ".join(bad)
+        if cfg.get("dtype") in ("bfloat16", "float16"):
+            # Not necessarily a bug: a tree verify and a one-token AR step sum in different orders, and
+            # in 16-bit a near-tie can flip. The fp32 tests hold the logic exact; rerun in float32 to check.
+            detail += (f" ({cfg.get('dtype')}: batched verify and one-token steps round differently; "
+                       "rerun with dtype float32 to check losslessness exactly)")
+        return {"verdict": "mismatch", "detail": detail}
+    return {"verdict": "lossless", "detail": f"{len(ar_tokens)} prompt(s) identical to AR"}
+
+
+def compare(results: dict, ar: dict | None) -> dict:
+    tps = results.get("summary", {}).get("tokens_per_second")
+    ar_tps = (ar or {}).get("summary", {}).get("tokens_per_second")
+    speedup = tps / ar_tps if tps and ar_tps and not settings_differ(results, ar) else None
+    return {"ar_run": (ar or {}).get("run"), "speedup": speedup, **losslessness(results, ar)}
+
+
+def collect_study(study_dir: str | os.PathLike) -> list[dict]:
+    """Every run directory of a study as a row: status (run.json), results, fresh comparison."""
+    study_dir = Path(study_dir)
+    try:  # runs of grid points since dropped from the study file are left out
+        listed = set(json.loads((study_dir / STUDY_FILE).read_text()).get("runs") or [])
+    except (OSError, ValueError):
+        listed = set()
+    rows = []
+    for d in sorted(p for p in study_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        status = read_run_status(d)
+        res = load_results(d)
+        if status is None and res is None:
+            continue
+        if listed and d.name not in listed and (status or {}).get("kind", "run" if res else "study") == "run":
+            continue
+        kind = (status or {}).get("kind", "run" if res is not None else "study")
+        rows.append({"name": d.name, "dir": d, "kind": kind, "results": res, "run": status or {},
+                     "status": (status or {}).get("status", "complete")})
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        if r["results"] is not None:
+            ar_row = by_name.get(ar_run_name(r["results"]))
+            r["comparison"] = compare(r["results"], (ar_row or {}).get("results"))
+    return rows
+
+
+def suspect_reason(row: dict) -> str | None:
+    """Why a run needs a look (failed, no tokens, not lossless), or None."""
+    if row["status"] == "failed":
+        return f"failed: {row['run'].get('error')}"
+    res = row.get("results")
+    if res is None:
+        return "no results.json" if row["kind"] == "run" else None
+    verdict = row.get("comparison", {}).get("verdict")
+    if verdict in ("mismatch", "no tokens"):
+        return f"{verdict}: {row['comparison'].get('detail')}"
+    if any(not p.get("tokens") for p in res.get("prompts", [])):
+        return "a prompt produced no tokens"
+    tau = res.get("summary", {}).get("mean_tau")
+    if tau is not None and (math.isnan(tau) or tau < 1):
+        return f"mean τ {tau} < 1"
+    return None

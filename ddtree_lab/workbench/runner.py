@@ -1,0 +1,226 @@
+"""Running a study: each run's notebooks through papermill into `<study_dir>/<run>/`, then the report.
+
+    ddtree-lab study params/quickstart.yaml [--out DIR]
+
+Each run directory holds the executed notebooks, `results.json`, `traces.jsonl`, `figures/` and
+`run.json` (status, fingerprint, error). Runs are built in a temp directory and renamed into place, so
+a directory is either a finished run, a recorded failure or absent; a run already complete with the same
+fingerprint is skipped, so a study resumes where it stopped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..atomic import atomic_dir, atomic_write_json, atomic_write_text, clean_stale_temps
+from ..environment import REPO_DIR
+from ..names import REPORT_FILE, RUN_FILE, STUDY_FILE
+from .report import build_report
+from .runs import RunParams, base_params, expand_grid, read_run_status, study_params
+from .spec import Study, StudyError, find_notebook, load_study
+
+KERNEL = "python3"
+
+
+@dataclass
+class RunOutcome:
+    name: str
+    status: str                   # complete | failed | skipped
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class StudySummary:
+    study_dir: Path
+    outcomes: list[RunOutcome]
+    report: Path | None
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+
+def _kernel_env() -> dict:
+    # The kernel must import this very package even when it is not pip-installed.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # One CPU thread unless the user says otherwise: the lab pair's matrices are too small to gain from
+    # more, and OpenMP threads stall (10-1000x slower ops) whenever another process holds a core,
+    # which would make CPU timings of a study meaningless. GPU runs do not depend on it.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _short_error(exc: BaseException) -> str:
+    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
+    if ename:
+        return f"{ename}: {evalue}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def execute_notebook(nb: Path, out_nb: Path, params: RunParams, cwd: Path, timeout: int,
+                     progress: bool) -> None:
+    import papermill as pm
+    old = dict(os.environ)
+    os.environ.update(_kernel_env())
+    try:
+        pm.execute_notebook(str(nb), str(out_nb), parameters=params.to_json(), kernel_name=KERNEL,
+                            cwd=str(cwd), progress_bar=progress, execution_timeout=timeout,
+                            store_widget_state=False)  # widget state would embed plotly.js per notebook
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def execute_run(name: str, notebooks: list[Path], params: RunParams, study_dir: Path,
+                timeout: int = 3600, progress: bool = True, log=print, kind: str = "run") -> RunOutcome:
+    """Execute `notebooks` in order into `<study_dir>/<name>/` (atomically); never raises for a
+    notebook error: the failure and the partial notebook are recorded in the run directory."""
+    t0 = time.perf_counter()
+    status, error, tb, error_nb = "complete", None, None, None
+    with atomic_dir(study_dir / name) as tmp:
+        for nb in notebooks:
+            log(f"    {nb.name}")
+            try:
+                execute_notebook(nb, tmp / nb.name, params, tmp, timeout, progress)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - any failure becomes a recorded failed run
+                status, error = "failed", _short_error(e)
+                tb = "".join(traceback.format_exception_only(type(e), e))[-4000:]
+                error_nb = nb.name
+                break
+        secs = time.perf_counter() - t0
+        atomic_write_json(tmp / RUN_FILE, {
+            "name": name, "kind": kind, "status": status, "fingerprint": params.fingerprint(),
+            "params": params.to_json(), "notebooks": [n.name for n in notebooks],
+            "error": error, "error_notebook": error_nb, "error_detail": tb,
+            "seconds": round(secs, 3), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return RunOutcome(name, status, secs, error)
+
+
+def _needs_run(run_dir: Path, fingerprint: str, retry_failed: bool) -> bool:
+    st = read_run_status(run_dir)
+    if st is None or st.get("fingerprint") != fingerprint:
+        return True
+    return st.get("status") != "complete" and retry_failed
+
+
+def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry_failed: bool = True,
+              progress: bool = True, log=print) -> StudySummary:
+    """Execute a validated study; see the module docstring."""
+    study_dir = Path(study_dir or Path("outputs") / study.name).resolve()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(study_dir)
+    base = study.path.parent if study.path else None
+    runs = expand_grid(study, study_dir)
+    atomic_write_json(study_dir / STUDY_FILE, {"study": study.to_json(),
+                                                 "runs": [r.run_name for r in runs]})
+    if study.path:
+        atomic_write_text(study_dir / "study.yaml", study.path.read_text(encoding="utf-8"))
+
+    per_run = [find_notebook(n, base) for n in study.notebooks.per_run]
+    outcomes: list[RunOutcome] = []
+    total = len(runs) + len(study.notebooks.per_study)
+    for i, params in enumerate(runs, 1):
+        rdir = study_dir / params.run_name
+        if not _needs_run(rdir, params.fingerprint(), retry_failed):
+            log(f"[{i}/{total}] {params.run_name}: complete, skipped")
+            outcomes.append(RunOutcome(params.run_name, "skipped"))
+            continue
+        log(f"[{i}/{total}] {params.run_name}")
+        o = execute_run(params.run_name, per_run, params, study_dir, study.notebooks.timeout, progress, log)
+        log(f"    {o.status} in {o.seconds:.1f}s" + (f": {o.error}" if o.error else ""))
+        outcomes.append(o)
+
+    # Once-per-study notebooks depend on every run's results: their fingerprint covers them.
+    state = [(o.name, (read_run_status(study_dir / o.name) or {}).get("finished_at")) for o in outcomes]
+    for j, nb_name in enumerate(study.notebooks.per_study, len(runs) + 1):
+        params = study_params(study, study_dir, nb_name)
+        fp_params = dataclasses.replace(params, run_name=f"{params.run_name}|{json.dumps(state)}")
+        name = Path(nb_name).stem
+        if not _needs_run(study_dir / name, fp_params.fingerprint(), retry_failed):
+            log(f"[{j}/{total}] {name}: complete, skipped")
+            outcomes.append(RunOutcome(name, "skipped"))
+            continue
+        log(f"[{j}/{total}] {name}")
+        o = _execute_study_notebook(name, find_notebook(nb_name, base), params, fp_params, study_dir,
+                                    study.notebooks.timeout, progress, log)
+        log(f"    {o.status} in {o.seconds:.1f}s" + (f": {o.error}" if o.error else ""))
+        outcomes.append(o)
+
+    report = None
+    if study.report:
+        report = _make_report(study, study_dir, base, progress, log)
+    return StudySummary(study_dir, outcomes, report)
+
+
+def _execute_study_notebook(name, nb, params, fp_params, study_dir, timeout, progress, log):
+    o = execute_run(name, [nb], params, study_dir, timeout, progress, log, kind="study")
+    st = read_run_status(study_dir / name)
+    if st is not None:  # store the fingerprint that includes the runs' state
+        st["fingerprint"] = fp_params.fingerprint()
+        atomic_write_json(study_dir / name / RUN_FILE, st)
+    return o
+
+
+def _make_report(study: Study, study_dir: Path, base, progress: bool, log) -> Path:
+    """Execute the findings notebook (it writes report.html); if that notebook fails, build the
+    page in-process so a study always ends with a report."""
+    nb = find_notebook(study.notebooks.report, base)
+    params = RunParams(**base_params(study, study_dir), run_name="findings_report", run_dir=".")
+    log(f"report: {nb.name}")
+    o = execute_run(Path(study.notebooks.report).stem, [nb], params, study_dir,
+                    study.notebooks.timeout, progress, log, kind="report")
+    path = study_dir / REPORT_FILE
+    if o.status != "complete" or not path.is_file():
+        log(f"    report notebook {o.status}: {o.error}; building the report directly")
+        build_report(study_dir)
+    log(f"report: {path}")
+    return path
+
+
+def main_study(path: str | os.PathLike, out: str | os.PathLike | None = None, *,
+               retry_failed: bool = True, progress: bool = True, log=print) -> StudySummary:
+    """Validate the study file (raising StudyError before anything runs), then run it.
+
+    `out` is the study's output directory (default: outputs/<name>)."""
+    study = load_study(path)
+    return run_study(study, out, retry_failed=retry_failed, progress=progress, log=log)
+
+
+# ----------------------------------------------------------------------------- CLI pieces
+def add_study_args(p) -> None:
+    p.description = "Run a study: expand the grid, execute notebooks with papermill, write the report."
+    p.add_argument("params", help="study file (YAML), e.g. params/quickstart.yaml")
+    p.add_argument("--out", default=None, help="output directory for this study (default: outputs/<name>)")
+    p.add_argument("--check", action="store_true", help="only validate the study file and list its runs")
+    p.add_argument("--no-retry-failed", action="store_true", help="keep failed runs as they are on a re-run")
+    p.add_argument("--quiet", action="store_true", help="no per-cell progress bars")
+
+
+def run_study_cli(args) -> int:
+    try:
+        if args.check:
+            study = load_study(args.params)
+            out = Path(args.out or Path("outputs") / study.name)
+            for r in expand_grid(study, out):
+                print(r.run_name)
+            print(f"ok: {len(expand_grid(study))} runs -> {out}")
+            return 0
+        s = main_study(args.params, args.out, retry_failed=not args.no_retry_failed,
+                       progress=not args.quiet)
+    except StudyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{s.count('complete')} run(s) completed, {s.count('skipped')} skipped, "
+          f"{s.count('failed')} failed -> {s.study_dir}")
+    if s.report:
+        print(f"report: {s.report}")
+    return 1 if s.count("failed") else 0

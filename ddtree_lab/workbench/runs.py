@@ -1,0 +1,124 @@
+"""A study's runs: their parameters (the notebooks' torch-free contract), names and the grid.
+
+Every notebook receives a RunParams as flat papermill parameters and rebuilds it with
+`RunParams.from_namespace(globals())`; a run's name says its point of the grid (`ar-t0`,
+`dflash-t0`, `ddtree-b64-k0-t0`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..environment import REPO_DIR
+from ..names import METHODS, RUN_FILE
+from .spec import Study
+
+
+@dataclass
+class RunParams:
+    """Everything a notebook needs; flat scalars so papermill can inject them."""
+    study_name: str = "interactive"
+    study_dir: str = ""           # "" -> outputs/<study_name> under the repository
+    run_name: str = "ddtree-b32-k0-t0"
+    run_dir: str = ""             # "" -> <study_dir>/<run_name>; the study runner passes "."
+    pair: str = "lab"
+    target_dir: str = ""
+    drafter_dir: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention: str = "sdpa"
+    compile: bool = False
+    prompt_set: str = "lab:code"
+    n_prompts: int = 2
+    method: str = "ddtree"
+    budget: int = 32              # ddtree only; 0 for ar/dflash
+    topk: int = 0                 # 0 -> K = budget
+    temperature: float = 0.0
+    max_new_tokens: int = 32
+    seed: int = 0
+    warmup: bool = True
+    budgets: list = field(default_factory=list)  # the study's ddtree budgets (per-study notebooks)
+
+    @classmethod
+    def from_namespace(cls, ns: dict) -> "RunParams":
+        """Pick the fields from a notebook's globals() after papermill injected parameters."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in ns.items() if k in names})
+
+    def resolved(self) -> "RunParams":
+        """Fill empty dirs for interactive use: outputs/<study>/<run> under the repository."""
+        study_dir = self.study_dir or str(REPO_DIR / "outputs" / self.study_name)
+        run_dir = self.run_dir or str(Path(study_dir) / self.run_name)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        return dataclasses.replace(self, study_dir=study_dir, run_dir=run_dir)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        d = self.to_json()
+        for k in ("run_dir", "study_dir"):  # where it lives does not change what it computes
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fmt_t(t: float) -> str:
+    return f"{t:g}"
+
+
+def run_name(method: str, budget: int | None = None, topk: int | None = None, temperature: float = 0.0) -> str:
+    if method == "ddtree":
+        return f"ddtree-b{budget}-k{topk or 0}-t{_fmt_t(temperature)}"
+    return f"{method}-t{_fmt_t(temperature)}"
+
+
+def base_params(study: Study, study_dir: Path) -> dict:
+    m = study.models
+    return dict(study_name=study.name, study_dir=str(study_dir), pair=m.pair or "",
+                target_dir=m.target or "", drafter_dir=m.drafter or "", device=m.device,
+                dtype=m.dtype, attention=m.attention, compile=m.compile, prompt_set=study.prompts.set,
+                n_prompts=study.prompts.n_prompts, max_new_tokens=study.grid.max_new_tokens,
+                seed=study.grid.seed, warmup=study.warmup, budgets=sorted(set(study.grid.budget)))
+
+
+def expand_grid(study: Study, study_dir: Path | str = ".") -> list[RunParams]:
+    """All runs in execution order: AR first (the reference), then DFlash, then DDTree by budget."""
+    base = base_params(study, Path(study_dir))
+    runs: list[RunParams] = []
+    seen: set = set()
+    for meth in [m for m in METHODS if m in study.methods]:
+        for t in study.grid.temperature:
+            points = [(0, 0)]
+            if meth == "ddtree":
+                points = [(b, k or 0) for b in sorted(set(study.grid.budget)) for k in study.grid.topk]
+            for b, k in points:
+                k_eff = 0 if (k == 0 or k >= b) else k  # topk >= budget is the same tree as K = budget
+                key = (meth, b, k_eff, t)
+                if key in seen:
+                    continue
+                seen.add(key)
+                runs.append(RunParams(**base, run_name=run_name(meth, b, k_eff, t), run_dir=".",
+                                      method=meth, budget=b, topk=k_eff, temperature=t))
+    return runs
+
+
+def study_params(study: Study, study_dir: Path, notebook: str) -> RunParams:
+    """Parameters for a once-per-study notebook: it profiles / summarises a middle budget."""
+    base = base_params(study, study_dir)
+    budgets = base["budgets"]
+    mid = budgets[len(budgets) // 2] if budgets else 32
+    return RunParams(**base, run_name=Path(notebook).stem, run_dir=".", method="ddtree", budget=mid,
+                     topk=0, temperature=study.grid.temperature[0])
+
+
+
+
+def read_run_status(run_dir: Path) -> dict | None:
+    """A run directory's run.json, or None when it is absent or unreadable."""
+    try:
+        return json.loads((Path(run_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None

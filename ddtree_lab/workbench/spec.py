@@ -1,0 +1,335 @@
+"""A study file (YAML) -> a validated `Study`, refused before anything runs.
+
+A study file is refused if any key is unknown, repeated, mistyped or out of range, or if a notebook,
+model directory or prompt set is missing; the message names the field (`grid.budget[2]: 2048 is out
+of range 1..1024`). docs/workbench.md has the schema. This module imports no torch: the CLI stays
+fast and validation is cheap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import pairs
+from ..environment import PACKAGE_DIR, REPO_DIR
+from ..names import ATTENTION_BACKENDS, MAX_BUDGET, METHODS, STUDY_DTYPES
+from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
+
+DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
+PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+class StudyError(ValueError):
+    """A refused study file; `field` is the dotted key path that is wrong."""
+
+    def __init__(self, field: str, message: str, source: str | None = None):
+        self.field, self.source = field, source
+        where = f"study file {source}: " if source else ""
+        super().__init__(f"{where}{field}: {message}" if field else f"{where}{message}")
+
+
+# ----------------------------------------------------------------------------- schema
+@dataclass
+class ModelsSpec:
+    pair: str | None = "lab"      # "lab", "random:<shape>" or None when target/drafter are given
+    target: str | None = None     # target checkpoint dir (HF layout); relative to the study file
+    drafter: str | None = None    # DFlash drafter checkpoint dir
+    device: str = "cpu"           # cpu | cuda | cuda:N | auto
+    dtype: str = "float32"        # float32 | bfloat16 | float16
+    attention: str = "sdpa"       # verify attention: sdpa | triton | flex
+    compile: bool = False         # fuse each layer's elementwise work (torch.compile; slower first call)
+
+
+@dataclass
+class PromptsSpec:
+    set: str = "lab:code"         # "lab:<name>" (shipped with the lab pair) or a .jsonl path
+    n_prompts: int = 4            # first n prompts of the set
+
+
+@dataclass
+class GridSpec:
+    budget: list[int] = field(default_factory=lambda: [16, 32, 64])
+    topk: list[int | None] = field(default_factory=lambda: [None])  # None/0 -> K = budget
+    temperature: list[float] = field(default_factory=lambda: [0.0])
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+@dataclass
+class NotebooksSpec:
+    per_run: list[str] = field(default_factory=lambda: ["accepted_paths"])  # first one generates
+    per_study: list[str] = field(default_factory=lambda: ["budget_sweep"])
+    report: str = "findings_report"
+    timeout: int = 3600           # seconds per cell before the run is recorded as failed
+
+
+@dataclass
+class Study:
+    name: str
+    models: ModelsSpec
+    prompts: PromptsSpec
+    methods: list[str]
+    grid: GridSpec
+    notebooks: NotebooksSpec
+    report: bool = True
+    description: str = ""
+    warmup: bool = True           # one short untimed generate before timing (kernels, caches)
+    path: Path | None = None      # the study file (paths inside are relative to its directory)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["path"] = str(self.path) if self.path else None
+        return d
+
+
+# The allowed keys, with their types, per section. A type is a tuple of accepted Python types.
+_SECTIONS: dict[str, dict[str, Any]] = {
+    "": {"name": str, "description": str, "models": dict, "prompts": dict, "methods": list,
+         "grid": dict, "notebooks": dict, "report": bool, "warmup": bool},
+    "models": {"pair": (str, type(None)), "target": (str, type(None)),
+               "drafter": (str, type(None)), "device": str, "dtype": str, "attention": str,
+               "compile": bool},
+    "prompts": {"set": str, "n_prompts": int},
+    "grid": {"budget": list, "topk": list, "temperature": list, "max_new_tokens": int, "seed": int},
+    "notebooks": {"per_run": list, "per_study": list, "report": str, "timeout": int},
+}
+_REQUIRED = {"": ("name", "models", "prompts", "methods", "grid")}
+
+
+def _type_name(t) -> str:
+    ts = t if isinstance(t, tuple) else (t,)
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true/false",
+             list: "a list", dict: "a mapping", type(None): "null"}
+    return " or ".join(names.get(x, x.__name__) for x in ts)
+
+
+def _is(value, t) -> bool:
+    ts = t if isinstance(t, tuple) else (t,)
+    if isinstance(value, bool) and bool not in ts:
+        return False  # YAML `yes` is a bool, never an int
+    if float in ts and isinstance(value, int):
+        return True
+    return isinstance(value, ts)
+
+
+def _check_keys(section: str, data: Any, src: str) -> dict:
+    if not isinstance(data, dict):
+        raise StudyError(section or "(top level)", f"must be a mapping, got {_type_name(type(data))}", src)
+    allowed = _SECTIONS[section]
+    for key, value in data.items():
+        path = f"{section}.{key}" if section else str(key)
+        if key not in allowed:
+            hint = difflib.get_close_matches(str(key), list(allowed), n=1)
+            extra = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise StudyError(path, f"unknown key (allowed: {', '.join(allowed)}){extra}", src)
+        want = allowed[key]
+        if want is list and not isinstance(value, list):
+            continue  # scalars are promoted to one-element lists by the caller
+        if not _is(value, want):
+            raise StudyError(path, f"must be {_type_name(want)}, got {value!r}", src)
+    for key in _REQUIRED.get(section, ()):
+        if key not in data:
+            raise StudyError(f"{section}.{key}" if section else key, "is required", src)
+    return data
+
+
+def _as_list(path: str, value, item_type, src: str, allow_none: bool = False) -> list:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise StudyError(path, "must not be empty", src)
+    for i, v in enumerate(items):
+        if v is None and allow_none:
+            continue
+        if not _is(v, item_type):
+            raise StudyError(f"{path}[{i}]", f"must be {_type_name(item_type)}, got {v!r}", src)
+    return items
+
+
+def _resolve_path(p: str, base: Path | None) -> Path:
+    path = Path(os.path.expanduser(p))
+    if not path.is_absolute() and base is not None and (base / path).exists():
+        return (base / path).resolve()
+    return path.resolve()
+
+
+# ----------------------------------------------------------------------------- lookups
+def notebook_dirs(base: Path | None = None) -> list[Path]:
+    dirs = [REPO_DIR / "notebooks", PACKAGE_DIR / "notebooks", Path.cwd() / "notebooks"]
+    if base is not None:
+        dirs.insert(0, base / "notebooks")
+    return list(dict.fromkeys(dirs))
+
+
+def find_notebook(name: str, base: Path | None = None) -> Path | None:
+    """A shipped notebook by name (`budget_sweep`) or a path to an .ipynb."""
+    if name.endswith(".ipynb") or "/" in name:
+        p = _resolve_path(name, base)
+        return p if p.is_file() else None
+    for d in notebook_dirs(base):
+        p = d / f"{name}.ipynb"
+        if p.is_file():
+            return p.resolve()
+    return None
+
+
+def _check_named_pair(name: str, src: str | None) -> None:
+    try:
+        pairs.check(name)
+    except ValueError as e:  # CheckpointError: the pair would not load, so every run would fail
+        raise StudyError("models.pair", str(e), src) from None
+
+
+def _check_model_dir(path: str, field_name: str, base: Path | None, src: str) -> str:
+    p = _resolve_path(path, base)
+    if not p.is_dir():
+        raise StudyError(field_name, f"directory not found: {p}", src)
+    if not (p / "config.json").is_file():
+        raise StudyError(field_name, f"no config.json in {p} (expected a Hugging Face checkpoint dir)", src)
+    return str(p)
+
+
+# ----------------------------------------------------------------------------- load + validate
+def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -> Study:
+    """Validate a parsed study mapping; raise StudyError naming the first bad field."""
+    src = str(path) if path else None
+    base = path.parent if path else None
+    if data is None:
+        raise StudyError("", "the file is empty", src)
+    _check_keys("", data, src)
+
+    name = data["name"]
+    if not STUDY_NAME.match(name):
+        raise StudyError("name", f"{name!r} must be letters, digits, '_', '-', '.' (it names a directory)", src)
+
+    m = _check_keys("models", data["models"], src)
+    models = ModelsSpec(**{**dataclasses.asdict(ModelsSpec()), **m})
+    if m.get("target") or m.get("drafter"):
+        if "pair" not in m:
+            models.pair = None
+        if models.pair is not None:
+            raise StudyError("models.pair", "give either pair or target/drafter, not both", src)
+        for key in ("target", "drafter"):
+            if not getattr(models, key):
+                raise StudyError(f"models.{key}", "is required when the other checkpoint dir is given", src)
+            if check_files:
+                setattr(models, key, _check_model_dir(getattr(models, key), f"models.{key}", base, src))
+    elif models.pair is None:
+        raise StudyError("models", "needs pair: lab (or random:<shape>) or both target and drafter", src)
+    elif not PAIR_NAME.match(models.pair):
+        raise StudyError("models.pair", f"{models.pair!r} is not 'lab', 'random:<shape>' or a target/drafter pair", src)
+    elif check_files:
+        _check_named_pair(models.pair, src)
+    if not DEVICES.match(models.device):
+        raise StudyError("models.device", f"{models.device!r} must be cpu, cuda, cuda:N or auto", src)
+    if check_files and models.device.startswith("cuda"):
+        import torch  # every run would fail: refuse now
+        if not torch.cuda.is_available():
+            raise StudyError("models.device", f"{models.device!r} requested but no CUDA device is visible", src)
+        if ":" in models.device and int(models.device.split(":")[1]) >= torch.cuda.device_count():
+            raise StudyError("models.device", f"{models.device!r}: only {torch.cuda.device_count()} CUDA device(s)", src)
+    if models.dtype not in STUDY_DTYPES:
+        raise StudyError("models.dtype", f"{models.dtype!r} must be one of {', '.join(STUDY_DTYPES)}", src)
+    if models.attention not in ATTENTION_BACKENDS:
+        raise StudyError("models.attention",
+                         f"{models.attention!r} must be one of {', '.join(ATTENTION_BACKENDS)}", src)
+
+    p = _check_keys("prompts", data["prompts"], src)
+    prompts = PromptsSpec(**{**dataclasses.asdict(PromptsSpec()), **p})
+    if prompts.n_prompts < 1:
+        raise StudyError("prompts.n_prompts", f"{prompts.n_prompts} must be at least 1", src)
+    if check_files:
+        resolved = resolve_prompt_set(prompts.set, base)
+        if resolved is None:
+            known = ", ".join(pairs.available_prompt_sets()) or "none installed"
+            raise StudyError("prompts.set", f"prompt set {prompts.set!r} not found (shipped sets: {known})", src)
+        try:
+            rows = read_prompt_set(prompts.set, None, base)
+        except (ValueError, json.JSONDecodeError) as e:
+            raise StudyError("prompts.set", f"unreadable prompt file: {e}", src) from None
+        if len(rows) < prompts.n_prompts:
+            raise StudyError("prompts.n_prompts", f"{prompts.n_prompts} requested but {prompts.set} has {len(rows)}", src)
+        if not SHIPPED_SET.match(prompts.set):
+            prompts.set = str(resolved)  # notebooks run in another cwd: pass an absolute path
+
+    methods = _as_list("methods", data["methods"], str, src)
+    for i, meth in enumerate(methods):
+        if meth not in METHODS:
+            raise StudyError(f"methods[{i}]", f"{meth!r} must be one of {', '.join(METHODS)}", src)
+    if len(set(methods)) != len(methods):
+        raise StudyError("methods", "lists a method twice", src)
+
+    g = _check_keys("grid", data["grid"], src)
+    grid = GridSpec()
+    if "budget" in g:
+        grid.budget = _as_list("grid.budget", g["budget"], int, src)
+    elif "ddtree" in methods:
+        raise StudyError("grid.budget", "is required when methods include ddtree", src)
+    for i, b in enumerate(grid.budget):
+        if not 1 <= b <= MAX_BUDGET:
+            raise StudyError(f"grid.budget[{i}]", f"{b} is out of range 1..{MAX_BUDGET}", src)
+    if "topk" in g:
+        grid.topk = [None if k in (None, 0) else k for k in _as_list("grid.topk", g["topk"], int, src, allow_none=True)]
+        for i, k in enumerate(grid.topk):
+            if k is not None and k < 0:
+                raise StudyError(f"grid.topk[{i}]", f"{k} must be >= 1 (0 or null: K = budget)", src)
+    if "temperature" in g:
+        grid.temperature = [float(t) for t in _as_list("grid.temperature", g["temperature"], float, src)]
+        for i, t in enumerate(grid.temperature):
+            if not 0.0 <= t <= 10.0:
+                raise StudyError(f"grid.temperature[{i}]", f"{t} is out of range 0..10", src)
+    grid.max_new_tokens = g.get("max_new_tokens", grid.max_new_tokens)
+    if not 1 <= grid.max_new_tokens <= 65536:
+        raise StudyError("grid.max_new_tokens", f"{grid.max_new_tokens} is out of range 1..65536", src)
+    grid.seed = g.get("seed", grid.seed)
+
+    n = _check_keys("notebooks", data.get("notebooks", {}), src)
+    nbs = NotebooksSpec(**{**dataclasses.asdict(NotebooksSpec()), **n})
+    for key in ("per_run", "per_study"):
+        setattr(nbs, key, _as_list(f"notebooks.{key}", getattr(nbs, key), str, src) if getattr(nbs, key) else [])
+    if not nbs.per_run:
+        raise StudyError("notebooks.per_run", "needs at least one notebook (the first one generates)", src)
+    if nbs.timeout < 1:
+        raise StudyError("notebooks.timeout", f"{nbs.timeout} must be at least 1 second", src)
+    report = data.get("report", True)
+    to_check = [(f"notebooks.per_run[{i}]", x) for i, x in enumerate(nbs.per_run)]
+    to_check += [(f"notebooks.per_study[{i}]", x) for i, x in enumerate(nbs.per_study)]
+    if report:
+        to_check.append(("notebooks.report", nbs.report))
+    seen = set()
+    for fname, nb in to_check:
+        stem = Path(nb).stem
+        if not re.match(r"^[A-Za-z0-9_.\-]+$", stem):
+            raise StudyError(fname, f"{nb!r} has an unusable name", src)
+        if fname.startswith("notebooks.per_study") and stem in seen:
+            raise StudyError(fname, f"{nb!r} is listed twice", src)
+        seen.add(stem)
+        if find_notebook(nb, base) is None:
+            dirs = ", ".join(str(d) for d in notebook_dirs(base))
+            raise StudyError(fname, f"notebook {nb!r} not found (looked in {dirs})", src)
+
+    return Study(name=name, models=models, prompts=prompts, methods=methods, grid=grid,
+                 notebooks=nbs, report=report, description=data.get("description", ""),
+                 warmup=data.get("warmup", True), path=path)
+
+
+def load_study(path: str | os.PathLike, check_files: bool = True) -> Study:
+    import yaml
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise StudyError("", "file not found", str(path))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise StudyError("", f"not valid YAML{where}: {getattr(e, 'problem', e)}", str(path)) from None
+    return parse_study(data, path, check_files=check_files)
+
+

@@ -1,0 +1,160 @@
+"""`ddtree-lab bench` on the CPU: the JSON each subcommand writes, on small pairs (timings are not checked)."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from ddtree_lab import options
+from ddtree_lab.bench.cli import add_bench_args, run_bench_cli
+from ddtree_lab.environment import source_digest
+from ddtree_lab.testing import make_tiny_pair
+
+
+def bench(tmp_path, *argv) -> dict:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    out = tmp_path / "bench.json"
+    assert run_bench_cli(p.parse_args([*argv, "--out", str(out)])) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    make_tiny_pair(d)  # writes d/target and d/drafter
+    return d
+
+
+def test_e2e_rows_per_method_and_budget(tmp_path, tiny_dir):
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "16", "--rounds", "3",
+                "--prompt-len", "12", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+    assert res["kind"] == "e2e" and len(res["environment"]["source_sha256"]) == 64
+    assert [(r["method"], r["budget"]) for r in res["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 16)]
+    for r in res["rows"]:
+        stages = r["stage_seconds_per_round"]
+        assert r["round_seconds"] == pytest.approx(sum(stages.values())) and r["round_seconds"] > 0
+        assert (stages["draft"] > 0) == (r["method"] != "ar")
+    assert "roofline" not in res  # only on a GPU, where the copy bandwidth can be measured
+
+
+def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
+    res = bench(tmp_path, "profile", "--model", str(tiny_dir), "--methods", "ar", "ddtree", "--budgets", "8",
+                "--rounds", "2", "--prompt-len", "10", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+    ar, tree = res["rows"]
+    assert set(ar["stages"]) == {"verify"}
+    assert set(tree["stages"]) == {"draft", "tree_build", "verify", "commit"}
+    assert tree["kernels_per_round"] == pytest.approx(sum(s["kernels_per_round"] for s in tree["stages"].values()))
+    assert all(s["kernels_per_round"] >= 1 for s in tree["stages"].values())
+    shares = [k["us_per_round"] for k in tree["top_kernels"]]
+    assert shares == sorted(shares, reverse=True) and {k["stage"] for k in tree["top_kernels"]} <= set(tree["stages"])
+
+
+def test_prompts_speedup_and_equality_counts(tmp_path):
+    res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "2", "--budgets", "8",
+                "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa",
+                "--repeats", "3")
+    rows = {(r["method"], r["budget"]): r for r in res["rows"]}
+    for r in rows.values():  # the median of three interleaved repeats
+        assert len(r["tokens_per_second_per_repeat"]) == 3 and res["repeats"] == 3
+        assert sorted(r["tokens_per_second_per_repeat"])[1] == r["tokens_per_second"]
+    assert set(rows) == {("ar", None), ("dflash", None), ("ddtree", 8)}
+    assert rows[("ar", None)]["speedup_over_ar"] == 1.0
+    for r in rows.values():  # float32: every method reproduces AR's tokens
+        assert r["lossless"] and r["prompts_equal_to_ar"] == 2
+    assert res["best_budget"] == 8 and res["compile"] is False
+    for r in rows.values():  # the time of the median repeat, split: prefill apart, stages by events
+        i = r["tokens_per_second_per_repeat"].index(r["tokens_per_second"])
+        wall = r["seconds_per_repeat"][i]
+        assert 0 < r["prefill_seconds"] < wall and r["decode_tokens_per_second"] > r["tokens_per_second"]
+        assert r["decode_tokens_per_second"] == r["tokens"] / (wall - r["prefill_seconds"])
+        assert set(r["stage_seconds"]) >= {"verify", "other"} and r["stage_seconds"]["verify"] > 0
+    assert rows[("ar", None)]["stage_seconds"]["draft"] == 0 < rows[("dflash", None)]["stage_seconds"]["draft"]
+
+
+def test_source_digest_is_stable():
+    assert source_digest() == source_digest()
+
+
+def test_tree_kernels_choice_reaches_the_engine(tmp_path, tiny_dir, monkeypatch, use_options):
+    from ddtree_lab import tree
+
+    use_options()  # run_bench_cli sets process-wide choices: restore them after this test
+    calls, topk_calls = [], []
+    real = tree.beam_candidates
+    monkeypatch.setattr(tree, "beam_candidates", lambda *a: calls.append(a) or real(*a))
+    from ddtree_lab.kernels import vocab_topk
+    real_topk = vocab_topk.vocab_topk
+    monkeypatch.setattr(vocab_topk, "vocab_topk", lambda *a: topk_calls.append(a) or real_topk(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: a GPU, or the interpreter
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
+                "--device", device, "--dtype", "float32", "--attention", "sdpa", "--tree-kernels", "triton",
+                "--tree-build", "fused", "--tree-topk", "triton")
+    chosen = options.current()
+    assert res["tree_kernels"] == "triton" and chosen.tree_kernels == "triton" and calls
+    assert res["tree_build"] == "fused" and chosen.tree_build == "fused"
+    assert res["tree_topk"] == "triton" and chosen.tree_topk == "triton" and topk_calls
+    use_options(tree_build=None)
+    assert tree.use_triton("cpu")  # chosen explicitly: the interpreter runs the kernels here
+    a = torch.randn(3, 50)
+    assert torch.equal(tree.build_tree(a, 8).tokens, tree.build_tree(a, 8, method="sort").tokens)
+    assert tree.build_tree(torch.randn(2, 300), 200).tokens.shape[0] == 200  # too wide to count: sorts
+
+
+def test_device_kernels_go_to_the_stage_running_when_they_start():
+    """GPU events (Triton's too, launched outside torch ops) are attributed by their GPU start time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from ddtree_lab.bench.e2e import _device_work
+    from ddtree_lab.trace import STAGES
+
+    def ev(name, dev, start, end, kind="kernel"):
+        return SimpleNamespace(name=lambda: name, device_type=lambda: dev, start_ns=lambda: start,
+                               end_ns=lambda: end, duration_ns=lambda: end - start, activity_type=lambda: kind)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [ev("prefill", cpu, 0, 10), ev("draft", cpu, 20, 25), ev("tree_build", cpu, 40, 45),
+              ev("aten::mm", cpu, 21, 22),                                   # a host op: not device work
+              ev("prefill_gemm", gpu, 5, 15), ev("drafter_gemm", gpu, 26, 35),  # runs after draft's span ends
+              ev("_beam_step_kernel", gpu, 41, 50), ev("empty", gpu, 60, 60),
+              ev("draft", gpu, 20, 39, "gpu_user_annotation"), ev("sync", gpu, 36, 39, "cuda_sync")]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    work = _device_work(prof, STAGES)
+    assert work == [("draft", "drafter_gemm", 0.009), ("tree_build", "_beam_step_kernel", 0.009)]
+
+
+def test_attention_launch_choices_for_a_whole_run(tmp_path, tiny_dir, monkeypatch, use_options):
+    """--attn-config sets Triton attention's launch choices for the run (options.attention_launch, which the
+    verify path passes to the kernel); --host-read-lag the decoding loop's."""
+    from ddtree_lab.bench.cli import parse_attn_config
+    from ddtree_lab.decode import host_read_lag
+    from ddtree_lab.kernels import tree_attention as ta
+
+    use_options(host_read_lag=0)
+    assert parse_attn_config(["min_chunk=128", "waves=4"]) == {"min_chunk": 128, "waves": 4.0}
+    with pytest.raises(ValueError, match="min_chunks=1"):
+        parse_attn_config(["min_chunks=1"])
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--attn-config", "num_splits=3",
+                "--host-read-lag", "1")
+    launch = dict(options.current().attention_launch)
+    assert res["attn_config"] == {"num_splits": 3} and launch == {"num_splits": 3}
+    assert res["host_read_lag"] == 1 and host_read_lag("cpu") == 1
+    cpu = torch.device("cpu")
+    assert ta.launch_config(1, 4, 64, 4096, 8, cpu, launch)["num_splits"] == 3
+
+
+def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkeypatch, use_options):
+    use_options()  # restored after the test
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn.__qualname__, kw)) or fn)
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--compile",
+                "--compile-mode", "max-autotune-no-cudagraphs")
+    assert res["compile_mode"] == "max-autotune-no-cudagraphs"
+    names = {name for name, _ in seen}
+    assert {"DecoderLayer.attention_inputs", "DecoderLayer.attention_output", "RMSNorm.forward",
+            "DrafterLayer.context_kv"} <= names
+    assert all(kw.get("mode") == "max-autotune-no-cudagraphs" for _, kw in seen)

@@ -1,0 +1,267 @@
+"""The findings report, built from a study directory written without papermill (fast), and
+opened in headless Chromium: no JavaScript errors, figures rendered, a non-blank screenshot."""
+import argparse
+import json
+import shutil
+import struct
+import subprocess
+import zlib
+
+import pytest
+
+from ddtree_lab import metrics
+from ddtree_lab.workbench import figures, profile, report, results as R
+from ddtree_lab.atomic import atomic_write_json
+from ddtree_lab.workbench.runs import RunParams
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory, tiny_dirs, tiny_pair):
+    """AR + DDTree b2/b4/b8 runs of the tiny pair, one failed run, one tampered (lossy) run and a
+    kernel timeline, laid out as `ddtree-lab study` lays them out."""
+    root = tmp_path_factory.mktemp("report_study")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": s}) for i, s in
+                                 enumerate(["def add(a, b):\n", "class Point:\n"])))
+    sd = root / "study"
+    t, d = tiny_dirs
+    p = RunParams(study_name="rep", study_dir=str(sd), pair="", target_dir=str(t), drafter_dir=str(d),
+                  prompt_set=str(prompts), n_prompts=2, max_new_tokens=10, warmup=False, topk=0)
+    R.quick_sweep(p, [2, 4, 8], tiny_pair)
+    atomic_write_json(sd / "study.json", {"study": {"name": "rep", "methods": ["ar", "ddtree"],
+                                                    "prompts": {"set": str(prompts), "n_prompts": 2}},
+                                          "runs": ["ar-t0", "ddtree-b2-k0-t0", "ddtree-b4-k0-t0",
+                                                   "ddtree-b8-k0-t0", "ddtree-b16-k0-t0"]})
+    # A run left over from an earlier version of the study file: not in study.json, left out.
+    shutil.copytree(sd / "ddtree-b4-k0-t0", sd / "ddtree-b99-k0-t0")
+    # A lossy run: tokens that differ from AR must be flagged.
+    res = json.loads((sd / "ddtree-b8-k0-t0" / "results.json").read_text())
+    res["prompts"][0]["tokens"][3] += 1
+    atomic_write_json(sd / "ddtree-b8-k0-t0" / "results.json", res)
+    # A failed run, as the study runner records it.
+    (sd / "ddtree-b16-k0-t0").mkdir()
+    atomic_write_json(sd / "ddtree-b16-k0-t0" / "run.json", {
+        "name": "ddtree-b16-k0-t0", "kind": "run", "status": "failed", "error": "RuntimeError: out of cheese",
+        "error_notebook": "accepted_paths.ipynb", "error_detail": "RuntimeError: out of cheese\n",
+        "params": {"method": "ddtree", "budget": 16}})
+    # A kernel timeline from a synthetic Chrome trace.
+    kt = sd / "kernel_timeline"
+    kt.mkdir()
+    events = [{"ph": "X", "name": "ddtree_lab.generate", "cat": "user_annotation", "ts": 0, "dur": 1000, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "aten::linear", "cat": "cpu_op", "ts": 10, "dur": 300, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "aten::addmm", "cat": "cpu_op", "ts": 20, "dur": 200, "pid": 1, "tid": 1},
+              {"ph": "X", "name": "aten::softmax", "cat": "cpu_op", "ts": 400, "dur": 50, "pid": 1, "tid": 1}]
+    rounds = [{"index": 0, "stage_seconds": {"draft": 1e-4, "tree_build": 5e-5, "verify": 3e-4, "commit": 1e-4}}]
+    tl = profile.summarize_chrome_trace({"traceEvents": events}, rounds, {"verify": 4e-4})
+    atomic_write_json(kt / "timeline.json", {**tl, "run": "kernel_timeline", "device": "cpu", "trace_file": "trace.json"})
+    atomic_write_json(kt / "microbench.json", {"points": [{"budget": 2, "verify_ms": 1.0, "achieved_gbps": 0.1},
+                                                         {"budget": 8, "verify_ms": 1.5, "achieved_gbps": 0.08}],
+                                              "peak_gbps": None, "note": "cpu"})
+    atomic_write_json(kt / "run.json", {"name": "kernel_timeline", "kind": "study", "status": "complete"})
+    return sd
+
+
+def test_summarize_chrome_trace_outermost_ops_and_stages(study_dir):
+    tl = json.loads((study_dir / "kernel_timeline" / "timeline.json").read_text())
+    assert tl["kind"].startswith("CPU ops")
+    assert [k["name"] for k in tl["top_kernels"]] == ["aten::linear", "aten::softmax"]  # addmm is nested
+    assert [s["name"] for s in tl["stages"]] == ["prefill", "draft", "tree_build", "verify", "commit"]
+    assert tl["stages"][0]["dur_us"] == pytest.approx(100.0)
+
+
+def test_collect_and_compare(study_dir):
+    rows = {r["name"]: r for r in R.collect_study(study_dir)}
+    assert rows["ar-t0"]["comparison"]["verdict"] == "reference"
+    assert rows["ddtree-b2-k0-t0"]["comparison"]["verdict"] == "lossless"
+    assert rows["ddtree-b2-k0-t0"]["comparison"]["speedup"] > 0
+    assert rows["ddtree-b8-k0-t0"]["comparison"]["verdict"] == "mismatch"
+    assert "p0 diverges at token 3" in rows["ddtree-b8-k0-t0"]["comparison"]["detail"]
+    assert rows["ddtree-b16-k0-t0"]["status"] == "failed"
+    assert "ddtree-b99-k0-t0" not in rows
+    assert R.suspect_reason(rows["ddtree-b16-k0-t0"]).startswith("failed: RuntimeError")
+    assert R.suspect_reason(rows["ddtree-b8-k0-t0"]).startswith("mismatch")
+    assert R.suspect_reason(rows["ddtree-b2-k0-t0"]) is None
+    assert R.suspect_reason(rows["kernel_timeline"]) is None
+    best = figures.recommend_budget(list(rows.values()))
+    assert best["budget"] in (2, 4)  # never the lossy b8 run
+
+
+def test_results_json_fields(study_dir):
+    res = json.loads((study_dir / "ddtree-b4-k0-t0" / "results.json").read_text())
+    for key in ("config", "models", "device", "versions", "commit", "prompts", "summary", "comparison"):
+        assert key in res, key
+    s = res["summary"]
+    for key in ("new_tokens", "rounds", "mean_tau", "tau_histogram", "acceptance_by_depth",
+                "stage_seconds", "tokens_per_second", "seconds_per_token"):
+        assert key in s, key
+    assert s["new_tokens"] == sum(len(p["tokens"]) for p in res["prompts"]) > 0
+    assert set(s["stage_seconds"]) >= {"draft", "tree_build", "verify", "commit", "other"}
+    assert res["config"]["budget"] == 4 and res["models"]["target"]["path"]
+    rows = R.load_traces(study_dir / "ddtree-b4-k0-t0")
+    assert rows and rows[0]["tree"]["parents"] and "prompt_id" in rows[0]
+
+
+def test_metrics_helpers():
+    a = metrics.acceptance_by_depth([1, 2, 3, 3], max_depth=3)
+    assert a["survival"] == [0.75, 0.5, 0.0] and a["conditional"][:2] == [0.75, 2 / 3]
+    assert metrics.tau_histogram([1, 3, 3]) == {"values": [1, 2, 3], "counts": [1, 0, 2]}
+    assert profile.peak_bandwidth_gbps("NVIDIA H200") == 4800 and profile.peak_bandwidth_gbps("cpu") is None
+
+
+def test_build_report(study_dir):
+    path = report.build_report(study_dir)
+    page = path.read_text()
+    assert path == study_dir / "report.html"
+    assert "<script src" not in page  # nothing loaded from the network
+    assert page.count("plotly.js v") == 1  # plotly.js embedded exactly once, inline
+    for section in ("Setup", "Acceptance and speedup vs budget", "τ histograms", "Acceptance by depth",
+                    "Stage breakdown", "Kernel timeline", "Draft trees", "Losslessness", "Failed or suspect runs"):
+        assert section in page, section
+    assert "Recommended budget" in page or "No budget beat AR" in page  # speedups vary by machine
+    assert "out of cheese" in page and "diverges at token 3" in page
+    assert "verify micro-benchmark" in page.lower()
+
+
+def test_report_cli(study_dir, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    report.add_report_args(parser)
+    assert report.run_report_cli(parser.parse_args([str(study_dir), "--out", str(tmp_path / "r.html")])) == 0
+    assert (tmp_path / "r.html").stat().st_size > 1_000_000
+    assert report.run_report_cli(parser.parse_args([str(tmp_path / "missing")])) == 2
+    assert "no study directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- headless Chromium
+def _chromium() -> str | None:
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+def _png_pixels(data: bytes):
+    """-> (width, height, rows of RGB(A) bytes) for 8-bit RGB/RGBA PNGs (what Chromium writes)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            w, h, depth, color = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    assert depth == 8 and color in (2, 6)
+    bpp = 3 if color == 2 else 4
+    raw, stride, rows, prev = zlib.decompress(idat), w * bpp, [], bytearray(w * bpp)
+    for y in range(h):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return w, h, bpp, rows
+
+
+def test_report_renders_in_headless_chromium(study_dir, tmp_path):
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("chromium not installed (apt-get install -y chromium)")
+    page = report.build_report(study_dir)
+    flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000",
+             "--enable-logging=stderr", "--v=0"]
+    url = page.as_uri()
+    dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "Uncaught" not in dom.stderr, [l for l in dom.stderr.splitlines() if "CONSOLE" in l]
+    import re
+    m = re.search(r'id="render-status"[^>]*data-plots="(\d+)"[^>]*data-errors="(\d+)"', dom.stdout) or \
+        re.search(r'data-plots="(\d+)"[^>]*data-errors="(\d+)"[^>]*id="render-status"', dom.stdout)
+    assert m, "the page's load hook did not run"
+    n_plots, n_errors = int(m.group(1)), int(m.group(2))
+    assert n_errors == 0, dom.stdout[dom.stdout.find("render-status"):][:800]
+    assert n_plots == page.read_text().count('class="fig"')  # every figure drew its SVG
+
+    png = tmp_path / "shot.png"
+    shot = subprocess.run(flags + ["--window-size=1200,1800", f"--screenshot={png}", url],
+                          capture_output=True, text=True, timeout=180)
+    assert shot.returncode == 0 and png.is_file(), shot.stderr[-2000:]
+    w, h, bpp, rows = _png_pixels(png.read_bytes())
+    pixels = [r[i:i + 3] for r in rows[::8] for i in range(0, w * bpp, 8 * bpp)]
+    common = max(set(pixels), key=pixels.count)
+    assert sum(p != common for p in pixels) / len(pixels) > 0.05  # not a blank page
+    assert len(set(pixels)) > 50                                    # text, lines, colours
+
+
+def test_many_runs_start_partly_hidden():
+    rows = [{"name": f"ddtree-b{b}-k{k}-t{t}", "kind": "run", "status": "complete",
+             "results": {"config": {"method": "ddtree", "budget": b, "topk": k, "temperature": t}}}
+            for t in (0, 1) for k in (0, 8) for b in (1, 4, 16, 64, 256, 1024)]
+    rows.append({"name": "dflash-t0", "kind": "run", "status": "complete",
+                 "results": {"config": {"method": "dflash", "temperature": 0}}})
+    runs = figures.grid_rows(rows)
+    shown = {r["name"] for r in runs} - figures.busy_runs(runs)
+    assert "dflash-t0" in shown and "ddtree-b1-k0-t0" in shown and len(shown) <= 8
+    assert all(n.endswith("-k0-t0") for n in shown - {"dflash-t0"})
+    assert figures.busy_runs(runs[:5]) == set()
+
+
+def test_pair_without_tokenizer_gets_byte_prompts(tiny_pair, tmp_path):
+    # Random-weight pairs (random:<shape>) have no tokenizer: prompts go in as UTF-8 bytes.
+    import dataclasses
+    bare = dataclasses.replace(tiny_pair, tokenizer=None)
+    assert R.prompt_input(bare, "ab") == [97, 98] and R.prompt_input(tiny_pair, "ab") == "ab"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}]}))
+    p = RunParams(prompt_set=str(tmp_path / "p.jsonl"), n_prompts=1, max_new_tokens=4, budget=2, warmup=False,
+                  run_dir=str(tmp_path / "run"), study_dir="")
+    res, rows = R.generate_run(p, bare, progress=False)
+    assert res["summary"]["new_tokens"] == 4 and rows[0]["tree"]
+
+
+def test_short_kernel_names():
+    assert figures.short_kernel_name("void at::native::k<128, F<a<b>>>(int, T<x>)") == "at::native::k<…>"
+    assert figures.short_kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
+    assert len(figures.short_kernel_name("x" * 200, 40)) == 40
+
+
+def test_tree_rounds_own_sibling_live(study_dir, tiny_pair):
+    cfg = json.loads((study_dir / "ddtree-b2-k0-t0" / "results.json").read_text())["config"]
+    p = RunParams(**{**cfg, "study_dir": str(study_dir), "run_dir": str(study_dir / "budget_sweep"), "budgets": []})
+    rounds = R.tree_rounds(p, [2, 4, 6], pair=tiny_pair)
+    assert set(rounds) == {2, 4, 6}
+    assert rounds[4] == [r for r in R.load_traces(study_dir / "ddtree-b4-k0-t0")]  # from the study's run
+    assert len(rounds[6][0]["tree"]["tokens"]) == 6  # generated live
+    assert {r["prompt_id"] for r in rounds[6]} == {"p0", "p1"}
+    assert R.tree_rounds(RunParams(method="ar"), [2]) == {}
+    assert R.run_tokenizer(p) is not None  # from the study's results, no model load
+
+
+def test_no_comparison_across_settings(study_dir):
+    res = json.loads((study_dir / "ddtree-b2-k0-t0" / "results.json").read_text())
+    ar = json.loads((study_dir / "ar-t0" / "results.json").read_text())
+    assert R.compare(res, ar)["verdict"] == "lossless"
+    ar["config"]["max_new_tokens"] += 1
+    c = R.compare(res, ar)
+    assert c["verdict"] == "not checked" and "max_new_tokens" in c["detail"] and c["speedup"] is None
+
+
+def test_bench_json_in_report(study_dir):
+    # What `ddtree-lab bench e2e --out <study_dir>/bench/e2e.json` writes (fields the table reads).
+    bench = study_dir / "bench"
+    atomic_write_json(bench / "e2e.json", {
+        "kind": "e2e", "model": "random:qwen3-8b", "attention": "triton", "environment": {"device": "NVIDIA H200"},
+        "roofline": {"copy_bytes_per_second": 4.2e12, "ar_step_over_roofline": 2.2},
+        "rows": [{"method": "ar", "budget": None, "mean_tau": 1.0, "tokens_per_second": 95.0, "round_seconds": 0.008},
+                 {"method": "ddtree", "budget": 64, "mean_tau": 1.0, "tokens_per_second": 80.5, "round_seconds": 0.0101}]})
+    page = report.build_report(study_dir).read_text()
+    assert "Benchmarks (ddtree-lab bench)" in page and "random:qwen3-8b" in page and "4200 GB/s" in page
+    assert "10.100" in page  # round seconds shown in ms
+    shutil.rmtree(bench)

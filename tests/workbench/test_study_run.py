@@ -1,0 +1,137 @@
+"""A tiny study executed end to end with papermill: runs, a deliberately failing run, the
+once-per-study notebooks, the report, and a re-run that skips what is complete.
+
+Kernel starts are the cost here (a few seconds each), so one study serves every test."""
+import dataclasses
+import json
+
+import nbformat
+import pytest
+import yaml
+
+from ddtree_lab.workbench import runner
+from ddtree_lab.workbench import runs as study_runs
+from ddtree_lab.workbench import spec as study_spec
+
+NOTEBOOKS = ["draft_trees", "accepted_paths", "budget_sweep", "kernel_timeline", "findings_report"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_shipped_notebooks_are_valid_and_clean(name):
+    nb = nbformat.read(study_spec.REPO_DIR / "notebooks" / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
+    assert nb.metadata.kernelspec.name == "python3"
+    for c in nb.cells:  # committed without outputs
+        if c.cell_type == "code":
+            assert c.outputs == [] and c.execution_count is None
+    # every parameter is typed and commented, and papermill can read it
+    from papermill.inspection import _infer_parameters
+    from papermill.iorw import load_notebook_node
+    params = {p.name: p for p in _infer_parameters(load_notebook_node(str(study_spec.REPO_DIR / "notebooks" / f"{name}.ipynb")))}
+    assert set(params) == {f.name for f in dataclasses.dataclasses.fields(study_runs.RunParams)}
+    assert all(p.help for p in params.values()), [n for n, p in params.items() if not p.help]
+    assert all(p.inferred_type_name != "None" for p in params.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory, tiny_dirs):
+    root = tmp_path_factory.mktemp("study_run")
+    (root / "prompts.jsonl").write_text(json.dumps({"id": "p0", "prompt": "def add(a, b):\n"}) + "\n")
+    # A per-run notebook that fails for budget 4, after the parameters are injected.
+    nb = nbformat.read(study_spec.REPO_DIR / "notebooks" / "accepted_paths.ipynb", as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(
+        'if budget == 4:\n    raise RuntimeError("deliberate failure for budget 4")'))
+    (root / "notebooks").mkdir()
+    nbformat.write(nb, root / "notebooks" / "paths_or_fail.ipynb")
+    t, d = tiny_dirs
+    spec = {
+        "name": "tinyrun",
+        "models": {"target": str(t), "drafter": str(d), "device": "cpu"},
+        "prompts": {"set": "prompts.jsonl", "n_prompts": 1},
+        "methods": ["ar", "ddtree"],
+        "grid": {"budget": [2, 4], "max_new_tokens": 8},
+        "notebooks": {"per_run": ["notebooks/paths_or_fail.ipynb"],
+                      "per_study": ["draft_trees", "budget_sweep", "kernel_timeline"], "timeout": 600},
+        "warmup": False,
+    }
+    (root / "tinyrun.yaml").write_text(yaml.safe_dump(spec))
+    out = root / "out"
+    log = []
+    summary = runner.main_study(root / "tinyrun.yaml", out, progress=False, log=log.append)
+    return root, out, summary, log
+
+
+def test_study_runs_and_records(tiny_study):
+    root, out, summary, log = tiny_study
+    status = {o.name: o.status for o in summary.outcomes}
+    assert status == {"ar-t0": "complete", "ddtree-b2-k0-t0": "complete", "ddtree-b4-k0-t0": "failed",
+                      "draft_trees": "complete", "budget_sweep": "complete", "kernel_timeline": "complete"}, log
+    assert (out / "study.json").is_file() and (out / "study.yaml").is_file()
+    for run in ("ar-t0", "ddtree-b2-k0-t0"):
+        d = out / run
+        assert {"paths_or_fail.ipynb", "results.json", "traces.jsonl", "run.json", "figures"} <= \
+            {p.name for p in d.iterdir()}
+        res = json.loads((d / "results.json").read_text())
+        for key in ("config", "models", "device", "versions", "commit", "prompts", "summary", "comparison"):
+            assert key in res
+        assert res["summary"]["new_tokens"] == 8 and res["summary"]["mean_tau"] >= 1
+        nb = nbformat.read(d / "paths_or_fail.ipynb", as_version=4)
+        assert any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
+        assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    # draft_trees ran once for the study, on the rounds the runs recorded (b4 failed: b2 only)
+    nb = nbformat.read(out / "draft_trees" / "draft_trees.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "{2: " in printed and (out / "draft_trees" / "figures" / "draft_trees.json").is_file()
+    b2 = json.loads((out / "ddtree-b2-k0-t0" / "results.json").read_text())
+    assert b2["comparison"]["verdict"] == "lossless"  # AR ran first: compared at run time already
+    assert not list(out.glob(".*"))  # no temp dirs left behind
+
+
+def test_failed_run_is_recorded_and_reported(tiny_study):
+    root, out, summary, log = tiny_study
+    d = out / "ddtree-b4-k0-t0"
+    st = json.loads((d / "run.json").read_text())
+    assert st["status"] == "failed" and "deliberate failure for budget 4" in st["error"]
+    assert st["error_notebook"] == "paths_or_fail.ipynb"
+    assert (d / "paths_or_fail.ipynb").is_file()  # the partial notebook is kept
+    assert [p.name for p in d.glob("*.ipynb")] == ["paths_or_fail.ipynb"]
+    page = (out / "report.html").read_text()
+    assert "deliberate failure for budget 4" in page and "ddtree-b4-k0-t0" in page
+
+
+def test_study_notebooks_and_report(tiny_study):
+    root, out, summary, log = tiny_study
+    assert summary.report == out / "report.html" and summary.report.stat().st_size > 1_000_000
+    kt = out / "kernel_timeline"
+    assert {"trace.json", "timeline.json", "microbench.json", "kernel_timeline.ipynb"} <= {p.name for p in kt.iterdir()}
+    tl = json.loads((kt / "timeline.json").read_text())
+    assert tl["stages"] and tl["top_kernels"]
+    sweep = json.loads((out / "budget_sweep" / "sweep.json").read_text())
+    assert [r["run"] for r in sweep["runs"]] == ["ar-t0", "ddtree-b2-k0-t0", "ddtree-b4-k0-t0"]
+    assert (out / "findings_report" / "findings_report.ipynb").is_file()
+    page = summary.report.read_text()
+    assert page.count("plotly.js v") == 1 and "Kernel timeline" in page and "lossless" in page
+
+
+def test_rerun_skips_complete_runs(tiny_study):
+    root, out, summary, log = tiny_study
+    before = (out / "ar-t0" / "results.json").stat().st_mtime_ns
+    again = runner.main_study(root / "tinyrun.yaml", out, retry_failed=False, progress=False, log=lambda *_: None)
+    assert {o.name: o.status for o in again.outcomes} == {
+        "ar-t0": "skipped", "ddtree-b2-k0-t0": "skipped", "ddtree-b4-k0-t0": "skipped",
+        "draft_trees": "skipped", "budget_sweep": "skipped", "kernel_timeline": "skipped"}
+    assert (out / "ar-t0" / "results.json").stat().st_mtime_ns == before
+    assert again.report.is_file()
+
+
+def test_needs_run_logic(tmp_path):
+    from ddtree_lab.atomic import atomic_write_json
+    d = tmp_path / "r"
+    assert runner._needs_run(d, "fp", retry_failed=True)  # absent
+    atomic_write_json(d / "run.json", {"status": "complete", "fingerprint": "fp"})
+    assert not runner._needs_run(d, "fp", True) and runner._needs_run(d, "other", True)  # changed parameters
+    atomic_write_json(d / "run.json", {"status": "failed", "fingerprint": "fp"})
+    assert runner._needs_run(d, "fp", True) and not runner._needs_run(d, "fp", False)
