@@ -160,7 +160,8 @@ class DrafterConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers spread evenly when a drafter config does not list them (DESIGN §4)."""
+    """Target layers spread evenly when a drafter config does not list them: one draft layer takes the middle
+    target layer; k layers take round(1 + i·(n − 4)/(k − 1)), i = 0 … k−1, as DFlash checkpoints expect."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     k = num_draft_layers

@@ -52,9 +52,9 @@ class Target(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A plain gather, not nn.Embedding: on CUDA the embedding's index_select walks up to 16 indices one after
-        # another (6.6 µs for a draft block of 16 on the H200), the gather spreads them over threads. Same values;
-        # forward_train keeps nn.Embedding for its backward.
+        # A plain gather, not nn.Embedding: on CUDA the embedding's index_select walks a few indices one after
+        # another, the gather spreads them over threads (docs/performance.md). Same values; forward_train keeps
+        # nn.Embedding for its backward.
         return self.embed_tokens.weight[tokens]
 
     def lm_head_logits(self, h: torch.Tensor) -> torch.Tensor:

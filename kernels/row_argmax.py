@@ -8,9 +8,9 @@ only with a strictly larger value, and `tl.argmax(..., tie_break_left=True)` tak
 block, so ties go to the smaller index as in torch. Rows are assumed free of NaN (torch would return a NaN's
 index; logits here never hold one).
 
-Why: the commit stage takes the argmax over the verify's logits, [tree size, vocabulary]. torch's generic
-reduction took 15 µs for the lab pair's 17 × 4,096 bf16 logits on the H200, against 3.8 µs for AR's one row
-(docs/bench/profile_lab_compile.json). One program per row reads its row once. Wide vocabularies (up to
+Why: the commit stage takes the argmax over the verify's logits, [tree size, vocabulary], and torch's generic
+reduction is several times slower for a few rows than for one (measured in docs/kernels.md). One program per
+row reads its row once. Wide vocabularies (up to
 MAX_VOCAB_BLOCKS blocks) loop; beyond that torch's split reduction uses the GPU better, and the caller
 (`decode.argmax_rows`) keeps torch's.
 """

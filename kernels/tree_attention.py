@@ -256,9 +256,7 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
                    num_warps=4, num_stages=1, waves=1.0, min_chunk=64)
     else:
         bm = max(16, min(128, triton.next_power_of_2(M)))
-        # One query (an AR step) gains from short splits, a tree loses from them: on the H200 (random:qwen3-8b,
-        # 512-token prompt) min_chunk 512 / 128 / 64 gave an AR step of 5.32 / 5.26 / 5.20 ms but a budget-64
-        # verify of 5.77 / 5.98 / 6.08 ms (docs/bench/e2e_random_qwen3_8b_min_chunk*.json).
+        # One query (an AR step) gains from short splits, a tree loses from them (measured in docs/kernels.md).
         cfg = dict(block_m=bm, block_n=64, num_warps=8 if bm == 128 else 4,
                    num_stages=3 if (bm == 128 and D >= 128) else 4, waves=2.0, min_chunk=64 if T == 1 else 512)
     cfg.update({k: v for k, v in o.items() if k != "num_splits"})

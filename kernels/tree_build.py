@@ -159,9 +159,8 @@ def _fused_tree_kernel(TopLp, TopTok, CandSlot, CandRank, BeamScore, BeamSlot, B
 
 
 def fused_num_warps(block_g: int) -> int:
-    """Warps for the one program: its sorts are all the work, so wider sorts want more threads. H200, 15
-    depths (python -m kernels.bench_tree_build): W 64 (block 1024) 68 / 45 / 47 / 96 µs at 4 / 8 / 16 / 32
-    warps; W 128 (2048) 191 / 126 / 107 / 111; W 256 (4096) 505 / 459 / 331 / 288."""
+    """Warps for the one program: its sorts are all the work, so wider sorts want more threads (the sweep
+    behind these choices: docs/kernels.md, `python -m ddtree_lab.bench.tree_build`)."""
     return 8 if block_g <= 1024 else 16 if block_g <= 2048 else 32
 
 

@@ -7,10 +7,9 @@ One program per depth holds the whole row in registers: its max and log-sum-exp,
 (score, index) keys (`tree_build._sort_key`: larger scores first, exact ties by the smaller index), whose
 first K entries are the answer. That fits small vocabularies (`MAX_VOCAB`); larger ones keep torch's topk.
 
-Why: on the lab pair (vocabulary 4096, 15 depths) torch's log-softmax and top-K are 3–4 small kernels, of
-which the radix-select top-K alone took 31 µs of a 60 µs tree-build stage on the H200
-(docs/bench/profile_lab_compile.json). Timed on the H200 this kernel is slower (72 against 44 µs at 4,096;
-docs/kernels.md): one program sorting a whole row loses to a radix select spread over the GPU. It stays opt-in.
+Why: on small vocabularies torch's log-softmax and top-K are 3–4 small kernels, most of a tree-build stage.
+Timed on a GPU this kernel is slower (docs/kernels.md): one program sorting a whole row loses to a radix
+select spread over the GPU. It stays opt-in (options.tree_topk).
 """
 from __future__ import annotations
 

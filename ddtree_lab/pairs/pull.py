@@ -20,7 +20,8 @@ import zipfile
 from pathlib import Path
 
 from ..names import STUDY_DTYPES
-from . import PULLABLE, Pullable, cache_dir
+from . import PULLABLE, Pullable
+from . import cache_dir as default_cache_dir
 from .gguf_import import (GGUFImportError, HashMismatchError, import_gguf, read_provenance,
                           require_extra, verify_hash)
 
@@ -90,7 +91,7 @@ def pull(name: str = "smollm2", cache_dir=None, force: bool = False, dtype: str 
     if name not in PULLABLE:
         raise PullError(f"unknown model {name!r}; pullable: {', '.join(PULLABLE)}")
     spec = PULLABLE[name]
-    root = Path(cache_dir).expanduser() if cache_dir else cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     out = (root / spec.dirname).resolve()
     if is_pulled(out, spec) and not force:
         log(f"{name} is already in {out} (sha256 {spec.sha256[:12]}…); nothing to do")
@@ -142,7 +143,7 @@ def run_pull_cli(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"target: dl.load_pair(target={str(out)!r})")
-    default = (cache_dir() / PULLABLE[args.name].dirname).resolve()
+    default = (default_cache_dir() / PULLABLE[args.name].dirname).resolve()
     if out != default:
         print(f"note: dl.load_pair({args.name!r}) looks in {default}; set DDTREE_LAB_CACHE={out.parent}")
     return 0

@@ -198,14 +198,14 @@ def test_text_prompt_and_trace_json(tiny_pair):
 def test_padded_prefill_gives_the_same_tokens(tiny_dirs, monkeypatch, prompt_len):
     """With CUDA graphs the prompt runs padded to a multiple of PREFILL_BUCKET (one graph per length).
     Here the padded forward runs eagerly: the padding's K/V and drafter context must never be read."""
-    from ddtree_lab import decode
+    from ddtree_lab import decode, graphs
 
     pair = dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1])
     prompt = [(7 * i + 3) % 50 + 2 for i in range(prompt_len)]
     for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 9)):
         want = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=20, stop=[])
         with monkeypatch.context() as m:
-            m.setattr(decode, "_padded_prefill", lambda graphs, target: True)
+            m.setattr(decode, "padded_prefill", lambda graphs, target: True)
             got = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=20, stop=[])
         assert got.tokens == want.tokens, method
         assert got.acceptance_lengths == want.acceptance_lengths, method
@@ -224,8 +224,8 @@ def test_padded_prefill_gives_the_same_tokens(tiny_dirs, monkeypatch, prompt_len
         pair.target.kv.normal_()  # the padded prefill must overwrite what it needs
         pair.drafter.kv.normal_()
         pair.drafter.ctx_len.zero_()
-        padded = decode._prefill_for(pair, n, layers, True)
-        assert padded.tokens.shape[0] == -(-n // decode.PREFILL_BUCKET) * decode.PREFILL_BUCKET
+        padded = graphs.prefill_for(pair, n, layers, True)
+        assert padded.tokens.shape[0] == -(-n // graphs.PREFILL_BUCKET) * graphs.PREFILL_BUCKET
         got_state = (padded.run(prompt), pair.target.kv[..., :n, :], pair.drafter.kv[..., :n, :], int(pair.drafter.ctx_len))
         for want_t, got_t in zip(want_state[:3], got_state[:3]):
             torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)

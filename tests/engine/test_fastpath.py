@@ -88,7 +88,7 @@ def test_captured_prefill_equals_eager(gpu_pairs, prompt_len):
 def test_captures_survive_garbage_collection(gpu_pairs):
     """More round programs than the pair keeps (its cache is cleared past 16), with the collector running as
     often as it can: a dropped program holds tensors of its graphs' memory pool, and collecting it in the
-    middle of another capture would free that pool there and invalidate the capture (decode.capturing)."""
+    middle of another capture would free that pool there and invalidate the capture (graphs.capturing)."""
     import gc
 
     pair = gpu_pairs["sdpa"]

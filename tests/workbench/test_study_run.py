@@ -30,7 +30,7 @@ def test_shipped_notebooks_are_valid_and_clean(name):
     from papermill.inspection import _infer_parameters
     from papermill.iorw import load_notebook_node
     params = {p.name: p for p in _infer_parameters(load_notebook_node(str(study_spec.REPO_DIR / "notebooks" / f"{name}.ipynb")))}
-    assert set(params) == {f.name for f in dataclasses.dataclasses.fields(study_runs.RunParams)}
+    assert set(params) == {f.name for f in dataclasses.fields(study_runs.RunParams)}
     assert all(p.help for p in params.values()), [n for n, p in params.items() if not p.help]
     assert all(p.inferred_type_name != "None" for p in params.values())
 
