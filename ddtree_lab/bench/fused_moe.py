@@ -100,11 +100,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): the path runs")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.smoke:
-        shape, tokens, device, dtype, bw = SMOKE, a.tokens or SMOKE_TOKENS, "cpu", torch.float32, None
+        # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        shape, tokens, dtype, bw = SMOKE, a.tokens or SMOKE_TOKENS, torch.float32, None
     else:
         from .attention import device_copy_gbps
 

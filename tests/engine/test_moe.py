@@ -127,16 +127,18 @@ def test_tiny_moe_pair_round_trips_through_the_checkpoint(moe_dirs, moe_pair):
 def test_torch_paths_and_triton_kernel_agree():
     """The engine's fixed-shape torch path (per-token gather) and the Triton kernels (interpreter on the CPU)
     give one block's output and counts alike."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: a GPU, or the interpreter
     moe = SparseMoE(48, 24, 6, 2, True)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    moe = moe.to(device)
     from ddtree_lab.kernels.fused_moe import fused_moe, fused_moe_reference
 
-    x = torch.randn(17, 48, generator=g)
+    x = torch.randn(17, 48, generator=g).to(device)
     want, want_counts = fused_moe_reference(x, moe.router.weight, moe.gate_up, moe.down, 2, True)
-    counts = torch.zeros(6, dtype=torch.int32)
+    counts = torch.zeros(6, dtype=torch.int32, device=device)
     got = moe_torch(x, moe.router.weight, moe.gate_up, moe.down, 2, True, counts=counts)
     assert torch.allclose(got, want, atol=1e-5) and torch.equal(counts, want_counts)
     kernel, kcounts = fused_moe(x, moe.router.weight.detach(), moe.gate_up.detach(), moe.down.detach(), 2, True)
