@@ -146,7 +146,8 @@ def test_torch_paths_and_triton_kernel_agree():
 
 
 def test_triton_path_in_the_engine_gives_the_same_tokens(moe_dirs, use_options):
-    pair = dl.load_pair(target=moe_dirs[0], drafter=moe_dirs[1])
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU, the interpreter without
+    pair = dl.load_pair(target=moe_dirs[0], drafter=moe_dirs[1], device=device)
     prompt = [3, 1, 4, 1, 5, 9]
     want = dl.generate(pair, prompt, method="ar", max_new_tokens=8, stop=[])
     use_options(tree_kernels="triton")  # the GPU's kernels, under the interpreter
