@@ -17,7 +17,7 @@ from pathlib import Path
 from ..atomic import atomic_write_json
 from . import advisor as A
 from .figures import grid_rows, run_config
-from .results import collect_study
+from .results import collect_study, load_traces
 
 ADVICE_FILE = "advice.json"
 SCHEMA = "ddtree_lab.advice/1"
@@ -64,6 +64,7 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
             "device": (res.get("device") or {}), "topk": key[0], "temperature": key[1], "context_tokens": ctx,
             "budgets": {b: _prompt_taus(r["results"]) for b, r in sorted(runs.items())},
             "dflash": _prompt_taus(dflash["results"]) if dflash else None,
+            "traces": {b: load_traces(r["dir"]) for b, r in sorted(runs.items())},
             "stage_points": {b: {k: v / max(1, r["results"]["summary"].get("rounds") or 1)
                                  for k, v in (r["results"]["summary"].get("stage_seconds") or {}).items()}
                              for b, r in sorted(runs.items())}}
@@ -126,10 +127,16 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
            "budgets": budgets, "tau": {b: _tau(t, all_ids) for b, t in st["budgets"].items()},
            "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
            "calibration": A.dump(cal), "machines": {}}
+    # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
+    # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
+    out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
+    union = A.union_curve([r for t in st["traces"].values() for r in t])
+    out["experts_touched"] = union or None
+    union = union if shape_name == st["pair"] else None
     for name in names:
         m = A.get_machine(name, measured, cal)
-        costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal) for b in budgets}
-        ar = A.round_cost(shape, m, "ar", None, ctx, cal)
+        costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, union) for b in budgets}
+        ar = A.round_cost(shape, m, "ar", None, ctx, cal, union)
         bb = best_budget(st["budgets"], {b: c.seconds for b, c in costs.items()}, n_boot, seed)
         ar_tps = 1.0 / ar.seconds
         rows = [{"budget": b, "tau": out["tau"][b], "cost_seconds": c.seconds, "stages": c.stages, "parts": c.parts,

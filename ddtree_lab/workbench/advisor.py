@@ -516,6 +516,36 @@ def expected_tau_from_scores(node_probs: Sequence[float], budgets: Sequence[int]
     return out
 
 
+def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
+    """The measured expert-union curve {verify tokens: mean distinct experts per MoE layer} from trace
+    rows carrying `experts_touched` (one count per MoE layer for that round's verify forward) and, for
+    the tokens verified, `verify_tokens` or else the tree's node count (an AR row: 1). Empty for dense."""
+    sums: dict[int, list[float]] = {}
+    for r in trace_rows:
+        per_layer = r.get("experts_touched")
+        if not per_layer:
+            continue
+        t = int(r.get("verify_tokens") or len(((r.get("tree") or {}).get("tokens")) or [0]))
+        acc = sums.setdefault(t, [0.0, 0])
+        acc[0] += sum(per_layer) / len(per_layer)
+        acc[1] += 1
+    return {t: v / n for t, (v, n) in sorted(sums.items())}
+
+
+def tau_calibration(trace_rows: Sequence[Mapping]) -> float | None:
+    """How far the draft's confidence predicts acceptance: measured Σ(τ − 1) over the rounds divided by
+    Σ of each round's tree path probabilities (exp of its node scores); the `calibration` of
+    expected_tau_from_scores. None without scored trees."""
+    got = pred = 0.0
+    for r in trace_rows:
+        scores = (r.get("tree") or {}).get("scores")
+        if not scores or r.get("acceptance_length") is None:
+            continue
+        got += r["acceptance_length"] - 1
+        pred += sum(math.exp(x) for x in scores)
+    return got / pred if pred else None
+
+
 def choose_budget(costs: Mapping[int, float], expected_tau: Mapping[int, float]) -> int:
     """The captured budget with the highest E[τ(B)] / cost(B); ties go to the smaller budget."""
     common = sorted(set(costs) & set(expected_tau))

@@ -214,6 +214,16 @@ def test_report_has_the_advisor_section_with_titled_figures(tmp_path):
     assert 'id="advisor"' in page and "a projection" in page
     # plotly writes "/" inside figure JSON escaped, so titles are matched up to their first slash
     for title in ("Measured τ(B)", "Modelled round cost(B) of random:qwen3-8b", "Projected tokens",
-                  
                   "What the round costs at each machine", "Cost model vs bench e2e round times"):
         assert title in page, title
+
+
+def test_union_curve_and_confidence_calibration_from_trace_rows():
+    rows = [{"tree": {"tokens": [1] * 17, "scores": [math.log(0.5)] * 4}, "acceptance_length": 2,
+             "experts_touched": [80, 86]},
+            {"tree": {"tokens": [1] * 17, "scores": [math.log(0.5)] * 4}, "acceptance_length": 4,
+             "experts_touched": [90, 84]},
+            {"verify_tokens": 1, "experts_touched": [8, 8]}, {"tree": {"tokens": [1] * 5}}]
+    assert A.union_curve(rows) == {1: 8.0, 17: 85.0}
+    assert A.tau_calibration(rows) == pytest.approx((1 + 3) / (2 + 2))
+    assert A.union_curve([{"tree": {"tokens": [1]}}]) == {} and A.tau_calibration([{}]) is None
