@@ -66,7 +66,12 @@ def parts_figure(advice: dict) -> go.Figure:
 
 def check_figure(check: dict) -> go.Figure:
     fig = go.Figure()
-    for i, c in enumerate(check["checked"]):
+    per_model: dict[str, dict] = {}  # one file per shape, the one with most budgets (the table has all)
+    for c in check["checked"]:
+        n = sum(r["method"] == "ddtree" for r in c["rows"])
+        if n > sum(r["method"] == "ddtree" for r in per_model.get(c["model"], {"rows": []})["rows"]):
+            per_model[c["model"]] = c
+    for i, c in enumerate(per_model.values()):
         rows = [r for r in c["rows"] if r["method"] == "ddtree"]
         color = COLORS[i % len(COLORS)]
         fig.add_trace(go.Scatter(x=[r["budget"] for r in rows], y=[r["measured_seconds"] * 1e3 for r in rows],
