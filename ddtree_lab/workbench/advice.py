@@ -130,6 +130,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
     out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
+    alpha = out["tau_calibration"].get(budgets[-1]) or 1.0
     union = A.union_curve([r for t in st["traces"].values() for r in t])
     out["experts_touched"] = union or None
     union = union if shape_name == st["pair"] else None
@@ -147,7 +148,9 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                  "flops": m.flops, "ar": {"cost_seconds": ar.seconds, "tokens_per_second": ar_tps,
                                                           "dominant": ar.dominant},
                                  "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
-                                 "prompts": bb["prompts"], "n_boot": n_boot}
+                                 "prompts": bb["prompts"], "n_boot": n_boot,
+                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]], {b: c.seconds for b, c in costs.items()},
+                                                              alpha)}
     try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
         fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
         out["measured_fit"] = {"coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
@@ -184,6 +187,13 @@ def advice_table(advice: dict) -> str:
         lines.append(f"  {name:<13} B={best['budget']:<5} {best['tokens_per_second']:8.1f} tok/s "
                      f"[{best['band'][0]:.1f}, {best['band'][1]:.1f}]  {best['speedup']:.2f}× AR  "
                      f"{A.PART_TITLES[best['dominant']]}")
+    for name, mach in advice["machines"].items():
+        rep = mach.get("auto_replay")
+        if rep:
+            share = ", ".join(f"{b}: {100 * v:.0f}%" for b, v in rep["budget_share"].items())
+            lines.append(f"  auto (replayed on B={advice['budgets'][-1]} traces) on {name}: "
+                         f"{rep['tokens_per_second']:.1f} tok/s, {rep['vs_best_fixed']:.3f}× the best fixed "
+                         f"(B={rep['best_fixed']}); budgets chosen {share}")
     chk = advice.get("check") or {}
     if chk.get("checked"):
         lines.append("model check (ddtree budgets %d–%d within %d %%): %s" % (

@@ -554,6 +554,46 @@ def choose_budget(costs: Mapping[int, float], expected_tau: Mapping[int, float])
     return max(common, key=lambda b: (expected_tau[b] / costs[b], -b))
 
 
+def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], calibration: float = 1.0) -> dict | None:
+    """`choose_budget` replayed on the traced rounds of the largest budget: each round picks its budget
+    from its own node scores, and its τ at a smaller budget B is 1 + the accepted nodes with index ≤ B
+    (the tree of B is the first B nodes, a parent before its children; exact per round at T = 0).
+    Rounds are taken as independent (a shorter acceptance would change later contexts), so this is an
+    estimate of `auto` against the fixed budgets on the same rounds. None without scored trees."""
+    budgets = sorted(costs)
+    got = {b: 0.0 for b in budgets}
+    auto_tau = auto_cost = 0.0
+    picks = {b: 0 for b in budgets}
+    n = 0
+    for r in trace_rows:
+        tree, acc = r.get("tree") or {}, r.get("accepted")
+        if not tree.get("scores") or acc is None:
+            continue
+        path = [int(i) for i in acc[1:]]  # node indices (1-based; 0 is the root)
+
+        def tau_at(b):
+            k = 0
+            while k < len(path) and path[k] <= b:
+                k += 1
+            return 1 + k
+
+        for b in budgets:
+            got[b] += tau_at(b)
+        exp_tau = expected_tau_from_scores([math.exp(x) for x in tree["scores"]], budgets, calibration)
+        pick = choose_budget(costs, exp_tau)
+        picks[pick] += 1
+        auto_tau += tau_at(pick)
+        auto_cost += costs[pick]
+        n += 1
+    if not n:
+        return None
+    fixed = {b: got[b] / (n * costs[b]) for b in budgets}
+    best = max(fixed, key=lambda b: (fixed[b], -b))
+    auto = auto_tau / auto_cost
+    return {"rounds": n, "tokens_per_second": auto, "fixed_tokens_per_second": fixed, "best_fixed": best,
+            "vs_best_fixed": auto / fixed[best], "budget_share": {b: c / n for b, c in picks.items() if c}}
+
+
 def dump(obj) -> dict:
     return asdict(obj)
 

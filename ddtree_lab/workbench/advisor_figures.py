@@ -97,6 +97,13 @@ def check_table(check: dict) -> str:
                        "dominates"], body)
 
 
+def _auto_cell(rep: dict | None) -> str:
+    if not rep:
+        return "<span class='na'>no scored traces</span>"
+    share = ", ".join(f"{b}: {100 * v:.0f} %" for b, v in sorted(rep["budget_share"].items()))
+    return f"{rep['vs_best_fixed']:.3f}× (B={rep['best_fixed']}); chose {esc(share)}"
+
+
 def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     """The "Advisor" section; a study the advisor cannot use gets its reason, never an exception."""
     page.section("advisor", "Advisor: the best budget per machine (a projection)")
@@ -122,9 +129,12 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
                      f'<td class="num">{b["tokens_per_second"]:.1f}</td>',
                      f'<td class="num">{b["band"][0]:.1f} – {b["band"][1]:.1f}</td>',
                      f'<td class="num">{fmt_num(b["speedup"])}×</td>', f'<td class="num">{b["cost_seconds"] * 1e3:.2f}</td>',
-                     esc(A.PART_TITLES[b["dominant"]]), esc(freq)])
+                     esc(A.PART_TITLES[b["dominant"]]), esc(freq), _auto_cell(m.get("auto_replay"))])
     page.add(html_table(["machine", "profile", "best B", "tokens/s", "90 % band", "vs AR", "round ms",
-                         "dominates", "bootstrap: best budget"], body))
+                         "dominates", "bootstrap: best budget", "auto (replayed) vs best fixed"], body))
+    page.add("<p class='sub'>auto (replayed): advisor.choose_budget applied to each traced round of the largest "
+             "budget from its own node scores, rounds taken as independent — an estimate for budget=\"auto\" "
+             "(docs/workbench.md, \"The budget advisor\").</p>")
     page.figure(tau_figure(advice))
     page.figure(cost_figure(advice))
     page.figure(tps_figure(advice))

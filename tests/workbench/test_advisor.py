@@ -227,3 +227,14 @@ def test_union_curve_and_confidence_calibration_from_trace_rows():
     assert A.union_curve(rows) == {1: 8.0, 17: 85.0}
     assert A.tau_calibration(rows) == pytest.approx((1 + 3) / (2 + 2))
     assert A.union_curve([{"tree": {"tokens": [1]}}]) == {} and A.tau_calibration([{}]) is None
+
+
+def test_replay_auto_picks_per_round_and_scores_against_fixed_budgets():
+    rows = [{"tree": {"scores": [0.0] * 4}, "accepted": [0, 1, 2, 3, 4]},              # confident: deep
+            {"tree": {"scores": [math.log(0.1)] * 2 + [math.log(0.01)] * 2}, "accepted": [0]},
+            {"tree": {"tokens": [1]}}]                                                 # unscored: skipped
+    rep = A.replay_auto(rows, {2: 1.0, 4: 1.5})
+    assert rep["rounds"] == 2 and rep["budget_share"] == {2: 0.5, 4: 0.5}
+    assert rep["fixed_tokens_per_second"] == pytest.approx({2: 2.0, 4: 2.0}) and rep["best_fixed"] == 2
+    assert rep["tokens_per_second"] == pytest.approx(6 / 2.5) and rep["vs_best_fixed"] == pytest.approx(1.2)
+    assert A.replay_auto([{"tree": {}}], {2: 1.0}) is None
