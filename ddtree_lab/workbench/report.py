@@ -235,8 +235,8 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     _bench_section(page, study_dir)
 
-    # -- the budget advisor (section and figures live in workbench/advisor_figures.py)
-    from .advisor_figures import add_section as add_advisor_section
+    # -- the budget advisor (section and figures live in workbench/advisor/figures.py)
+    from .advisor.figures import add_section as add_advisor_section
     add_advisor_section(page, study_dir)
     # -- end of the budget advisor
 

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree_lab.cli import main
 from ddtree_lab.workbench import advisor as A
-from ddtree_lab.workbench.advice import advise, best_budget
+from ddtree_lab.workbench.advisor.study import advise, best_budget
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "docs" / "bench"
@@ -127,7 +127,8 @@ def test_choose_budget_and_expected_tau_from_scores():
 def _run(d: Path, name: str, method: str, budget: int | None, taus: dict[str, list[int]]):
     (d / name).mkdir(parents=True)
     prompts = [{"id": pid, "prompt": "x", "n_prompt_tokens": 100, "tokens": [1] * sum(t),
-                "acceptance_lengths": t, "wall_seconds": 0.1, "stage_seconds": {"verify": 0.1}} for pid, t in taus.items()]
+                "acceptance_lengths": t, "wall_seconds": 0.1, "stage_seconds": {"verify": 0.1}}
+               for pid, t in taus.items()]
     rounds = sum(len(t) for t in taus.values())
     res = {"run": name, "status": "complete",
            "config": {"method": method, "budget": budget, "topk": 0, "temperature": 0.0, "pair": "lab",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from . import advisor as A
-from .advice import DEFAULT_PROJECTION, advise
-from .page import Page, esc, fmt_num, html_table
+from .. import advisor as A
+from ..page import Page, esc, fmt_num, html_table
+from .study import DEFAULT_PROJECTION, advise, study_taus
 
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
 
@@ -25,7 +25,8 @@ def _layout(fig: go.Figure, title: str, x: str, y: str, log_x: bool = True) -> g
 def tau_figure(advice: dict) -> go.Figure:
     b = advice["budgets"]
     fig = go.Figure(go.Scatter(x=b, y=[advice["tau"][x] for x in b], mode="lines+markers", name="measured τ"))
-    return _layout(fig, f"Measured τ(B) on {advice['study_pair'] or 'the study pair'}", "budget B", "mean τ per round")
+    return _layout(fig, f"Measured τ(B) on {advice['study_pair'] or 'the study pair'}", "budget B",
+                   "mean τ per round")
 
 
 def cost_figure(advice: dict) -> go.Figure:
@@ -107,7 +108,6 @@ def _auto_cell(rep: dict | None) -> str:
 def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     """The "Advisor" section; a study the advisor cannot use gets its reason, never an exception."""
     page.section("advisor", "Advisor: the best budget per machine (a projection)")
-    from .advice import study_taus
     try:
         pair = study_taus(study_dir)["pair"]
         model = pair if pair.startswith("random:") else DEFAULT_PROJECTION
@@ -128,7 +128,8 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
         body.append([f"<b>{esc(name)}</b>", esc(m["title"]), f'<td class="num">{b["budget"]}</td>',
                      f'<td class="num">{b["tokens_per_second"]:.1f}</td>',
                      f'<td class="num">{b["band"][0]:.1f} – {b["band"][1]:.1f}</td>',
-                     f'<td class="num">{fmt_num(b["speedup"])}×</td>', f'<td class="num">{b["cost_seconds"] * 1e3:.2f}</td>',
+                     f'<td class="num">{fmt_num(b["speedup"])}×</td>',
+                     f'<td class="num">{b["cost_seconds"] * 1e3:.2f}</td>',
                      esc(A.PART_TITLES[b["dominant"]]), esc(freq), _auto_cell(m.get("auto_replay"))])
     page.add(html_table(["machine", "profile", "best B", "tokens/s", "90 % band", "vs AR", "round ms",
                          "dominates", "bootstrap: best budget", "auto (replayed) vs best fixed"], body))
@@ -140,9 +141,9 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     page.figure(tps_figure(advice))
     page.figure(parts_figure(advice))
     fit = advice.get("measured_fit") or {}
-    page.add(f"<p class='sub'>Fit to this study's own stage times: "
-             f"{esc(fit['refused']) if 'refused' in fit else 'leave-one-out max error ' + fmt_num(100 * fit['max_loo'], '{:.1f}') + ' %'}"
-             f".</p>")
+    told = (esc(fit["refused"]) if "refused" in fit
+            else "leave-one-out max error " + fmt_num(100 * fit["max_loo"], "{:.1f}") + " %")
+    page.add(f"<p class='sub'>Fit to this study's own stage times: {told}.</p>")
     chk = advice["check"]
     page.add("<h3>The cost model against measurements</h3>")
     if chk["checked"]:

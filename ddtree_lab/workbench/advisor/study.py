@@ -3,7 +3,7 @@ with a bootstrap band over prompts, `advice.json`, and the `ddtree-lab advise` c
 
     ddtree-lab advise outputs/quickstart --machine h200 --machine rtx-pro-6000 --model random:qwen3-8b
 
-τ comes from the study's runs; cost(B) from the first-principles model of `advisor.py` for the chosen
+τ comes from the study's runs; cost(B) from the first-principles model (`advisor/cost.py`) for the chosen
 model shape on each machine, so every figure here is a projection unless the machine and shape are the
 ones the study ran on.
 """
@@ -14,10 +14,12 @@ import os
 import random
 from pathlib import Path
 
-from ..atomic import atomic_write_json
-from . import advisor as A
-from .figures import grid_rows, run_config
-from .results import collect_study, load_traces
+import dataclasses
+
+from ...atomic import atomic_write_json
+from .. import advisor as A
+from ..figures import grid_rows, run_config
+from ..results import collect_study, load_traces
 
 ADVICE_FILE = "advice.json"
 SCHEMA = "ddtree_lab.advice/1"
@@ -49,7 +51,8 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
         if cfg.get("method") == "ddtree" and cfg.get("budget"):
             series.setdefault((cfg.get("topk") or 0, cfg.get("temperature", 0.0)), {})[int(cfg["budget"])] = r
     if not series:
-        raise A.AdvisorError(f"{study_dir}: no complete DDTree run (add 'ddtree' to methods and budgets to grid.budget)")
+        raise A.AdvisorError(f"{study_dir}: no complete DDTree run (add 'ddtree' to methods and budgets "
+                             "to grid.budget)")
     key, runs = max(series.items(), key=lambda kv: (len(kv[1]), -kv[0][1]))
     if len(runs) < 2:
         raise A.AdvisorError(f"{study_dir}: a single DDTree budget ({next(iter(runs))}); the advisor compares "
@@ -126,7 +129,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
            "projection": True, "context_tokens": ctx, "topk": st["topk"], "temperature": st["temperature"],
            "budgets": budgets, "tau": {b: _tau(t, all_ids) for b, t in st["budgets"].items()},
            "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
-           "calibration": A.dump(cal), "machines": {}}
+           "calibration": dataclasses.asdict(cal), "machines": {}}
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
     out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
@@ -149,15 +152,16 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                                           "dominant": ar.dominant},
                                  "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
                                  "prompts": bb["prompts"], "n_boot": n_boot,
-                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]], {b: c.seconds for b, c in costs.items()},
-                                                              alpha)}
+                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]],
+                                                              {b: c.seconds for b, c in costs.items()}, alpha)}
     try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
         fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
         out["measured_fit"] = {"coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
                                "device": st["device"]}
     except A.AdvisorError as e:
         out["measured_fit"] = {"refused": str(e)}
-    files = bench or (sorted(str(p) for p in A.repo_bench_dir().glob("e2e_*.json")) if A.repo_bench_dir().is_dir() else [])
+    shipped = A.repo_bench_dir()
+    files = bench or (sorted(str(p) for p in shipped.glob("e2e_*.json")) if shipped.is_dir() else [])
     out["check"] = A.check_bench(files, cal) if files else {"checked": [], "skipped": [], "passed": False,
                                                             "note": "no bench e2e JSON found"}
     return out
