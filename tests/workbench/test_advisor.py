@@ -239,3 +239,13 @@ def test_replay_auto_picks_per_round_and_scores_against_fixed_budgets():
     assert rep["fixed_tokens_per_second"] == pytest.approx({2: 2.0, 4: 2.0}) and rep["best_fixed"] == 2
     assert rep["tokens_per_second"] == pytest.approx(6 / 2.5) and rep["vs_best_fixed"] == pytest.approx(1.2)
     assert A.replay_auto([{"tree": {}}], {2: 1.0}) is None
+
+
+def test_check_skips_a_file_without_budgets_in_range(tmp_path):
+    b = json.loads(H200_8B.read_text())
+    b["rows"] = [r for r in b["rows"] if r["method"] != "ddtree" or r["budget"] < 16]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(b))
+    chk = A.check_bench([path])
+    assert not chk["checked"] and chk["skipped"][0]["reason"] == "no DDTree budget in 16–1024"
+    assert not chk["passed"]

@@ -48,6 +48,10 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
                          "predicted_seconds": pred.seconds, "error": pred.seconds / meas - 1,
                          "dominant": pred.dominant,
                          "in_range": r["method"] == "ddtree" and lo <= int(r.get("budget") or 0) <= hi})
+        if not any(x["in_range"] for x in rows):
+            skipped.append({"file": Path(path).name, "model": b.get("model"),
+                            "reason": f"no DDTree budget in {lo}–{hi}"})
+            continue
         ok = all(abs(x["error"]) <= CHECK_TOLERANCE for x in rows if x["in_range"])
         checked.append({"file": Path(path).name, "model": b.get("model"), "machine": mname, "device": device,
                         "prompt_len": ctx, "rows": rows, "within_tolerance": ok,

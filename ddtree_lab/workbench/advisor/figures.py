@@ -113,7 +113,7 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
         model = pair if pair.startswith("random:") else DEFAULT_PROJECTION
         bench = sorted(str(p) for p in Path(study_dir).glob("bench/e2e*.json")) or None
         advice = advise(study_dir, model=model, bench=bench)
-    except (A.AdvisorError, ValueError, OSError) as e:
+    except (A.AdvisorError, ValueError, OSError, KeyError) as e:  # a malformed study: its reason
         page.add(f"<p class='na'>No advice: {esc(e)}</p>")
         return None
     page.add(f"<div class='callout'><b>A projection.</b> τ is measured in this study on "

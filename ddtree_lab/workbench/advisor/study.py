@@ -203,6 +203,9 @@ def advice_table(advice: dict) -> str:
         lines.append("model check (ddtree budgets %d–%d within %d %%): %s" % (
             chk["budgets"][0], chk["budgets"][1], round(100 * chk["tolerance"]),
             ", ".join(f"{c['file']} max {100 * c['max_error']:.1f}%" for c in chk["checked"])))
+        if not chk["passed"]:
+            lines.append("WARNING: the cost model misses a checked bench file by more than the tolerance; "
+                         "treat these projections as unreliable (docs/workbench.md, 'The budget advisor')")
     return "\n".join(lines)
 
 
