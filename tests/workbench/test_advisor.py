@@ -23,12 +23,18 @@ def test_fit_recovers_a_known_law_and_reports_leave_one_out():
     budgets = [16, 32, 64, 128, 256, 1024]
     pts = {b: {k: a + c1 * b + c2 * b * b for k, (a, c1, c2) in law.items()} for b in budgets}
     fit = A.fit_stage_times(pts)
+    assert fit.kind == "quadratic"                 # "best": the exact law wins over piecewise-linear
     assert fit.coeffs["verify"] == pytest.approx(list(law["verify"]), rel=1e-6, abs=1e-12)
     assert fit.max_loo < 1e-9                      # an exact quadratic predicts every left-out point
     assert fit.seconds(512) == pytest.approx(sum(a + c1 * 512 + c2 * 512 ** 2 for a, c1, c2 in law.values()))
     # a kink the quadratic cannot follow shows up in the leave-one-out error
     bent = {b: {"verify": 5e-3 + (3e-5 * (b - 128) if b > 128 else 0.0)} for b in budgets}
-    assert A.fit_stage_times(bent).max_loo > 0.02
+    assert A.fit_stage_times(bent, kind="quadratic").max_loo > 0.02
+    line = {b: {"verify": 5e-3 + 2e-5 * b} for b in budgets}
+    lin = A.fit_stage_times(line, kind="linear")
+    assert lin.max_loo < 1e-9 and lin.seconds(2048) == pytest.approx(5e-3 + 2e-5 * 2048)  # end segment extended
+    with pytest.raises(A.AdvisorError, match="fit kind 'cubic'"):
+        A.fit_stage_times(line, kind="cubic")
 
 
 def test_fit_with_too_few_points_is_refused():
@@ -40,6 +46,9 @@ def test_fit_of_the_shipped_bench_json():
     fit = A.fit_bench(H200_8B)
     assert fit.budgets == [16, 32, 64, 128, 256, 1024]
     assert set(fit.loo) == set(fit.budgets) and all(math.isfinite(v) for v in fit.loo.values())
+    # a quadratic through 16..256 extrapolates badly to 1024; the piecewise-linear fit does not
+    assert fit.kind == "linear" and fit.max_loo < 0.10
+    assert A.fit_bench(H200_8B, "quadratic").loo[1024] > 0.5
     assert fit.seconds(64) == pytest.approx(7.0e-3, rel=0.05)
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 from .auto import choose_budget, expected_tau_from_scores, replay_auto, tau_calibration, union_curve
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, check_bench, repo_bench_dir
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
-from .fit import FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
+from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, get_machine, known_machines,
                        load_calibration, machines_data)
 from .shapes import ModelShape, model_shape, shape_from_configs
 
-__all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "FIT_STAGES", "FittedCost",
+__all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "FIT_KINDS", "FIT_STAGES", "FittedCost",
            "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
            "RoundCost", "Terms", "bench_points", "calibrate", "check_bench", "choose_budget", "draft_terms",
            "expected_tau_from_scores", "fit_bench", "fit_stage_times", "get_machine", "known_machines",

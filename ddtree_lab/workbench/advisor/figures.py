@@ -142,7 +142,7 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     page.figure(parts_figure(advice))
     fit = advice.get("measured_fit") or {}
     told = (esc(fit["refused"]) if "refused" in fit
-            else "leave-one-out max error " + fmt_num(100 * fit["max_loo"], "{:.1f}") + " %")
+            else f"{fit['kind']}, leave-one-out max error " + fmt_num(100 * fit["max_loo"], "{:.1f}") + " %")
     page.add(f"<p class='sub'>Fit to this study's own stage times: {told}.</p>")
     chk = advice["check"]
     page.add("<h3>The cost model against measurements</h3>")

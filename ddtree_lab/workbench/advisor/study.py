@@ -156,7 +156,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                                               {b: c.seconds for b, c in costs.items()}, alpha)}
     try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
         fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
-        out["measured_fit"] = {"coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
+        out["measured_fit"] = {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
                                "device": st["device"]}
     except A.AdvisorError as e:
         out["measured_fit"] = {"refused": str(e)}
