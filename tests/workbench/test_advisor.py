@@ -133,7 +133,7 @@ def test_choose_budget_and_expected_tau_from_scores():
 
 
 # ----------------------------------------------------------------------------- a synthetic study
-def _run(d: Path, name: str, method: str, budget: int | None, taus: dict[str, list[int]]):
+def _run(d: Path, name: str, method: str, budget: int | None, taus: dict[str, list[int]], **config):
     (d / name).mkdir(parents=True)
     prompts = [{"id": pid, "prompt": "x", "n_prompt_tokens": 100, "tokens": [1] * sum(t),
                 "acceptance_lengths": t, "wall_seconds": 0.1, "stage_seconds": {"verify": 0.1}}
@@ -141,20 +141,22 @@ def _run(d: Path, name: str, method: str, budget: int | None, taus: dict[str, li
     rounds = sum(len(t) for t in taus.values())
     res = {"run": name, "status": "complete",
            "config": {"method": method, "budget": budget, "topk": 0, "temperature": 0.0, "pair": "lab",
-                      "max_new_tokens": 40, "device": "cpu", "dtype": "float32", "prompt_set": "lab:code"},
+                      "max_new_tokens": 40, "device": "cpu", "dtype": "float32", "prompt_set": "lab:code",
+                      **config},
            "prompts": prompts, "device": {"device": "cpu"},
            "summary": {"rounds": rounds, "new_tokens": sum(len(p["tokens"]) for p in prompts), "mean_tau": 1.0,
                        "stage_seconds": {"verify": 0.01 * rounds}, "wall_seconds": 1.0, "tokens_per_second": 10.0}}
     (d / name / "results.json").write_text(json.dumps(res))
 
 
-def make_study(tmp_path: Path, budgets=(4, 16, 64), ar=True) -> Path:
+def make_study(tmp_path: Path, budgets=(4, 16, 64), ar=True, **config) -> Path:
     d = tmp_path / "study"
     d.mkdir(parents=True)
     if ar:
-        _run(d, "ar-t0", "ar", None, {"p0": [1] * 10, "p1": [1] * 10, "p2": [1] * 10})
+        _run(d, "ar-t0", "ar", None, {"p0": [1] * 10, "p1": [1] * 10, "p2": [1] * 10}, **config)
     for i, b in enumerate(budgets):  # τ grows with the budget; prompt p2 gains most
-        _run(d, f"ddtree-b{b}-k0-t0", "ddtree", b, {"p0": [2 + i] * 5, "p1": [2 + i] * 5, "p2": [2 + 2 * i] * 5})
+        _run(d, f"ddtree-b{b}-k0-t0", "ddtree", b, {"p0": [2 + i] * 5, "p1": [2 + i] * 5, "p2": [2 + 2 * i] * 5},
+             **config)
     return d
 
 
@@ -258,3 +260,12 @@ def test_check_skips_a_file_without_budgets_in_range(tmp_path):
     chk = A.check_bench([path])
     assert not chk["checked"] and chk["skipped"][0]["reason"] == "no DDTree budget in 16–1024"
     assert not chk["passed"]
+
+
+def test_a_study_of_checkpoint_directories_is_costed_as_its_own_shape(tmp_path):
+    lab = REPO / "ddtree_lab" / "pairs" / "lab"
+    d = make_study(tmp_path, pair="", target_dir=str(lab / "target"), drafter_dir=str(lab / "drafter"))
+    adv = advise(d, machines=["h200"], n_boot=20)
+    assert adv["model"] == str(lab / "target")
+    lab_cost = advise(make_study(tmp_path / "named"), machines=["h200"], model="lab", n_boot=20)
+    assert adv["machines"]["h200"]["rows"][0]["cost_seconds"] == lab_cost["machines"]["h200"]["rows"][0]["cost_seconds"]

@@ -17,11 +17,11 @@ from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost,
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, get_machine, known_machines,
                        load_calibration, machines_data)
-from .shapes import ModelShape, model_shape, shape_from_configs
+from .shapes import ModelShape, model_shape, shape_from_configs, shape_from_dirs
 
 __all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "FIT_KINDS", "FIT_STAGES", "FittedCost",
            "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
            "RoundCost", "Terms", "bench_points", "calibrate", "check_bench", "choose_budget", "draft_terms",
            "expected_tau_from_scores", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
            "load_calibration", "machines_data", "model_shape", "read_bench", "repo_bench_dir", "replay_auto",
-           "round_cost", "shape_from_configs", "tau_calibration", "union_curve", "verify_terms"]
+           "round_cost", "shape_from_configs", "shape_from_dirs", "tau_calibration", "union_curve", "verify_terms"]

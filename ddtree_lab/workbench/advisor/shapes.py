@@ -89,7 +89,6 @@ def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> Mod
 def model_shape(name: str) -> ModelShape:
     """A pair's shape by name: `random:<shape>`, a named pair (`lab`, ...) or a directory holding
     target/ and drafter/ (reads config.json only)."""
-    from ...config import drafter_config_from_hf, read_json, target_config_from_hf
     from ...pairs.random import RANDOM_SHAPES, shape_configs
 
     if name.startswith("random:"):
@@ -111,7 +110,18 @@ def model_shape(name: str) -> ModelShape:
             tdir, ddir = resolve(name)
         except ValueError as e:
             raise AdvisorError(f"model {name!r}: {e}") from None
-    traw = read_json(Path(tdir) / "config.json")
-    t = target_config_from_hf(traw, Path(tdir) / "config.json")
-    d = drafter_config_from_hf(read_json(Path(ddir) / "config.json"), Path(ddir) / "config.json")
-    return shape_from_configs(name, t, d, traw)
+    return shape_from_dirs(tdir, ddir, name)
+
+
+def shape_from_dirs(target_dir, drafter_dir, name: str | None = None) -> ModelShape:
+    """From checkpoint directories' config.json files (weights are not read)."""
+    from ...config import drafter_config_from_hf, read_json, target_config_from_hf
+
+    tpath, dpath = Path(target_dir) / "config.json", Path(drafter_dir) / "config.json"
+    for p in (tpath, dpath):
+        if not p.is_file():
+            raise AdvisorError(f"model: no {p}")
+    traw = read_json(tpath)
+    t = target_config_from_hf(traw, tpath)
+    d = drafter_config_from_hf(read_json(dpath), dpath)
+    return shape_from_configs(name or str(target_dir), t, d, traw)

@@ -63,7 +63,10 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
     prompts = res.get("prompts", [])
     ntok = [p.get("n_prompt_tokens") or 0 for p in prompts]
     ctx = int(sum(ntok) / max(1, len(ntok)) + (res.get("config") or {}).get("max_new_tokens", 0) / 2)
-    return {"study": study_dir.name, "pair": (res.get("config") or {}).get("pair") or "",
+    cfg = res.get("config") or {}
+    return {"study": study_dir.name, "pair": cfg.get("pair") or "",
+            "dirs": ((cfg["target_dir"], cfg["drafter_dir"])
+                     if cfg.get("target_dir") and cfg.get("drafter_dir") else None),
             "device": (res.get("device") or {}), "topk": key[0], "temperature": key[1], "context_tokens": ctx,
             "budgets": {b: _prompt_taus(r["results"]) for b, r in sorted(runs.items())},
             "dflash": _prompt_taus(dflash["results"]) if dflash else None,
@@ -116,8 +119,12 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
         if m not in known:
             raise A.AdvisorError(f"unknown machine {m!r}; known: {', '.join(known)}")
     st = study_taus(study_dir)
-    shape_name = model or st["pair"] or DEFAULT_PROJECTION
-    shape = A.model_shape(shape_name)
+    if model or st["pair"] or not st["dirs"]:
+        shape_name = model or st["pair"] or DEFAULT_PROJECTION
+        shape = A.model_shape(shape_name)
+    else:  # a study of checkpoint directories: their own shape
+        shape = A.shape_from_dirs(*st["dirs"])
+        shape_name = st["pair"] = shape.name
     cal = A.load_calibration()
     bench = [str(p) for p in bench or []]
     bench_data = [A.read_bench(p) for p in bench]
