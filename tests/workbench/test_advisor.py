@@ -231,9 +231,9 @@ def test_report_has_the_advisor_section_with_titled_figures(tmp_path):
 
 
 def test_union_curve_and_confidence_calibration_from_trace_rows():
-    rows = [{"tree": {"tokens": [1] * 17, "scores": [math.log(0.5)] * 4}, "acceptance_length": 2,
+    rows = [{"tree": {"tokens": [1] * 16, "scores": [math.log(0.5)] * 4}, "acceptance_length": 2,
              "experts_touched": [80, 86]},
-            {"tree": {"tokens": [1] * 17, "scores": [math.log(0.5)] * 4}, "acceptance_length": 4,
+            {"tree": {"tokens": [1] * 16, "scores": [math.log(0.5)] * 4}, "acceptance_length": 4,
              "experts_touched": [90, 84]},
             {"verify_tokens": 1, "experts_touched": [8, 8]}, {"tree": {"tokens": [1] * 5}}]
     assert A.union_curve(rows) == {1: 8.0, 17: 85.0}

@@ -29,13 +29,14 @@ def expected_tau_from_scores(node_probs: Sequence[float], budgets: Sequence[int]
 def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
     """The measured expert-union curve {verify tokens: mean distinct experts per MoE layer} from trace
     rows carrying `experts_touched` (one count per MoE layer for that round's verify forward) and, for
-    the tokens verified, `verify_tokens` or else the tree's node count (an AR row: 1). Empty for dense."""
+    the tokens verified, `verify_tokens` or else the tree's nodes + the root (an AR row: 1). Empty for dense."""
     sums: dict[int, list[float]] = {}
     for r in trace_rows:
         per_layer = r.get("experts_touched")
         if not per_layer:
             continue
-        t = int(r.get("verify_tokens") or len(((r.get("tree") or {}).get("tokens")) or [0]))
+        nodes = ((r.get("tree") or {}).get("tokens")) or []
+        t = int(r.get("verify_tokens") or len(nodes) + 1)  # the root and the tree's nodes (AR: one token)
         acc = sums.setdefault(t, [0.0, 0])
         acc[0] += sum(per_layer) / len(per_layer)
         acc[1] += 1
