@@ -269,3 +269,13 @@ def test_a_study_of_checkpoint_directories_is_costed_as_its_own_shape(tmp_path):
     assert adv["model"] == str(lab / "target")
     lab_cost = advise(make_study(tmp_path / "named"), machines=["h200"], model="lab", n_boot=20)
     assert adv["machines"]["h200"]["rows"][0]["cost_seconds"] == lab_cost["machines"]["h200"]["rows"][0]["cost_seconds"]
+
+
+def test_the_moe_random_shape_reads_its_experts_from_the_config():
+    s = A.model_shape("random:qwen3-30b-a3b")
+    assert (s.num_experts, s.experts_per_tok, s.expert_intermediate, s.moe_layers) == (128, 8, 768, 48)
+    h200 = A.get_machine("h200")
+    costs = [A.round_cost(s, h200, "ddtree", b) for b in (16, 64, 1024)]
+    ar = A.round_cost(s, h200, "ar")
+    assert costs[0].seconds > 3 * ar.seconds and all(c.dominant == "weights" for c in costs)
+    assert costs[2].seconds / costs[1].seconds < costs[1].seconds / costs[0].seconds * 2  # the union saturates
