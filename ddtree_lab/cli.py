@@ -1,4 +1,4 @@
-"""The `ddtree-lab` command: study (the main job), generate, report, ingest, bench, train-lab-pair, import-gguf, pull."""
+"""The `ddtree-lab` command: study (the main job), generate, report, ingest, advise, bench, train-lab-pair, import-gguf, pull."""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +62,8 @@ SUBCOMMANDS = [
      "rebuild report.html of a study output directory"),
     ("ingest", ".workbench.ingest", "add_ingest_args", "run_ingest_cli",
      "read serving-benchmark result files: settings and a verdict per run, external.json + report.html"),
+    ("advise", ".workbench.advisor.study", "add_advise_args", "run_advise_cli",
+     "the budget advisor: expected tokens/s per budget on each machine from a study's τ; advice.json"),
     ("bench", ".bench.cli", "add_bench_args", "run_bench_cli",
      "benchmarks: verify-attention kernels, end-to-end decoding (JSON)"),
     ("train-lab-pair", ".train.lab.pipeline", "add_train_args", "run_train_cli",

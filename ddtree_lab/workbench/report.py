@@ -235,6 +235,11 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     _bench_section(page, study_dir)
 
+    # -- the budget advisor (section and figures live in workbench/advisor/figures.py)
+    from .advisor.figures import add_section as add_advisor_section
+    add_advisor_section(page, study_dir)
+    # -- end of the budget advisor
+
     # -- results from serving stacks (ddtree-lab ingest): the study file's `external:` paths, or an
     #    external.json in the study directory; the section lives in workbench/external.py
     ext = ingest.study_external(study_dir, study)

@@ -1,0 +1,134 @@
+"""The first-principles model against bench e2e measurements, and its one-time calibration."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .cost import draft_terms, round_cost, verify_terms
+from .fit import read_bench
+from .machines import AdvisorError, Calibration, _device_machine, get_machine, load_calibration
+from .shapes import model_shape
+
+CHECK_TOLERANCE = 0.15
+CHECK_BUDGETS = (16, 1024)  # the budget range the first-principles check covers
+
+
+def _matches(bench: dict, settings: Mapping) -> list[str]:
+    return [f"{k}={bench.get(k)!r} (calibrated: {v!r})" for k, v in settings.items() if bench.get(k) != v]
+
+
+def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
+                lo: int = CHECK_BUDGETS[0], hi: int = CHECK_BUDGETS[1]) -> dict:
+    """Predicted vs measured round times of bench e2e JSONs (machine from each file's device): which
+    shapes were checked, each row's error, and whether every budget in [lo, hi] is within 15 %."""
+    cal = cal or load_calibration()
+    checked, skipped = [], []
+    for path in paths:
+        b = read_bench(path)
+        device = (b.get("environment") or {}).get("device")
+        mname = _device_machine(device)
+        why = _matches(b, cal.settings)
+        if mname is None:
+            why.append(f"device {device!r} matches no machine profile")
+        try:
+            shape = model_shape(b.get("model") or "")
+        except (AdvisorError, ValueError) as e:
+            shape, why = None, why + [str(e)]
+        if why:
+            skipped.append({"file": Path(path).name, "model": b.get("model"), "reason": "; ".join(why)})
+            continue
+        m, ctx = get_machine(mname), int(b.get("prompt_len") or 512)
+        rows = []
+        for r in b["rows"]:
+            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal)
+            meas = float(r["round_seconds"])
+            rows.append({"method": r["method"], "budget": r.get("budget"), "measured_seconds": meas,
+                         "predicted_seconds": pred.seconds, "error": pred.seconds / meas - 1,
+                         "dominant": pred.dominant,
+                         "in_range": r["method"] == "ddtree" and lo <= int(r.get("budget") or 0) <= hi})
+        if not any(x["in_range"] for x in rows):
+            skipped.append({"file": Path(path).name, "model": b.get("model"),
+                            "reason": f"no DDTree budget in {lo}–{hi}"})
+            continue
+        ok = all(abs(x["error"]) <= CHECK_TOLERANCE for x in rows if x["in_range"])
+        checked.append({"file": Path(path).name, "model": b.get("model"), "machine": mname, "device": device,
+                        "prompt_len": ctx, "rows": rows, "within_tolerance": ok,
+                        "max_error": max((abs(x["error"]) for x in rows if x["in_range"]), default=None)})
+    return {"tolerance": CHECK_TOLERANCE, "budgets": [lo, hi], "checked": checked, "skipped": skipped,
+            "passed": bool(checked) and all(c["within_tolerance"] for c in checked)}
+
+
+def repo_bench_dir() -> Path:
+    """docs/bench of a source checkout (absent in an installed package)."""
+    return Path(__file__).resolve().parents[3] / "docs" / "bench"
+
+
+def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_layers: Sequence[int]) -> dict:
+    """Kernels per layer and fixed, per stage, from `bench profile` JSONs of two shapes with
+    different layer counts (tree build and commit do not scale with layers: their mean)."""
+    def stage_counts(p, method, stage):
+        row = next(r for r in p["rows"] if r["method"] == method)
+        return float(row["stages"][stage]["kernels_per_round"])
+
+    out = {}
+    for stage, method, lay in (("verify", "ddtree", layers), ("ar", "ar", layers), ("draft", "ddtree", draft_layers)):
+        src = "verify" if stage == "ar" else stage
+        (n0, n1), (k0, k1) = lay, [stage_counts(p, method, src) for p in profiles]
+        per = (k1 - k0) / (n1 - n0)
+        out[stage] = [per, k0 - per * n0]
+    for stage in ("tree_build", "commit"):
+        out[stage] = [0.0, sum(stage_counts(p, "ddtree", stage) for p in profiles) / len(profiles)]
+    return out
+
+
+def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Path], machine: str = "h200") -> dict:
+    """Fit the efficiency factors once: eta_bw, eta_flops and the launch time by least squares on the
+    log of every draft and verify stage time; per-node tree build and commit times by least squares on
+    those stages. Returns the `calibration.fit` dict of machines.json."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    benches = [read_bench(p) for p in e2e_paths]
+    shapes = [model_shape(b["model"]) for b in benches]
+    profiles = [json.loads(Path(p).read_text()) for p in profile_paths]
+    pshapes = [model_shape(p["model"]) for p in profiles]
+    kernels = _profile_kernels(profiles, [s.layers for s in pshapes], [s.draft_layers for s in pshapes])
+    m = get_machine(machine)
+    copy = [b["roofline"]["copy_bytes_per_second"] for b in benches
+            if (b.get("roofline") or {}).get("copy_bytes_per_second")]
+    base = Calibration(1.0, 1.0, 0.0, 0.0, 0.0, sum(copy) / len(copy) / m.bandwidth, kernels)
+
+    obs = []  # (terms, measured seconds)
+    for b, s in zip(benches, shapes):
+        ctx = int(b.get("prompt_len") or 512)
+        for r in b["rows"]:
+            st = r["stage_seconds_per_round"]
+            if r["method"] == "ar":
+                obs.append((verify_terms(s, 1, ctx, base, "ar"), st["verify"]))
+                continue
+            nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
+            obs.append((verify_terms(s, nodes + 1, ctx, base), st["verify"]))
+            obs.append((draft_terms(s, ctx, base), st["draft"]))
+
+    def resid(x):
+        cal = Calibration(x[0], x[1], x[2], 0, 0, base.copy_over_spec, kernels)
+        return [math.log(sum(t.seconds(m, cal).values()) / y) for t, y in obs]
+
+    fit = least_squares(resid, x0=[0.8, 0.6, 2e-6], bounds=([0.05, 0.05, 0.0], [1.0, 1.0, 1e-4]))
+    eta_bw, eta_flops, launch = (float(v) for v in fit.x)
+    per_node = {}
+    for stage, extra in (("tree_build", 0), ("commit", 1)):
+        xs, ys = [], []
+        for b, s in zip(benches, shapes):
+            for r in b["rows"]:
+                if r["method"] == "ar":
+                    continue
+                nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
+                xs.append(nodes + extra)
+                ys.append(r["stage_seconds_per_round"][stage] - kernels[stage][1] * launch)
+        per_node[stage] = max(0.0, float(np.dot(xs, ys) / np.dot(xs, xs)))
+    return {"eta_bw": eta_bw, "eta_flops": eta_flops, "launch_seconds": launch,
+            "tree_node_seconds": per_node["tree_build"], "commit_node_seconds": per_node["commit"],
+            "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}

@@ -1,0 +1,111 @@
+"""First-principles cost of a round per stage: weights, KV and activations, FLOPs, launches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .machines import AdvisorError, Calibration, Machine, load_calibration
+from .shapes import ModelShape
+
+PARTS = ("weights", "kv", "flops", "launches", "other")
+PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
+               "launches": "kernel launches", "other": "tree build and commit"}
+
+
+
+@dataclass
+class Terms:
+    """The work of one stage: bytes by kind, FLOPs, kernel launches."""
+    weights: float = 0.0
+    kv: float = 0.0
+    flops: float = 0.0
+    launches: float = 0.0
+    fixed_seconds: float = 0.0    # tree build / commit
+
+    def seconds(self, m: Machine, cal: Calibration) -> dict[str, float]:
+        """This stage's time split into PARTS (sums to its total)."""
+        bw, fl = m.bandwidth * cal.eta_bw, m.flops * cal.eta_flops
+        tw, tk, tc = self.weights / bw, self.kv / bw, self.flops / fl
+        mem = tw + tk
+        core = (mem ** cal.p + tc ** cal.p) ** (1 / cal.p) if mem or tc else 0.0
+        share_m = mem ** cal.p / (mem ** cal.p + tc ** cal.p) if mem or tc else 0.0
+        out = {"weights": core * share_m * (tw / mem if mem else 0.0),
+               "kv": core * share_m * (tk / mem if mem else 0.0),
+               "flops": core * (1 - share_m), "launches": self.launches * cal.launch_seconds,
+               "other": self.fixed_seconds}
+        return out
+
+
+def _kernels(cal: Calibration, stage: str, layers: int) -> float:
+    per_layer, fixed = cal.kernels.get(stage, (0.0, 0.0))
+    return per_layer * layers + fixed
+
+
+def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: str = "verify",
+                 union: Mapping[int, float] | None = None) -> Terms:
+    """The target forward over `tokens` tokens after `ctx` cached ones."""
+    b, h = s.dtype_bytes, s.hidden
+    dense_layers = s.layers - s.moe_layers
+    touched = s.experts_touched(tokens, union)
+    expert = 3 * h * s.expert_intermediate
+    weights = (s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate
+               + s.moe_layers * (h * s.num_experts + touched * expert) + s.vocab * h) * b
+    used = (s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate
+            + s.moe_layers * (h * s.num_experts + s.experts_per_tok * expert) + s.vocab * h)
+    flops = 2 * tokens * used + 4 * s.layers * s.heads * s.head_dim * tokens * (ctx + tokens)
+    inter = s.intermediate if not s.moe_layers else s.experts_per_tok * s.expert_intermediate
+    kv = (s.layers * 2 * s.kv_heads * s.head_dim * (ctx + tokens) * b               # cache read + new rows
+          + tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b  # activations
+          + tokens * s.vocab * 4)                                                   # fp32 logits
+    return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers))
+
+
+def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:
+    """The DFlash drafter over one block, then the target's LM head on its block_size − 1 positions."""
+    b, h, q = s.dtype_bytes, s.hidden, s.block_size
+    layer = s.attn_params + 3 * h * s.draft_intermediate
+    params = s.draft_layers * layer + s.draft_features * h * h
+    flops = (2 * q * params + 2 * (q - 1) * s.vocab * h
+             + 4 * s.draft_layers * s.heads * s.head_dim * q * (ctx + q))
+    kv = (s.draft_layers * 2 * s.kv_heads * s.head_dim * (ctx + q) * b
+          + q * s.draft_layers * (6 * h + 3 * s.draft_intermediate) * b + (q - 1) * s.vocab * 4)
+    return Terms(weights=(params + s.vocab * h) * b, kv=kv, flops=flops,
+                 launches=_kernels(cal, "draft", s.draft_layers))
+
+
+@dataclass
+class RoundCost:
+    method: str
+    budget: int | None
+    stages: dict[str, float]     # seconds per stage
+    parts: dict[str, float]      # seconds per PARTS entry
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stages.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get)
+
+
+def round_cost(shape: ModelShape, machine: Machine, method: str, budget: int | None = None, ctx: int = 512,
+               cal: Calibration | None = None, union: Mapping[int, float] | None = None) -> RoundCost:
+    """First-principles cost of one round (AR: one step). budget: DDTree nodes beyond the root."""
+    cal = cal or load_calibration()
+    if method == "ar":
+        terms = {"verify": verify_terms(shape, 1, ctx, cal, "ar", union)}
+    else:
+        nodes = shape.block_size - 1 if method == "dflash" else int(budget or 0)
+        if nodes < 1:
+            raise AdvisorError(f"a {method} round needs a budget ≥ 1, got {budget!r}")
+        terms = {"draft": draft_terms(shape, ctx, cal),
+                 "tree_build": Terms(launches=_kernels(cal, "tree_build", 0),
+                                     fixed_seconds=cal.tree_node_seconds * nodes),
+                 "verify": verify_terms(shape, nodes + 1, ctx, cal, "verify", union),
+                 "commit": Terms(launches=_kernels(cal, "commit", 0),
+                                 fixed_seconds=cal.commit_node_seconds * (nodes + 1))}
+    split = {k: t.seconds(machine, cal) for k, t in terms.items()}
+    parts = {p: sum(v[p] for v in split.values()) for p in PARTS}
+    return RoundCost(method, budget if method == "ddtree" else None, {k: sum(v.values()) for k, v in split.items()},
+                     parts)

@@ -1,0 +1,242 @@
+"""The budget advisor on a study: expected tokens/s(B) = E[τ(B)] / cost(B) per machine, the best budget
+with a bootstrap band over prompts, `advice.json`, and the `ddtree-lab advise` command.
+
+    ddtree-lab advise outputs/quickstart --machine h200 --machine rtx-pro-6000 --model random:qwen3-8b
+
+τ comes from the study's runs; cost(B) from the first-principles model (`advisor/cost.py`) for the chosen
+model shape on each machine, so every figure here is a projection unless the machine and shape are the
+ones the study ran on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import dataclasses
+
+from ...atomic import atomic_write_json
+from .. import advisor as A
+from ..figures import grid_rows, run_config
+from ..results import collect_study, load_traces
+
+ADVICE_FILE = "advice.json"
+SCHEMA = "ddtree_lab.advice/1"
+N_BOOT = 1000
+BAND = (0.05, 0.95)
+DEFAULT_PROJECTION = "random:qwen3-8b"  # a real-size target for studies run on a small pair
+
+
+def _prompt_taus(res: dict) -> dict[str, tuple[int, int]]:
+    """{prompt id: (tokens accepted over all rounds, rounds)}."""
+    return {p["id"]: (sum(p.get("acceptance_lengths") or []), len(p.get("acceptance_lengths") or []))
+            for p in res.get("prompts", []) if p.get("acceptance_lengths")}
+
+
+def study_taus(study_dir: str | os.PathLike) -> dict:
+    """The study's measured τ per prompt, per budget (the first DDTree series with most budgets), plus
+    AR and DFlash; refused with what is missing."""
+    study_dir = Path(study_dir)
+    if not study_dir.is_dir():
+        raise A.AdvisorError(f"no study directory {study_dir}")
+    rows = [r for r in grid_rows(collect_study(study_dir)) if r.get("results") and r["status"] == "complete"]
+    ar = next((r for r in rows if run_config(r).get("method") == "ar"), None)
+    if ar is None:
+        raise A.AdvisorError(f"{study_dir}: no complete AR run (add 'ar' to methods): the advisor needs the "
+                             "AR step as the reference")
+    series: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        cfg = run_config(r)
+        if cfg.get("method") == "ddtree" and cfg.get("budget"):
+            series.setdefault((cfg.get("topk") or 0, cfg.get("temperature", 0.0)), {})[int(cfg["budget"])] = r
+    if not series:
+        raise A.AdvisorError(f"{study_dir}: no complete DDTree run (add 'ddtree' to methods and budgets "
+                             "to grid.budget)")
+    key, runs = max(series.items(), key=lambda kv: (len(kv[1]), -kv[0][1]))
+    if len(runs) < 2:
+        raise A.AdvisorError(f"{study_dir}: a single DDTree budget ({next(iter(runs))}); the advisor compares "
+                             "budgets: give grid.budget at least two values")
+    dflash = next((r for r in rows if run_config(r).get("method") == "dflash"
+                   and run_config(r).get("temperature", 0.0) == key[1]), None)
+    res = ar["results"]
+    prompts = res.get("prompts", [])
+    ntok = [p.get("n_prompt_tokens") or 0 for p in prompts]
+    ctx = int(sum(ntok) / max(1, len(ntok)) + (res.get("config") or {}).get("max_new_tokens", 0) / 2)
+    cfg = res.get("config") or {}
+    return {"study": study_dir.name, "pair": cfg.get("pair") or "",
+            "dirs": ((cfg["target_dir"], cfg["drafter_dir"])
+                     if cfg.get("target_dir") and cfg.get("drafter_dir") else None),
+            "device": (res.get("device") or {}), "topk": key[0], "temperature": key[1], "context_tokens": ctx,
+            "budgets": {b: _prompt_taus(r["results"]) for b, r in sorted(runs.items())},
+            "dflash": _prompt_taus(dflash["results"]) if dflash else None,
+            "traces": {b: load_traces(r["dir"]) for b, r in sorted(runs.items())},
+            "stage_points": {b: {k: v / max(1, r["results"]["summary"].get("rounds") or 1)
+                                 for k, v in (r["results"]["summary"].get("stage_seconds") or {}).items()}
+                             for b, r in sorted(runs.items())}}
+
+
+def _tau(per_prompt: dict[str, tuple[int, int]], ids: list[str]) -> float:
+    acc = sum(per_prompt[i][0] for i in ids if i in per_prompt)
+    rounds = sum(per_prompt[i][1] for i in ids if i in per_prompt)
+    return acc / rounds if rounds else float("nan")
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+
+
+def best_budget(taus: dict[int, dict], costs: dict[int, float], n_boot: int = N_BOOT, seed: int = 0) -> dict:
+    """tokens/s(B) = τ(B)/cost(B), the best B, and a bootstrap over prompts (the same resample for every
+    budget, since the prompts are shared): a band per budget and how often each budget wins."""
+    ids = sorted(set.intersection(*(set(t) for t in taus.values())))
+    if not ids:
+        raise A.AdvisorError("the DDTree runs share no prompt with recorded rounds")
+    point = {b: _tau(taus[b], ids) / costs[b] for b in taus}
+    rng = random.Random(seed)
+    draws = {b: [] for b in taus}
+    wins = {b: 0 for b in taus}
+    for _ in range(n_boot):
+        sample = [rng.choice(ids) for _ in ids]
+        tps = {b: _tau(taus[b], sample) / costs[b] for b in taus}
+        for b, v in tps.items():
+            draws[b].append(v)
+        wins[max(tps, key=lambda b: (tps[b], -b))] += 1
+    best = max(point, key=lambda b: (point[b], -b))
+    return {"best": best, "tokens_per_second": point,
+            "band": {b: [_quantile(d, BAND[0]), _quantile(d, BAND[1])] for b, d in draws.items()},
+            "best_frequency": {b: w / n_boot for b, w in wins.items() if w}, "prompts": len(ids), "n_boot": n_boot}
+
+
+def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, model: str | None = None,
+           bench: list[str] | None = None, n_boot: int = N_BOOT, seed: int = 0) -> dict:
+    """The advice.json dict of a study."""
+    known = A.known_machines()
+    for m in machines or []:
+        if m not in known:
+            raise A.AdvisorError(f"unknown machine {m!r}; known: {', '.join(known)}")
+    st = study_taus(study_dir)
+    if model or st["pair"] or not st["dirs"]:
+        shape_name = model or st["pair"] or DEFAULT_PROJECTION
+        shape = A.model_shape(shape_name)
+    else:  # a study of checkpoint directories: their own shape
+        shape = A.shape_from_dirs(*st["dirs"])
+        shape_name = st["pair"] = shape.name
+    cal = A.load_calibration()
+    bench = [str(p) for p in bench or []]
+    bench_data = [A.read_bench(p) for p in bench]
+    measured = next((b for b in bench_data if (b.get("roofline") or {}).get("copy_bytes_per_second")), None)
+    names = machines or [*A.machines_data()["machines"], *([A.MEASURED] if measured else [])]
+    ctx, budgets = st["context_tokens"], sorted(st["budgets"])
+    all_ids = sorted(set.intersection(*(set(t) for t in st["budgets"].values())))
+    out = {"schema": SCHEMA, "study": st["study"], "study_pair": st["pair"], "model": shape_name,
+           "projection": True, "context_tokens": ctx, "topk": st["topk"], "temperature": st["temperature"],
+           "budgets": budgets, "tau": {b: _tau(t, all_ids) for b, t in st["budgets"].items()},
+           "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
+           "calibration": dataclasses.asdict(cal), "machines": {}}
+    # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
+    # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
+    out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
+    alpha = out["tau_calibration"].get(budgets[-1]) or 1.0
+    union = A.union_curve([r for t in st["traces"].values() for r in t])
+    out["experts_touched"] = union or None
+    union = union if shape_name == st["pair"] else None
+    for name in names:
+        m = A.get_machine(name, measured, cal)
+        costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, union) for b in budgets}
+        ar = A.round_cost(shape, m, "ar", None, ctx, cal, union)
+        bb = best_budget(st["budgets"], {b: c.seconds for b, c in costs.items()}, n_boot, seed)
+        ar_tps = 1.0 / ar.seconds
+        rows = [{"budget": b, "tau": out["tau"][b], "cost_seconds": c.seconds, "stages": c.stages, "parts": c.parts,
+                 "dominant": c.dominant, "tokens_per_second": bb["tokens_per_second"][b], "band": bb["band"][b],
+                 "speedup": bb["tokens_per_second"][b] / ar_tps} for b, c in costs.items()]
+        best = next(r for r in rows if r["budget"] == bb["best"])
+        out["machines"][name] = {"title": m.title, "source": m.source, "url": m.url, "bandwidth": m.bandwidth,
+                                 "flops": m.flops, "ar": {"cost_seconds": ar.seconds, "tokens_per_second": ar_tps,
+                                                          "dominant": ar.dominant},
+                                 "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
+                                 "prompts": bb["prompts"], "n_boot": n_boot,
+                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]],
+                                                              {b: c.seconds for b, c in costs.items()}, alpha)}
+    try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
+        fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
+        out["measured_fit"] = {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
+                               "device": st["device"]}
+    except A.AdvisorError as e:
+        out["measured_fit"] = {"refused": str(e)}
+    shipped = A.repo_bench_dir()
+    files = bench or (sorted(str(p) for p in shipped.glob("e2e_*.json")) if shipped.is_dir() else [])
+    out["check"] = A.check_bench(files, cal) if files else {"checked": [], "skipped": [], "passed": False,
+                                                            "note": "no bench e2e JSON found"}
+    return out
+
+
+def write_advice(study_dir: str | os.PathLike, advice: dict, out: str | os.PathLike | None = None) -> Path:
+    path = Path(out) if out else Path(study_dir) / ADVICE_FILE
+    atomic_write_json(path, advice)
+    return path
+
+
+def advice_table(advice: dict) -> str:
+    """The plain-text table `ddtree-lab advise` prints."""
+    lines = [f"{advice['study']}: τ measured on {advice['study_pair'] or '?'}, cost of {advice['model']} "
+             f"(a projection), context {advice['context_tokens']} tokens",
+             "budget  τ     " + "".join(f"{n:>22}" for n in advice["machines"])]
+    for i, b in enumerate(advice["budgets"]):
+        cells = []
+        for mach in advice["machines"].values():
+            r = mach["rows"][i]
+            mark = "*" if mach["best"]["budget"] == b else " "
+            cells.append(f"{r['tokens_per_second']:9.1f} tok/s {r['cost_seconds'] * 1e3:6.2f}ms{mark}")
+        lines.append(f"{b:>6}  {advice['tau'][b]:4.2f}  " + "".join(f"{c:>22}" for c in cells))
+    lines.append("best (90 % band, speedup over AR, dominant cost):")
+    for name, mach in advice["machines"].items():
+        best = mach["best"]
+        lines.append(f"  {name:<13} B={best['budget']:<5} {best['tokens_per_second']:8.1f} tok/s "
+                     f"[{best['band'][0]:.1f}, {best['band'][1]:.1f}]  {best['speedup']:.2f}× AR  "
+                     f"{A.PART_TITLES[best['dominant']]}")
+    for name, mach in advice["machines"].items():
+        rep = mach.get("auto_replay")
+        if rep:
+            share = ", ".join(f"{b}: {100 * v:.0f}%" for b, v in rep["budget_share"].items())
+            lines.append(f"  auto (replayed on B={advice['budgets'][-1]} traces) on {name}: "
+                         f"{rep['tokens_per_second']:.1f} tok/s, {rep['vs_best_fixed']:.3f}× the best fixed "
+                         f"(B={rep['best_fixed']}); budgets chosen {share}")
+    chk = advice.get("check") or {}
+    if chk.get("checked"):
+        lines.append("model check (ddtree budgets %d–%d within %d %%): %s" % (
+            chk["budgets"][0], chk["budgets"][1], round(100 * chk["tolerance"]),
+            ", ".join(f"{c['file']} max {100 * c['max_error']:.1f}%" for c in chk["checked"])))
+        if not chk["passed"]:
+            lines.append("WARNING: the cost model misses a checked bench file by more than the tolerance; "
+                         "treat these projections as unreliable (docs/workbench.md, 'The budget advisor')")
+    return "\n".join(lines)
+
+
+def add_advise_args(p) -> None:
+    p.description = ("Expected tokens/s per budget on each machine from a study's measured τ and the round cost "
+                     "model; prints a table and writes advice.json.")
+    p.add_argument("study_dir", help="a study output directory, e.g. outputs/quickstart")
+    p.add_argument("--machine", action="append", default=None,
+                   help=f"a machine profile (repeatable): {', '.join(A.known_machines())}; default: all")
+    p.add_argument("--model", default=None, help="the shape whose cost τ is applied to, e.g. random:qwen3-8b "
+                                                 "(default: the study's pair)")
+    p.add_argument("--bench", action="append", default=None,
+                   help="bench e2e JSON(s): the model check and the 'measured' machine (default: docs/bench)")
+    p.add_argument("--out", default=None, help="where to write advice.json (default: STUDY_DIR/advice.json)")
+    p.add_argument("--boot", type=int, default=N_BOOT, help="bootstrap resamples over prompts")
+
+
+def run_advise_cli(args) -> int:
+    advice = advise(args.study_dir, args.machine, args.model, args.bench, n_boot=args.boot)
+    path = write_advice(args.study_dir, advice, args.out)
+    print(advice_table(advice))
+    print(f"advice: {path}")
+    return 0
+
+
+def load_advice(path: str | os.PathLike) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,281 @@
+"""The budget advisor: the cost model (fitted and first principles), tokens/s and the best budget on a
+study folder, the bootstrap band, `ddtree-lab advise` and its refusals, the report's Advisor section."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ddtree_lab.cli import main
+from ddtree_lab.workbench import advisor as A
+from ddtree_lab.workbench.advisor.study import advise, best_budget
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "docs" / "bench"
+H200_8B = BENCH / "e2e_random_qwen3_8b_triton_compile.json"
+
+
+# ----------------------------------------------------------------------------- fitted model
+def test_fit_recovers_a_known_law_and_reports_leave_one_out():
+    law = {"draft": (1e-3, 0.0, 0.0), "verify": (5e-3, 2e-6, 1e-8), "tree_build": (1e-4, 1e-6, 0.0)}
+    budgets = [16, 32, 64, 128, 256, 1024]
+    pts = {b: {k: a + c1 * b + c2 * b * b for k, (a, c1, c2) in law.items()} for b in budgets}
+    fit = A.fit_stage_times(pts)
+    assert fit.kind == "quadratic"                 # "best": the exact law wins over piecewise-linear
+    assert fit.coeffs["verify"] == pytest.approx(list(law["verify"]), rel=1e-6, abs=1e-12)
+    assert fit.max_loo < 1e-9                      # an exact quadratic predicts every left-out point
+    assert fit.seconds(512) == pytest.approx(sum(a + c1 * 512 + c2 * 512 ** 2 for a, c1, c2 in law.values()))
+    # a kink the quadratic cannot follow shows up in the leave-one-out error
+    bent = {b: {"verify": 5e-3 + (3e-5 * (b - 128) if b > 128 else 0.0)} for b in budgets}
+    assert A.fit_stage_times(bent, kind="quadratic").max_loo > 0.02
+    line = {b: {"verify": 5e-3 + 2e-5 * b} for b in budgets}
+    lin = A.fit_stage_times(line, kind="linear")
+    assert lin.max_loo < 1e-9 and lin.seconds(2048) == pytest.approx(5e-3 + 2e-5 * 2048)  # end segment extended
+    with pytest.raises(A.AdvisorError, match="fit kind 'cubic'"):
+        A.fit_stage_times(line, kind="cubic")
+
+
+def test_fit_with_too_few_points_is_refused():
+    with pytest.raises(A.AdvisorError, match="at least 4 budgets"):
+        A.fit_stage_times({16: {"verify": 1.0}, 64: {"verify": 2.0}, 256: {"verify": 3.0}})
+
+
+def test_fit_of_the_shipped_bench_json():
+    fit = A.fit_bench(H200_8B)
+    assert fit.budgets == [16, 32, 64, 128, 256, 1024]
+    assert set(fit.loo) == set(fit.budgets) and all(math.isfinite(v) for v in fit.loo.values())
+    # a quadratic through 16..256 extrapolates badly to 1024; the piecewise-linear fit does not
+    assert fit.kind == "linear" and fit.max_loo < 0.10
+    assert A.fit_bench(H200_8B, "quadratic").loo[1024] > 0.5
+    assert fit.seconds(64) == pytest.approx(7.0e-3, rel=0.05)
+
+
+# ----------------------------------------------------------------------------- first principles
+def test_first_principles_reproduces_the_h200_bench_within_15_percent():
+    chk = A.check_bench([H200_8B])
+    assert chk["checked"] and not chk["skipped"]
+    c = chk["checked"][0]
+    assert c["model"] == "random:qwen3-8b" and c["machine"] == "h200"
+    budgets = sorted(r["budget"] for r in c["rows"] if r["in_range"])
+    assert budgets == [16, 32, 64, 128, 256, 1024]
+    assert c["max_error"] <= A.CHECK_TOLERANCE and chk["passed"]
+    by_b = {r["budget"]: r for r in c["rows"] if r["method"] == "ddtree"}
+    assert by_b[16]["dominant"] == "weights" and by_b[1024]["dominant"] == "flops"
+
+
+def test_check_skips_other_configurations_with_the_reason():
+    chk = A.check_bench([BENCH / "e2e_random_qwen3_8b_sdpa.json"])
+    assert not chk["checked"] and "attention='sdpa'" in chk["skipped"][0]["reason"] and not chk["passed"]
+
+
+def test_stored_calibration_is_what_calibrate_fits():
+    data = A.machines_data()["calibration"]
+    fit = A.calibrate([REPO / p for p in data["fitted_on"]], [REPO / p for p in data["kernels_from"]], data["machine"])
+    stored = data["fit"]
+    for k in ("eta_bw", "eta_flops", "launch_seconds", "tree_node_seconds", "commit_node_seconds", "copy_over_spec"):
+        assert fit[k] == pytest.approx(stored[k], rel=1e-3), k
+    assert 0 < stored["eta_bw"] <= 1 and 0 < stored["eta_flops"] <= 1
+
+
+def test_machine_profiles_have_sources_and_refuse_unknown_names():
+    names = A.known_machines()
+    for n in ("h100", "h200", "b200", "b300", "rtx-pro-6000", "measured"):
+        assert n in names
+    for n in names[:-1]:
+        m = A.get_machine(n)
+        assert m.bandwidth > 1e12 and m.flops > 1e14 and m.source and m.url.startswith("https://")
+    with pytest.raises(A.AdvisorError, match="known: h100, h200"):
+        A.get_machine("a100")
+    bench = json.loads(H200_8B.read_text())
+    meas = A.get_machine("measured", bench)
+    cal = A.load_calibration()
+    assert meas.bandwidth == pytest.approx(bench["roofline"]["copy_bytes_per_second"] / cal.copy_over_spec)
+    assert meas.flops == A.get_machine("h200").flops          # no GEMM figure: the device's spec
+    with pytest.raises(A.AdvisorError, match="copy_bytes_per_second"):
+        A.get_machine("measured", {"roofline": {}})
+
+
+def test_faster_memory_makes_a_weight_bound_round_cheaper():
+    s = A.model_shape("random:qwen3-8b")
+    rtx, b300 = A.get_machine("rtx-pro-6000"), A.get_machine("b300")
+    small = [A.round_cost(s, m, "ddtree", 16) for m in (rtx, b300)]
+    assert small[0].seconds > 3 * small[1].seconds and small[0].dominant == "weights"
+    c = A.round_cost(s, b300, "ddtree", 64)
+    assert sum(c.parts.values()) == pytest.approx(c.seconds)
+
+
+def test_moe_expert_union():
+    moe = A.ModelShape("moe", layers=4, hidden=2048, intermediate=6144, heads=32, kv_heads=4, head_dim=128,
+                       vocab=151936, draft_layers=1, draft_intermediate=6144, block_size=16, draft_features=2,
+                       num_experts=128, experts_per_tok=8, expert_intermediate=768, moe_layers=4)
+    assert moe.experts_touched(1) == pytest.approx(8)
+    assert moe.experts_touched(8) == pytest.approx(51.6, abs=0.1)
+    assert moe.experts_touched(1025) == pytest.approx(128, abs=1e-6)
+    assert moe.experts_touched(16, curve={1: 8, 64: 40}) == pytest.approx(8 + 32 * math.log(16) / math.log(64))
+    cal = A.load_calibration()
+    w = [A.verify_terms(moe, t, 512, cal).weights for t in (1, 65)]
+    assert w[1] > 5 * w[0]                          # a tree reads the union of its tokens' experts
+    dense = A.model_shape("random:qwen3-8b")
+    wd = [A.verify_terms(dense, t, 512, cal).weights for t in (1, 65)]
+    assert wd[0] == wd[1]
+
+
+def test_choose_budget_and_expected_tau_from_scores():
+    probs = [0.9, 0.8, 0.7, 0.5, 0.3, 0.1, 0.05, 0.05]
+    tau = A.expected_tau_from_scores(probs, [2, 4, 8])
+    assert tau == pytest.approx({2: 2.7, 4: 3.9, 8: 4.4})
+    assert A.choose_budget({2: 1.0, 4: 1.1, 8: 2.0}, tau) == 4        # 3.9/1.1 beats 2.7 and 2.2
+    assert A.choose_budget({2: 1.0, 4: 4.0}, {2: 2.0, 4: 8.0}) == 2   # a tie goes to the smaller budget
+    with pytest.raises(A.AdvisorError):
+        A.choose_budget({2: 1.0}, {4: 2.0})
+
+
+# ----------------------------------------------------------------------------- a synthetic study
+def _run(d: Path, name: str, method: str, budget: int | None, taus: dict[str, list[int]], **config):
+    (d / name).mkdir(parents=True)
+    prompts = [{"id": pid, "prompt": "x", "n_prompt_tokens": 100, "tokens": [1] * sum(t),
+                "acceptance_lengths": t, "wall_seconds": 0.1, "stage_seconds": {"verify": 0.1}}
+               for pid, t in taus.items()]
+    rounds = sum(len(t) for t in taus.values())
+    res = {"run": name, "status": "complete",
+           "config": {"method": method, "budget": budget, "topk": 0, "temperature": 0.0, "pair": "lab",
+                      "max_new_tokens": 40, "device": "cpu", "dtype": "float32", "prompt_set": "lab:code",
+                      **config},
+           "prompts": prompts, "device": {"device": "cpu"},
+           "summary": {"rounds": rounds, "new_tokens": sum(len(p["tokens"]) for p in prompts), "mean_tau": 1.0,
+                       "stage_seconds": {"verify": 0.01 * rounds}, "wall_seconds": 1.0, "tokens_per_second": 10.0}}
+    (d / name / "results.json").write_text(json.dumps(res))
+
+
+def make_study(tmp_path: Path, budgets=(4, 16, 64), ar=True, **config) -> Path:
+    d = tmp_path / "study"
+    d.mkdir(parents=True)
+    if ar:
+        _run(d, "ar-t0", "ar", None, {"p0": [1] * 10, "p1": [1] * 10, "p2": [1] * 10}, **config)
+    for i, b in enumerate(budgets):  # τ grows with the budget; prompt p2 gains most
+        _run(d, f"ddtree-b{b}-k0-t0", "ddtree", b, {"p0": [2 + i] * 5, "p1": [2 + i] * 5, "p2": [2 + 2 * i] * 5},
+             **config)
+    return d
+
+
+def test_tokens_per_second_and_best_budget_on_a_study(tmp_path):
+    adv = advise(make_study(tmp_path), machines=["h200", "rtx-pro-6000"], model="random:qwen3-8b", n_boot=200)
+    assert adv["budgets"] == [4, 16, 64] and adv["projection"]
+    assert adv["tau"][4] == pytest.approx(2.0) and adv["tau"][64] == pytest.approx((4 + 4 + 6) / 3)
+    assert adv["context_tokens"] == 120
+    for name, m in adv["machines"].items():
+        tps = {r["budget"]: r["tokens_per_second"] for r in m["rows"]}
+        for r in m["rows"]:
+            assert r["tokens_per_second"] == pytest.approx(adv["tau"][r["budget"]] / r["cost_seconds"])
+            assert r["band"][0] <= r["tokens_per_second"] <= r["band"][1]
+        assert m["best"]["budget"] == max(tps, key=tps.get)
+        assert m["ar"]["tokens_per_second"] == pytest.approx(1 / m["ar"]["cost_seconds"])
+        assert sum(m["best"]["best_frequency"].values()) == pytest.approx(1.0)
+    assert "refused" in adv["measured_fit"]       # three budgets: too few for a fit
+
+
+def test_bootstrap_band_collapses_when_prompts_agree_and_widens_when_they_differ():
+    same = {4: {"a": (10, 5), "b": (10, 5)}, 16: {"a": (15, 5), "b": (15, 5)}}
+    out = best_budget(same, {4: 1.0, 16: 1.2}, n_boot=100)
+    assert out["band"][16] == pytest.approx([2.5, 2.5]) and out["best"] == 16
+    assert out["best_frequency"] == {16: 1.0}
+    mixed = {4: {"a": (10, 5), "b": (10, 5)}, 16: {"a": (5, 5), "b": (25, 5)}}
+    out = best_budget(mixed, {4: 1.0, 16: 1.2}, n_boot=400)
+    lo, hi = out["band"][16]
+    assert lo < out["tokens_per_second"][16] < hi and set(out["best_frequency"]) == {4, 16}
+
+
+def test_cli_writes_advice_and_prints_the_table(tmp_path, capsys):
+    d = make_study(tmp_path)
+    out = tmp_path / "a.json"
+    assert main(["advise", str(d), "--machine", "h200", "--model", "random:qwen3-8b", "--out", str(out),
+                 "--boot", "50", "--bench", str(H200_8B)]) == 0
+    adv = json.loads(out.read_text())
+    assert list(adv["machines"]) == ["h200"] and adv["check"]["passed"]
+    text = capsys.readouterr().out
+    assert "h200" in text and "projection" in text and "*" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--machine", "a100"], "unknown machine 'a100'; known: h100"),
+    (["--model", "random:nope"], "unknown model 'random:nope'"),
+])
+def test_cli_refuses_bad_names(tmp_path, capsys, args, message):
+    assert main(["advise", str(make_study(tmp_path)), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_cli_refuses_a_study_without_ar_or_with_one_budget(tmp_path, capsys):
+    no_ar = make_study(tmp_path / "x", ar=False)
+    assert main(["advise", str(no_ar)]) == 2
+    assert "no complete AR run" in capsys.readouterr().err
+    one = make_study(tmp_path / "y", budgets=(16,))
+    assert main(["advise", str(one)]) == 2
+    err = capsys.readouterr().err
+    assert "single DDTree budget (16)" in err and len(err.strip().splitlines()) == 1
+    assert not (one / "advice.json").exists()
+
+
+def test_report_has_the_advisor_section_with_titled_figures(tmp_path):
+    from ddtree_lab.workbench.report import build_report
+
+    page = build_report(make_study(tmp_path)).read_text()
+    assert 'id="advisor"' in page and "a projection" in page
+    # plotly writes "/" inside figure JSON escaped, so titles are matched up to their first slash
+    for title in ("Measured τ(B)", "Modelled round cost(B) of random:qwen3-8b", "Projected tokens",
+                  "What the round costs at each machine", "Cost model vs bench e2e round times"):
+        assert title in page, title
+
+
+def test_union_curve_and_confidence_calibration_from_trace_rows():
+    rows = [{"tree": {"tokens": [1] * 16, "scores": [math.log(0.5)] * 4}, "acceptance_length": 2,
+             "experts_touched": [80, 86]},
+            {"tree": {"tokens": [1] * 16, "scores": [math.log(0.5)] * 4}, "acceptance_length": 4,
+             "experts_touched": [90, 84]},
+            {"verify_tokens": 1, "experts_touched": [8, 8]}, {"tree": {"tokens": [1] * 5}}]
+    assert A.union_curve(rows) == {1: 8.0, 17: 85.0}
+    assert A.tau_calibration(rows) == pytest.approx((1 + 3) / (2 + 2))
+    assert A.union_curve([{"tree": {"tokens": [1]}}]) == {} and A.tau_calibration([{}]) is None
+
+
+def test_replay_auto_picks_per_round_and_scores_against_fixed_budgets():
+    rows = [{"tree": {"scores": [0.0] * 4}, "accepted": [0, 1, 2, 3, 4]},              # confident: deep
+            {"tree": {"scores": [math.log(0.1)] * 2 + [math.log(0.01)] * 2}, "accepted": [0]},
+            {"tree": {"tokens": [1]}}]                                                 # unscored: skipped
+    rep = A.replay_auto(rows, {2: 1.0, 4: 1.5})
+    assert rep["rounds"] == 2 and rep["budget_share"] == {2: 0.5, 4: 0.5}
+    assert rep["fixed_tokens_per_second"] == pytest.approx({2: 2.0, 4: 2.0}) and rep["best_fixed"] == 2
+    assert rep["tokens_per_second"] == pytest.approx(6 / 2.5) and rep["vs_best_fixed"] == pytest.approx(1.2)
+    assert A.replay_auto([{"tree": {}}], {2: 1.0}) is None
+
+
+def test_check_skips_a_file_without_budgets_in_range(tmp_path):
+    b = json.loads(H200_8B.read_text())
+    b["rows"] = [r for r in b["rows"] if r["method"] != "ddtree" or r["budget"] < 16]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(b))
+    chk = A.check_bench([path])
+    assert not chk["checked"] and chk["skipped"][0]["reason"] == "no DDTree budget in 16–1024"
+    assert not chk["passed"]
+
+
+def test_a_study_of_checkpoint_directories_is_costed_as_its_own_shape(tmp_path):
+    lab = REPO / "ddtree_lab" / "pairs" / "lab"
+    d = make_study(tmp_path, pair="", target_dir=str(lab / "target"), drafter_dir=str(lab / "drafter"))
+    adv = advise(d, machines=["h200"], n_boot=20)
+    assert adv["model"] == str(lab / "target")
+    lab_cost = advise(make_study(tmp_path / "named"), machines=["h200"], model="lab", n_boot=20)
+    assert adv["machines"]["h200"]["rows"][0]["cost_seconds"] == lab_cost["machines"]["h200"]["rows"][0]["cost_seconds"]
+
+
+def test_the_moe_random_shape_reads_its_experts_from_the_config():
+    s = A.model_shape("random:qwen3-30b-a3b")
+    assert (s.num_experts, s.experts_per_tok, s.expert_intermediate, s.moe_layers) == (128, 8, 768, 48)
+    h200 = A.get_machine("h200")
+    costs = [A.round_cost(s, h200, "ddtree", b) for b in (16, 64, 1024)]
+    ar = A.round_cost(s, h200, "ar")
+    assert costs[0].seconds > 3 * ar.seconds and all(c.dominant == "weights" for c in costs)
+    assert costs[2].seconds / costs[1].seconds < costs[1].seconds / costs[0].seconds * 2  # the union saturates
