@@ -40,9 +40,10 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             skipped.append({"file": Path(path).name, "model": b.get("model"), "reason": "; ".join(why)})
             continue
         m, ctx = get_machine(mname), int(b.get("prompt_len") or 512)
+        union = measured_union(b, shape)  # an MoE bench's own expert counts, else None (uniform routing)
         rows = []
         for r in b["rows"]:
-            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal)
+            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal, union)
             meas = float(r["round_seconds"])
             rows.append({"method": r["method"], "budget": r.get("budget"), "measured_seconds": meas,
                          "predicted_seconds": pred.seconds, "error": pred.seconds / meas - 1,
@@ -54,10 +55,24 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             continue
         ok = all(abs(x["error"]) <= CHECK_TOLERANCE for x in rows if x["in_range"])
         checked.append({"file": Path(path).name, "model": b.get("model"), "machine": mname, "device": device,
+                        "expert_union": "measured" if union else ("uniform routing" if shape.num_experts else None),
                         "prompt_len": ctx, "rows": rows, "within_tolerance": ok,
                         "max_error": max((abs(x["error"]) for x in rows if x["in_range"]), default=None)})
     return {"tolerance": CHECK_TOLERANCE, "budgets": [lo, hi], "checked": checked, "skipped": skipped,
             "passed": bool(checked) and all(c["within_tolerance"] for c in checked)}
+
+
+def measured_union(bench: dict, shape) -> dict[int, float] | None:
+    """tokens per forward -> mean distinct experts per MoE layer, from a bench e2e JSON's rows (verify
+    forwards of 1, block_size and budget + 1 tokens), or None when it has no counts."""
+    curve = {}
+    for r in bench.get("rows", []):
+        touched = r.get("experts_touched_mean")
+        if touched is None:
+            continue
+        tokens = {"ar": 1, "dflash": shape.block_size}.get(r["method"], int(r.get("budget") or 0) + 1)
+        curve[tokens] = float(touched)
+    return curve or None
 
 
 def repo_bench_dir() -> Path:
