@@ -24,6 +24,7 @@ from .config import (CheckpointError, ConfigError, DrafterConfig, TargetConfig, 
                      drafter_config_from_hf, read_json, target_config_from_hf)
 from .drafter import Drafter
 from .model import Target
+from . import parallel
 from .names import DTYPE_NAMES
 
 
@@ -278,15 +279,23 @@ def _token_text(value):
 
 
 def load_pair_dirs(target, drafter=None, *, name: str | None = None, device="cpu", dtype="float32",
-                   attention: str = "sdpa", compile: bool = False) -> Pair:
+                   attention: str = "sdpa", compile: bool = False, tp: int = 1) -> Pair:
     """A target directory and (optionally) its DFlash drafter's directory -> a Pair (`dl.load_pair` also
-    takes names, ddtree_lab/pairs). compile=True fuses the per-layer elementwise work with torch.compile."""
+    takes names, ddtree_lab/pairs). compile=True fuses the per-layer elementwise work with torch.compile.
+    tp=N: this process's share of an N-way tensor-parallel target (parallel.py; on CUDA, its rank's GPU)."""
     start = time.perf_counter()
     dtype = torch_dtype(dtype)
     check_backend(attention)
     device = torch.device(device)
     target_dir = Path(target)
-    tmodel = load_target(target_dir, device, dtype)
+    if tp != 1:
+        rank, rank_device = parallel.init(tp)
+        device = rank_device if device.type == "cuda" and rank_device is not None else device
+        full = load_target(target_dir, "cpu", dtype)
+        tmodel = parallel.make_parallel(full, tp, rank).to(device)
+        del full
+    else:
+        tmodel = load_target(target_dir, device, dtype)
     tmodel.set_attention(attention)
     if compile:
         tmodel.compile_layers()

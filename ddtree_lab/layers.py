@@ -132,6 +132,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, intermediate) if mlp is None else mlp  # mlp: e.g. a sparse MoE block
+        self.reduce = None  # tensor parallel: sums a block's partial output across processes (parallel.py)
 
     def attention_inputs(self, x, delta, cos, sin):
         """x [B, T, H] residual stream, delta [B, T, H] (the previous layer's MLP output, not yet
@@ -147,8 +148,12 @@ class DecoderLayer(nn.Module):
         """x [B, T, H], att [B, Hq, T, D] -> (x after attention, the MLP's output): the layer's output
         is their sum, left to the next layer's attention_inputs (or the caller) to add."""
         B, T = x.shape[:2]
-        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
-        return x, self.mlp(self.post_attention_layernorm(x))
+        attn = self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        if self.reduce is not None:  # tensor parallel (parallel.py): this process's heads give a partial sum
+            attn = self.reduce(attn)
+        x = x + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return x, mlp if self.reduce is None else self.reduce(mlp)
 
 
 def compile_fn(fn, **kwargs):

@@ -40,11 +40,14 @@ def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
     return tcfg, dcfg
 
 
-def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False):
-    """A real-size target + DFlash drafter with random weights (N(0, 0.02) matrices, unit norms)."""
+def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False,
+                tp: int = 1):
+    """A real-size target + DFlash drafter with random weights (N(0, 0.02) matrices, unit norms). With tp=N,
+    every process draws the same full weights and keeps its share (ddtree_lab/parallel.py)."""
     # torch and the models load here, not at import: study files are checked against RANDOM_SHAPES torch-free
     import torch
 
+    from .. import parallel
     from ..checkpoint import Pair, torch_dtype
     from ..drafter import Drafter
     from ..model import Target
@@ -52,6 +55,10 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
     dtype = torch_dtype(dtype)
+    rank = 0
+    if tp != 1:
+        rank, rank_device = parallel.init(tp)
+        device = rank_device if rank_device is not None and torch.device(device).type == "cuda" else device
     torch.manual_seed(seed)
     models = []
     for cls, cfg in zip((Target, Drafter), shape_configs(shape)):
@@ -64,6 +71,9 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
         m.rotary = type(m.rotary)(cfg.head_dim, cfg.rope, m.rotary.max_positions).to(device)
         models.append(m.eval().requires_grad_(False))
     target, drafter = models
+    if tp != 1:
+        target = parallel.make_parallel(target, tp, rank).eval().requires_grad_(False)
+        models[0] = target
     for m in models:
         m.set_attention(attention)
         if compile:

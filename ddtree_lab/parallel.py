@@ -1,0 +1,100 @@
+"""Tensor parallelism for the target: `load_pair(..., tp=N)` in each of N processes (torchrun).
+
+Each process holds 1/N of every layer: its share of the query and KV heads (the fused QKV rows,
+column-parallel, with their KV cache) and of the MLP width or every expert's width (gate/up rows,
+column-parallel; down columns, row-parallel). A layer's attention output and MLP output are then partial
+sums, so each is summed across processes by one all-reduce (`DecoderLayer.reduce`): two a decoder layer,
+one per block. Embedding, router, norms, LM head and the drafter are replicated, so every process computes
+the same logits and, from the same seed, the same tokens; the round stays fixed-shape, and on CUDA the
+all-reduces (NCCL) are captured in its graphs like any other kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from .config import CheckpointError, TargetConfig
+
+
+def init(tp: int) -> tuple[int, torch.device | None]:
+    """Join (or check) the process group for tp processes -> (rank, this rank's CUDA device or None).
+    torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; a caller may also have initialised the group itself."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive integer")
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) != tp:
+            raise ValueError(f"tp={tp} needs {tp} processes: run under `torchrun --nproc-per-node {tp}` "
+                             f"(WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')})")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_world_size() != tp:
+        raise ValueError(f"tp={tp} but the process group has {dist.get_world_size()} processes")
+    rank = dist.get_rank()
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return rank, device
+
+
+def local_config(cfg: TargetConfig, tp: int) -> TargetConfig:
+    """The target's sizes as one of tp processes holds them; a size that does not split is refused."""
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "intermediate_size": cfg.intermediate_size}
+    if getattr(cfg, "num_experts", 0):
+        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
+    for field, size in sizes.items():
+        if size % tp:
+            raise CheckpointError(f"tp={tp} does not divide the target's {field} ({size})")
+    return dataclasses.replace(cfg, **{k: v // tp for k, v in sizes.items()})
+
+
+def _rows(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
+    n = t.shape[dim] // parts
+    return t.narrow(dim, index * n, n)
+
+
+def shard_into(full, local, rank: int, tp: int) -> None:
+    """Copy rank's share of a full Target's weights into `local` (built from local_config)."""
+    c = full.cfg
+    D, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    own = dict(local.named_parameters())
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if ".qkv.wqkv." in name:  # [(Hq + 2 Hkv)·D, H] or its bias: q, k and v heads, each split
+                q, k, v = p.split([Hq * D, Hkv * D, Hkv * D], dim=0)
+                part = torch.cat([_rows(t, 0, rank, tp) for t in (q, k, v)], 0)
+            elif name.endswith("o_proj.weight"):  # [H, Hq·D]: the columns of this rank's heads
+                part = _rows(p, 1, rank, tp)
+            elif name.endswith("mlp.gate_up.weight") or name.endswith("mlp.gate_up"):
+                # dense [2I, H] or experts [E, 2I, H]: gate rows then up rows, each split
+                dim = p.dim() - 2
+                gate, up = p.chunk(2, dim=dim)
+                part = torch.cat([_rows(gate, dim, rank, tp), _rows(up, dim, rank, tp)], dim)
+            elif name.endswith("mlp.down.weight") or name.endswith("mlp.down"):  # [.., H, I]: columns
+                part = _rows(p, p.dim() - 1, rank, tp)
+            else:  # embedding, norms, router, LM head: replicated
+                part = p
+            own[name].copy_(part)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """A block's partial output summed over the tensor-parallel processes, in place."""
+    dist.all_reduce(t)
+    return t
+
+
+def make_parallel(full, tp: int, rank: int):
+    """A Target holding rank's share of `full`, its blocks summing their outputs across processes."""
+    with torch.device("meta"):
+        local = type(full)(local_config(full.cfg, tp))
+    like = next(full.parameters())
+    local = local.to_empty(device=like.device).to(like.dtype)
+    shard_into(full, local, rank, tp)
+    local.rotary = full.rotary
+    for blk in local.layers:
+        blk.reduce = all_reduce_sum
+    local.tp, local.tp_rank = tp, rank
+    return local
