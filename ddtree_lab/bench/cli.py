@@ -24,6 +24,8 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--attention", default="triton")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes for the target (e2e; run under "
+                   "torchrun --nproc-per-node N)")
     p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
                    help="with --compile: torch.compile's mode; max-autotune-no-cudagraphs times the compiler's own "
                         "matmul kernels against cuBLAS (compiling takes minutes)")
@@ -147,7 +149,7 @@ def run_bench_cli(args) -> int:
         start = time.perf_counter()
         result = {"kind": "e2e", "environment": environment(),
                   **run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention,
-                            args.device, args.compile)}
+                            args.device, args.compile, args.tp)}
         result["tree_kernels"] = args.tree_kernels
         result["bench_seconds"] = time.perf_counter() - start
     result["tree_build"] = getattr(args, "tree_build", "auto")
@@ -155,6 +157,7 @@ def run_bench_cli(args) -> int:
     result["attn_config"] = attn_config
     result["compile_mode"] = compile_mode
     result["host_read_lag"] = host_read_lag(getattr(args, "device", "cuda"))
-    atomic_write_text(Path(args.out), json.dumps(result, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
+    if getattr(args, "tp", 1) == 1 or torch.distributed.get_rank() == 0:  # tensor parallel: rank 0 writes
+        atomic_write_text(Path(args.out), json.dumps(result, indent=2))
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
