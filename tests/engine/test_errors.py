@@ -14,6 +14,8 @@ from ddtree_lab.testing import make_tiny_pair
     (dict(budget=0), "budget"), (dict(budget=1025), "budget"), (dict(topk=0), "topk"),
     (dict(method="beam"), "method"), (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(max_new_tokens=3000), "max_position_embeddings"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=True), "temperature"), (dict(max_new_tokens=True), "max_new_tokens"),
 ])
 def test_generate_refuses_bad_arguments(tiny_pair, kwargs, field):
     with pytest.raises(ValueError, match=field):
