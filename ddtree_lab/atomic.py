@@ -71,12 +71,16 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """Every non-empty line as JSON; a ValueError names the file and line of one that is not."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             line = line.strip()
             if line:
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {n}: not JSON ({e.msg}, column {e.colno})") from None
     return out
 
 
