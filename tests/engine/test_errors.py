@@ -105,3 +105,34 @@ def test_unknown_pair_name_and_dtype():
         dl.load_pair("nonesuch")
     with pytest.raises(ValueError, match="dtype"):
         dl.load_pair("lab", dtype="float8")
+
+
+def _corrupt(dirs, tmp_path, edit):
+    t, d = dirs
+    bad = tmp_path / "bad_target"
+    shutil.copytree(t, bad)
+    edit(bad)
+    return bad, d
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:1000]),
+     "model.safetensors: not a readable safetensors file"),
+    (lambda p: (p / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00" + b"garbage!" * 20),
+     "model.safetensors: not a readable safetensors file"),
+    (lambda p: (p / "tokenizer.json").write_text('{"version": '), "tokenizer.json: not a readable tokenizer file"),
+    (lambda p: (p / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list"),
+    (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
+                                                         "rope_theta": "big"})), "field 'rope_theta' should be a number"),
+])
+def test_damaged_checkpoint_files_named(dirs, tmp_path, edit, words):
+    t, d = _corrupt(dirs, tmp_path, edit)
+    with pytest.raises(ValueError, match=words):
+        dl.load_pair(target=t, drafter=d)
+
+
+def test_bad_prompt_text_and_roles(tiny_pair):
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        dl.generate(tiny_pair, "abc\udcff", max_new_tokens=2)
+    with pytest.raises(ValueError, match="role 'wizard'"):
+        dl.generate(tiny_pair, [{"role": "wizard", "content": "hi"}], max_new_tokens=2)
