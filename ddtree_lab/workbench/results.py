@@ -69,7 +69,19 @@ def summarize(prompts: list[dict], max_depth: int | None = None, pass_seconds: l
     }
     if pass_seconds and new_tokens:
         out.update(timing_summary(pass_seconds, new_tokens))
-    return out
+    return drop_non_finite(out)
+
+
+FIGURE_KEYS = ("mean_tau", "tokens_per_second", "seconds_per_token", "wall_seconds")
+
+
+def drop_non_finite(summary: dict) -> dict:
+    """NaN / inf figures become None and are named in summary["non_finite"] (the run is then suspect)."""
+    bad = [k for k in FIGURE_KEYS if summary.get(k) is not None and finite(summary[k]) is None]
+    if bad:
+        summary = {**summary, **{k: None for k in bad},
+                   "non_finite": sorted(set(summary.get("non_finite") or []) | set(bad))}
+    return summary
 
 
 # ----------------------------------------------------------------------------- recording
@@ -462,6 +474,8 @@ def collect_study(study_dir: str | os.PathLike) -> list[dict]:
             continue
         kind = (status or {}).get("kind", "run" if res is not None or bad_results else "study")
         damaged = run_damage(d, status, bad_results)
+        if res is not None and isinstance(res.get("summary"), dict):  # no figure is drawn from NaN
+            res["summary"] = drop_non_finite(res["summary"])
         rows.append({"name": d.name, "dir": d, "kind": kind, "results": res, "run": status or {},
                      "damaged": damaged,
                      "status": "damaged" if damaged else (status or {}).get("status", "complete")})
@@ -504,7 +518,8 @@ def suspect_reason(row: dict) -> str | None:
     if any(not p.get("tokens") for p in res.get("prompts", [])):
         return "a prompt produced no tokens"
     sm = res.get("summary", {})
-    nan = [k for k in ("mean_tau", "tokens_per_second", "wall_seconds") if sm.get(k) is not None and finite(sm[k]) is None]
+    nan = sorted(set(sm.get("non_finite") or []) |
+                 {k for k in FIGURE_KEYS if sm.get(k) is not None and finite(sm[k]) is None})
     if nan:
         return f"summary {', '.join(nan)} not a finite number: left out of every figure"
     tau = sm.get("mean_tau")

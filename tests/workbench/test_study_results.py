@@ -84,6 +84,24 @@ def test_nan_never_becomes_a_figure():
     assert "tokens_per_second" in R.suspect_reason(bad)
     assert R.recommend([_row("ar-t0", "ar", 0.0, 100, None) | {"comparison": {}}, bad]) == []
     assert R.summarize([{"tokens": [1, 2], "wall_seconds": 0.0}])["tokens_per_second"] is None
+    sm = R.summarize([{"tokens": [1, 2], "wall_seconds": float("nan"), "acceptance_lengths": [1]}])
+    assert sm["tokens_per_second"] is None and sm["wall_seconds"] is None and "wall_seconds" in sm["non_finite"]
+
+
+def test_collected_rows_carry_no_nan(sweep, tmp_path):
+    import shutil
+
+    root, _ = sweep
+    sd = tmp_path / "study"
+    shutil.copytree(root / "study", sd)
+    f = sd / "ddtree-b2-k0-t0" / "results.json"
+    res = json.loads(f.read_text())
+    res["summary"]["mean_tau"] = float("nan")
+    f.write_text(json.dumps(res))  # NaN as JSON writes it, allow_nan
+    rows = {r["name"]: r for r in R.collect_study(sd)}
+    assert rows["ddtree-b2-k0-t0"]["results"]["summary"]["mean_tau"] is None
+    assert "mean_tau not a finite number" in R.suspect_reason(rows["ddtree-b2-k0-t0"])
+    assert "NaN" not in json.dumps(report.sweep_table(list(rows.values())))
 
 
 def test_damaged_runs_listed_with_file_and_line_and_report_built(sweep, tmp_path):
