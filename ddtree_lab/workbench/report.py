@@ -86,7 +86,7 @@ def runs_table_html(rows: list[dict]) -> str:
         spt = sm.get("seconds_per_token")
         body.append([f"<b>{esc(r['name'])}</b>", esc(cfg.get("method")), esc(cfg.get("budget") or "–"),
                      esc(cfg.get("topk") or "–"), esc(cfg.get("temperature")),
-                     f'<span class="{"bad" if r["status"] == "failed" else "ok"}">{esc(r["status"])}</span>',
+                     f'<span class="{"bad" if r["status"] in ("failed", "damaged") else "ok"}">{esc(r["status"])}</span>',
                      f'<td class="num">{fmt_num(sm.get("mean_tau"))}</td>',
                      f'<td class="num">{fmt_num(sm.get("tokens_per_second"), "{:.1f}")}</td>',
                      f'<td class="num">{fmt_num(spt * 1e3 if spt else None)}</td>',

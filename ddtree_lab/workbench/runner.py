@@ -282,6 +282,8 @@ def run_study_cli(args) -> int:
         if args.check:
             study = load_study(args.params)
             out = Path(args.out or Path("outputs") / study.name)
+            if out.exists() and not out.is_dir():
+                raise StudyError("--out", f"{out} is a file, not a folder")
             for r in expand_grid(study, out):
                 print(r.run_name)
             print(f"ok: {len(expand_grid(study))} runs -> {out}")

@@ -16,6 +16,7 @@ from ddtree_lab.testing import make_tiny_pair
     (dict(temperature=-1.0), "temperature"), (dict(max_new_tokens=3000), "max_position_embeddings"),
     (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
     (dict(temperature=True), "temperature"), (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(seed=2 ** 64), "seed"), (dict(seed=1.5), "seed"),
 ])
 def test_generate_refuses_bad_arguments(tiny_pair, kwargs, field):
     with pytest.raises(ValueError, match=field):
