@@ -1,6 +1,8 @@
 """Loading and saving model directories in the formats users already have on disk.
 
-Targets: HF `Qwen3ForCausalLM` / `LlamaForCausalLM` directories. Drafters: the public DFlash format.
+Targets: HF `Qwen3ForCausalLM` / `LlamaForCausalLM` / `Qwen3MoeForCausalLM` directories (MoE experts per
+expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, as transformers saves them, or stacked,
+`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]). Drafters: the public DFlash format.
 Weights come from `model.safetensors` or shards listed in `model.safetensors.index.json`; the
 tokenizer from `tokenizer.json` (+ `tokenizer_config.json`). Nothing is fetched from a hub.
 Every error names the directory, file, tensor or field that is wrong.
@@ -122,17 +124,18 @@ class _TensorReader:
 
 
 def _fill(module: torch.nn.Module, reader: _TensorReader, mapping: dict[str, list[str]]) -> None:
-    """mapping: our parameter name -> the stored names concatenated (dim 0) into it."""
+    """mapping: our parameter name -> the stored names concatenated (dim 0) into it. A stacked expert
+    parameter [E, R, C] is filled from per-expert [r, C] tensors as its [E·R, C] view."""
     own = dict(module.named_parameters())
     with torch.no_grad():
         for ours, stored in mapping.items():
             param = own[ours]
-            parts, offset = [], 0
+            flat = param.view(-1, param.shape[-1]) if param.dim() == 3 and len(stored) > 1 else param
+            parts = []
             for name in stored:
-                rows = _rows_of(name, module, ours, param, len(stored))
-                parts.append(reader.get(name, (rows, *param.shape[1:]) if param.dim() > 1 else (rows,)))
-                offset += rows
-            param.copy_(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
+                rows = _rows_of(name, module, ours, flat, len(stored))
+                parts.append(reader.get(name, (rows, *flat.shape[1:]) if flat.dim() > 1 else (rows,)))
+            flat.copy_(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
 
 
 def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) -> int:
@@ -140,6 +143,8 @@ def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) ->
     if n_parts == 1:
         return param.shape[0]
     cfg = module.cfg
+    if ".experts." in name:  # per-expert tensors: gate/up [I, H] rows of gate_up, down [H, I] rows of down
+        return cfg.hidden_size if name.endswith("down_proj.weight") else cfg.moe_intermediate_size
     if ".wqkv." in ours:
         kind = name.split(".")[-2]  # q_proj | k_proj | v_proj
         heads = cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads
@@ -166,16 +171,38 @@ def _layer_mapping(prefix: str, i: int, qk_norm: bool, bias: bool) -> dict[str, 
     return m
 
 
-def target_mapping(cfg: TargetConfig) -> dict[str, list[str]]:
+def _moe_mapping(i: int, cfg: TargetConfig, stacked: bool) -> dict[str, list[str]]:
+    """Layer i's sparse block: the router, and the experts per expert (gate, up of each expert in turn) or
+    stacked as transformers holds them in memory."""
+    src, ours = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
+    m = {f"{ours}.router.weight": [f"{src}.gate.weight"]}
+    if stacked:
+        m[f"{ours}.gate_up"] = [f"{src}.experts.gate_up_proj"]
+        m[f"{ours}.down"] = [f"{src}.experts.down_proj"]
+    else:
+        experts = range(cfg.num_experts)
+        m[f"{ours}.gate_up"] = [f"{src}.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up")]
+        m[f"{ours}.down"] = [f"{src}.experts.{e}.down_proj.weight" for e in experts]
+    return m
+
+
+def target_mapping(cfg: TargetConfig, reader: _TensorReader | None = None) -> dict[str, list[str]]:
+    """Our parameter names -> the stored ones. With a reader, an MoE layer's experts are read stacked when
+    the checkpoint holds them so; without one (saving) they are written per expert."""
     m = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     for i in range(cfg.num_hidden_layers):
         m.update(_layer_mapping("model.", i, cfg.qk_norm, cfg.attention_bias))
+        if cfg.is_moe_layer(i):
+            for name in ("gate_up.weight", "down.weight"):
+                del m[f"layers.{i}.mlp.{name}"]
+            stacked = reader is not None and reader.has(f"model.layers.{i}.mlp.experts.gate_up_proj")
+            m.update(_moe_mapping(i, cfg, stacked))
     if not cfg.tie_word_embeddings:
         m["lm_head.weight"] = ["lm_head.weight"]
     return m
 
 
-def drafter_mapping(cfg: DrafterConfig) -> dict[str, list[str]]:
+def drafter_mapping(cfg: DrafterConfig, reader: _TensorReader | None = None) -> dict[str, list[str]]:
     m = {"fc.weight": ["fc.weight"], "hidden_norm.weight": ["hidden_norm.weight"], "norm.weight": ["norm.weight"]}
     for i in range(cfg.num_hidden_layers):
         m.update(_layer_mapping("", i, True, False))
@@ -202,9 +229,31 @@ def _load(kind: str, directory, device, dtype, read_config, model_cls, mapping):
     reader = _TensorReader(directory)
     if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
         reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
-    _fill(model, reader, mapping(cfg))
+    wanted = mapping(cfg, reader)
+    _check_all_used(reader, wanted, cfg)
+    _fill(model, reader, wanted)
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# Stored tensors a model may carry that hold nothing this engine reads: RoPE tables (recomputed from the
+# config), and an lm_head saved beside tied embeddings (the tie makes it the embedding).
+_IGNORABLE = (".rotary_emb.inv_freq",)
+
+
+def _check_all_used(reader: _TensorReader, mapping: dict[str, list[str]], cfg) -> None:
+    """Every stored tensor must be read: one left over means the config describes another model than the
+    weights (too few layers, the wrong architecture), which would load and silently compute something else."""
+    used = {name for stored in mapping.values() for name in stored}
+    tied_head = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    unused = sorted(n for n in reader.files if n not in used and n not in tied_head
+                    and not n.endswith(_IGNORABLE))
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise CheckpointError(
+            f"{reader.directory}: {len(unused)} stored tensor(s) that config.json does not describe ({shown}); "
+            f"check its architectures and num_hidden_layers ({getattr(cfg, 'arch', '?')}, "
+            f"{getattr(cfg, 'num_hidden_layers', '?')} layers)")
 
 
 def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
@@ -286,6 +335,8 @@ def _hf_state(module, mapping: dict[str, list[str]], dtype) -> dict[str, torch.T
     out = {}
     for ours, stored in mapping.items():
         param = own[ours].detach().to("cpu", dtype)
+        if param.dim() == 3 and len(stored) > 1:  # stacked experts, written one expert tensor at a time
+            param = param.reshape(-1, param.shape[-1])
         sizes = [_rows_of(n, module, ours, param, len(stored)) for n in stored]
         for name, part in zip(stored, param.split(sizes, 0)):
             out[name] = part.contiguous()

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -35,7 +35,7 @@ class RopeConfig:
 
 @dataclass
 class TargetConfig:
-    arch: str = "qwen3"  # qwen3 (q/k RMSNorm) | llama
+    arch: str = "qwen3"  # qwen3 (q/k RMSNorm) | llama | qwen3_moe (qwen3 with mixture-of-experts MLPs)
     vocab_size: int = 4096
     hidden_size: int = 384
     intermediate_size: int = 1024
@@ -50,10 +50,27 @@ class TargetConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Mixture of experts (qwen3_moe): a layer is sparse unless listed in mlp_only_layers or off the
+    # decoder_sparse_step grid; dense layers keep intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i has a sparse MoE block (the rule transformers' Qwen3Moe applies)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json dict transformers (4.x and 5.x) reads for this model."""
@@ -68,6 +85,10 @@ class TargetConfig:
                     original_max_position_embeddings=self.rope.original_max_position_embeddings,
                 )
         eos = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
+        moe = {} if self.arch != "qwen3_moe" else {
+            "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
         return {
             "architectures": [arch_name],
             "model_type": self.arch,
@@ -88,6 +109,7 @@ class TargetConfig:
             "eos_token_id": eos,
             "bos_token_id": self.bos_token_id,
             "torch_dtype": "float32",
+            **moe,
         }
 
 
@@ -210,12 +232,16 @@ def target_config_from_hf(cfg: dict, where: Path) -> TargetConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{where}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+    layers = _need(cfg, "num_hidden_layers", where)
+    moe = _moe_from_hf(cfg, where, layers) if arch == "qwen3_moe" else {}
+    all_sparse = bool(moe) and all(TargetConfig(num_hidden_layers=layers, **moe).is_moe_layer(i) for i in range(layers))
     return TargetConfig(
         arch=arch,
         vocab_size=_need(cfg, "vocab_size", where),
         hidden_size=hidden,
-        intermediate_size=_need(cfg, "intermediate_size", where),
-        num_hidden_layers=_need(cfg, "num_hidden_layers", where),
+        # a model whose every MLP is sparse needs no dense width
+        intermediate_size=int(cfg.get("intermediate_size") or 0) if all_sparse else _need(cfg, "intermediate_size", where),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=int(head_dim),
@@ -226,7 +252,42 @@ def target_config_from_hf(cfg: dict, where: Path) -> TargetConfig:
         rope=_rope_from_hf(cfg, where),
         eos_token_id=_eos_list(cfg.get("eos_token_id")),
         bos_token_id=cfg.get("bos_token_id"),
+        **moe,
     )
+
+
+# Router options of other MoE families that this engine does not implement: refused rather than ignored.
+UNSUPPORTED_MOE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                          "moe_shared_expert_intermediate_size")
+
+
+def _moe_from_hf(cfg: dict, where: Path, layers: int) -> dict:
+    """The MoE fields of a Qwen3Moe config.json (4.x `num_experts`, 5.x `num_local_experts`)."""
+    key = "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts"
+    experts = _need(cfg, key, where)
+    top_k = _need(cfg, "num_experts_per_tok", where)
+    if experts < 1:
+        raise ConfigError(f"{where}: field '{key}' is {experts}; a Qwen3Moe target needs at least one expert")
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"{where}: field 'num_experts_per_tok' is {top_k}; it must be in 1..{experts} ('{key}')")
+    for name in UNSUPPORTED_MOE_FIELDS:
+        if (cfg.get(name) or 0) > 0:
+            raise ConfigError(f"{where}: field '{name}' is {cfg[name]}: shared experts are not supported")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ConfigError(f"{where}: field 'scoring_func' is {scoring!r}; only 'softmax' routing is supported")
+    if cfg.get("topk_method") not in (None, "greedy"):
+        raise ConfigError(f"{where}: field 'topk_method' is {cfg['topk_method']!r}; only greedy top-k is supported")
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ConfigError(f"{where}: field 'decoder_sparse_step' should be an integer ≥ 1, got {step!r}")
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
+        raise ConfigError(f"{where}: field 'mlp_only_layers' is {dense!r}; it must list layers in 0..{layers - 1}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=_need(cfg, "moe_intermediate_size", where),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                mlp_only_layers=list(dense))
 
 
 def drafter_config_from_hf(cfg: dict, where: Path) -> DrafterConfig:

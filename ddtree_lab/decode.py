@@ -193,7 +193,8 @@ class RoundProgram:
         path = self.path[:a].tolist()
         tree = DraftTree(*(getattr(self.tree, f).to("cpu") for f in DraftTree.__dataclass_fields__))
         accepted_tokens = self.tokens[self.path[1:a]].tolist()
-        return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus))
+        return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus),
+                          experts_touched=self.target.experts_touched())
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):
@@ -326,7 +327,8 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
                 clock.mark(name)
             if trace:
                 rounds.append(program.trace_round(n_rounds, position, root) if method != "ar" else
-                              RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus)))
+                              RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
+                                         experts_touched=target.experts_touched()))
             n_rounds += 1
         reads.append(_start_read(program))
         if len(reads) > lag:  # the host waits for the oldest read: one sync per `sync_every` rounds

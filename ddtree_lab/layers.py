@@ -125,13 +125,13 @@ class DecoderLayer(nn.Module):
     (`torch.compile`) can fuse the elementwise work of every layer."""
 
     def __init__(self, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 qk_norm: bool, eps: float, bias: bool = False):
+                 qk_norm: bool, eps: float, bias: bool = False, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.qkv = QKV(hidden, n_heads, n_kv_heads, head_dim, qk_norm, eps, bias)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, intermediate)
+        self.mlp = GatedMLP(hidden, intermediate) if mlp is None else mlp  # mlp: e.g. a sparse MoE block
 
     def attention_inputs(self, x, delta, cos, sin):
         """x [B, T, H] residual stream, delta [B, T, H] (the previous layer's MLP output, not yet

@@ -14,14 +14,19 @@ import torch.nn.functional as F
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
 from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
+from .moe import SparseMoE, experts_touched
 from .tree import use_triton
 
 
 class Block(DecoderLayer):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, index: int = 0):
+        moe = None
+        if cfg.is_moe_layer(index):
+            moe = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                            cfg.norm_topk_prob)
         super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                          cfg.num_key_value_heads, cfg.head_dim, cfg.qk_norm, cfg.rms_norm_eps,
-                         cfg.attention_bias)
+                         cfg.attention_bias, mlp=moe)
 
 
 class Target(nn.Module):
@@ -29,7 +34,7 @@ class Target(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
@@ -65,6 +70,11 @@ class Target(nn.Module):
 
     def set_attention(self, backend: str) -> None:
         self.attention = check_backend(backend)
+
+    def experts_touched(self) -> list[int] | None:
+        """Per MoE layer, the distinct experts the last forward routed tokens to (None for a dense target).
+        Reads the device once: call it only when tracing."""
+        return experts_touched(self) if self.cfg.is_moe else None
 
     @property
     def cache_len(self) -> int:

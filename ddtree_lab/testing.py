@@ -17,10 +17,17 @@ TINY_TEXT = (
 )
 
 
+# arch="qwen3_moe": 8 experts of width 32, top-2, renormalised; layer 1 keeps a dense MLP (mlp_only_layers)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[1])
+
+
 def tiny_target_config(arch: str = "qwen3", vocab_size: int = 300, **overrides) -> TargetConfig:
     cfg = dict(arch=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                tie_word_embeddings=arch == "qwen3", rope=RopeConfig(theta=10000.0), eos_token_id=[])
+    if arch == "qwen3_moe":
+        cfg.update(TINY_MOE)
     cfg.update(overrides)
     return TargetConfig(**cfg)
 
@@ -40,6 +47,8 @@ def random_init(module: torch.nn.Module, seed: int, std: float = 0.08) -> None:
         for name, p in module.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("router.weight"):  # sharper routing, so tokens spread over the experts
+                p.copy_(4 * std * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
@@ -62,7 +71,8 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> None:
 
 def make_tiny_pair(directory, arch: str = "qwen3", vocab_size: int = 300, seed: int = 0,
                    tokenizer: bool = True, dtype=torch.float32, **target_overrides) -> tuple[Path, Path]:
-    """Write a random target + DFlash drafter (+ tokenizer) under `directory`; return their dirs."""
+    """Write a random target + DFlash drafter (+ tokenizer) under `directory`; return their dirs.
+    arch="qwen3_moe" writes a mixture-of-experts target (TINY_MOE, overridable) with a dense drafter."""
     directory = Path(directory)
     tcfg = tiny_target_config(arch, vocab_size, **target_overrides)
     dcfg = tiny_drafter_config(tcfg)

@@ -22,6 +22,9 @@ class RoundTrace:
     accepted_tokens: list[int]     # tokens of the accepted nodes after the root
     next_token: int                # the target's choice at the last accepted node (next bonus)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # MoE targets: per MoE layer, the distinct experts the round's target forward (the verify, or the AR
+    # step) routed a token to; None for dense targets
+    experts_touched: list[int] | None = None
 
     @property
     def acceptance_length(self) -> int:
@@ -32,7 +35,7 @@ class RoundTrace:
             "index": self.index, "position": self.position, "root_token": self.root_token,
             "acceptance_length": self.acceptance_length, "accepted": self.accepted,
             "accepted_tokens": self.accepted_tokens, "next_token": self.next_token,
-            "stage_seconds": self.stage_seconds,
+            "stage_seconds": self.stage_seconds, "experts_touched": self.experts_touched,
             "tree": None if self.tree is None else self.tree.to_json(),
         }
 
@@ -41,7 +44,8 @@ class RoundTrace:
         return cls(index=d["index"], position=d["position"], root_token=d["root_token"],
                    tree=None if d.get("tree") is None else DraftTree.from_json(d["tree"]),
                    accepted=d["accepted"], accepted_tokens=d["accepted_tokens"],
-                   next_token=d["next_token"], stage_seconds=d.get("stage_seconds", {}))
+                   next_token=d["next_token"], stage_seconds=d.get("stage_seconds", {}),
+                   experts_touched=d.get("experts_touched"))
 
 
 @dataclass

@@ -52,7 +52,7 @@ def add_bench_args(p) -> None:
     k.add_argument("--out", default="outputs/bench/kernels.json")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",
-                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | a pair name | a dir "
+                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | random:qwen3-30b-a3b | a pair name | a dir "
                         "holding target/ and drafter/")
     e.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
     e.add_argument("--prompt-len", type=int, default=512)

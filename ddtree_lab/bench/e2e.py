@@ -1,7 +1,8 @@
 """End-to-end benchmarks of the engine: rounds, prompts, profiles (run by `ddtree-lab bench`, bench/cli.py).
 
   e2e      per-round stage times, rounds/s and tokens/s for AR, DFlash and DDTree at several budgets, for a
-           checkpoint, a named pair, or a random-weight real-size shape (`random:qwen3-8b`, pairs/random.py), and
+           checkpoint, a named pair, or a random-weight real-size shape (`random:qwen3-8b`, the MoE
+           `random:qwen3-30b-a3b`, pairs/random.py), and
            the AR step's roofline (weight bytes ÷ copy bandwidth, same run)
   prompts  tokens/s and speedup of AR, DFlash and DDTree on a pair's shipped prompts
   profile  where a round's time goes: kernels launched and GPU time per stage, and the top kernels
@@ -22,14 +23,23 @@ from ..names import STAGES
 from ..pairs import load_pair
 from .attention import device_copy_gbps
 
-def weight_bytes_per_step(target: Target) -> int:
-    """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding."""
+def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = None) -> int:
+    """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding, and of
+    an MoE block the router and the touched experts: `experts_touched[l]` of MoE layer l's E (default: the
+    top-k, what one token reads), e.g. a verify forward's counts from a traced round."""
+    from ..moe import SparseMoE
+
+    share = {}
+    moe = [(name, m) for name, m in target.named_modules() if isinstance(m, SparseMoE)]
+    for i, (mname, m) in enumerate(moe):
+        touched = m.top_k if experts_touched is None else experts_touched[i]
+        share[f"{mname}.gate_up"] = share[f"{mname}.down"] = touched / m.num_experts
     total = 0
     for name, p in target.named_parameters():
         if name == "embed_tokens.weight" and target.lm_head is not None:
             continue  # untied: the step reads one row, not the table
-        total += p.numel() * p.element_size()
-    return total
+        total += p.numel() * p.element_size() * share.get(name, 1.0)
+    return int(total)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -61,6 +71,11 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
                "rounds_per_second": n / max(res.wall_seconds - res.prefill_seconds, 1e-9),
                "tokens_per_second": len(res.tokens) / max(res.wall_seconds, 1e-9),
                "settings": res.settings}
+        if pair.target.cfg.is_moe:  # a few traced rounds: the experts each MoE layer's verify touched
+            traced = generate(pair, prompt, **{**kw, "trace": True, "max_new_tokens": min(rounds, 8)})
+            per_layer = [sum(col) / len(col) for col in zip(*(r.experts_touched for r in traced.rounds))]
+            row["experts_touched_per_layer"] = per_layer
+            row["experts_touched_mean"] = sum(per_layer) / len(per_layer)
         rows.append(row)
         if progress:
             print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "
@@ -91,6 +106,10 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
             out["roofline"]["ar_step_over_roofline"] = ar["round_seconds"] / out["roofline"]["ar_step_roofline_seconds"]
             for r in out["rows"]:
                 r["round_over_ar_step"] = r["round_seconds"] / ar["round_seconds"]
+        for r in out["rows"]:  # MoE: the verify's floor is the weights of the experts it touched
+            if "experts_touched_per_layer" in r:
+                r["verify_floor_seconds"] = weight_bytes_per_step(pair.target, r["experts_touched_per_layer"]) / bw
+                r["verify_over_floor"] = r["stage_seconds_per_round"]["verify"] / r["verify_floor_seconds"]
     return out
 
 

@@ -16,13 +16,22 @@ RANDOM_SHAPES = {
                         max_position_embeddings=131072, tie_word_embeddings=False,
                         rope=RopeConfig(theta=5e5, type="llama3", factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, tie_word_embeddings=False, rope=RopeConfig(theta=1e6),
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
+# The drafters' MLP width where it is not the target's dense width. A drafter is dense: an MoE target's
+# expert width is never its size.
+DRAFT_INTERMEDIATE = {"qwen3-30b-a3b": 6144}
 
 
 def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
+    """The target and drafter configs of a random shape (nothing allocated)."""
     tcfg = TargetConfig(**RANDOM_SHAPES[shape])
-    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size,
+                         intermediate_size=DRAFT_INTERMEDIATE.get(shape, tcfg.intermediate_size),
                          num_hidden_layers=DRAFT_LAYERS, num_attention_heads=tcfg.num_attention_heads,
                          num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
                          vocab_size=tcfg.vocab_size, block_size=16, num_target_layers=tcfg.num_hidden_layers,

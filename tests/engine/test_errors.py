@@ -108,6 +108,20 @@ def test_unknown_pair_name_and_dtype():
         dl.load_pair("lab", dtype="float8")
 
 
+def test_config_that_disagrees_with_its_weights_is_refused(dirs):
+    """One layer fewer, or Llama's architecture on Qwen3 weights (its q/k norms unread), would load a
+    different model: every stored tensor must be read."""
+    t, d = dirs
+    cfg = json.loads((t / "config.json").read_text())
+    (t / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=cfg["num_hidden_layers"] - 1)))
+    last = cfg["num_hidden_layers"] - 1
+    with pytest.raises(CheckpointError, match=rf"does not describe \(model.layers.{last}\."):
+        dl.load_pair(target=t, drafter=d)
+    (t / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama")))
+    with pytest.raises(CheckpointError, match=r"self_attn.k_norm.weight"):
+        dl.load_pair(target=t, drafter=d)
+
+
 def _corrupt(dirs, tmp_path, edit):
     t, d = dirs
     bad = tmp_path / "bad_target"

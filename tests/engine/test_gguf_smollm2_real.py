@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import ddtree_lab as dl  # noqa: E402
-from ddtree_lab import smollm2  # noqa: E402
+from ddtree_lab.train import smollm2  # noqa: E402
 from ddtree_lab.attention import TreeMask  # noqa: E402
 from ddtree_lab.prompts import encode_prompt  # noqa: E402
 

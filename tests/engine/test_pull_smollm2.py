@@ -4,7 +4,8 @@ import json
 import pytest
 
 import ddtree_lab as dl
-from ddtree_lab import pairs, smollm2
+from ddtree_lab import pairs
+from ddtree_lab.train import smollm2
 from ddtree_lab.checkpoint import CheckpointError
 
 

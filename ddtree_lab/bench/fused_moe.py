@@ -1,0 +1,128 @@
+"""Micro-benchmark of the fused MoE block (`fused_moe.fused_moe`) against torch's grouped path
+(`ddtree_lab.moe.moe_torch`: the pairs sorted by expert, two grouped matmuls) and against the floor, the
+bytes the touched experts must move (their weights, the router, the activations) over the device's copy
+bandwidth. Default shape: Qwen3-30B-A3B's MoE block (128 experts, top-8, hidden 2048, expert width 768; 48
+such layers per forward) at T = 1, 8, 16, 65, 129, 1025 tokens (AR, small trees, a tree of 1024 + root).
+
+    bench_fused_moe(tokens, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0)
+        -> list of dicts {T, experts_touched, touched_bytes, floor_us, triton_us, torch_us, …_over_floor,
+                          per_forward_ms (one block's time × layers), max_abs_diff (vs the reference)}
+
+Hidden states are x = √s·base + √(1−s)·noise per token: s = 0 routes tokens independently (about
+E·(1 − (1 − k/E)^T) experts touched), s near 1 makes them route alike, as a tree of related tokens may.
+Time per call: `bench.attention.time_cuda_graph` (calls captured in a CUDA graph, L2 flushed before each); on the CPU
+(`--smoke`: tiny shapes, the interpreter) the wall clock of one call, a check that the path runs, not a timing.
+
+Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
+                    python -m ddtree_lab.bench.fused_moe --smoke --out /tmp/fused_moe_smoke.json   (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from .attention import time_cuda_graph
+
+QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768, layers=48)
+TOKENS = (1, 8, 16, 65, 129, 1025)
+SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
+SMOKE_TOKENS = (1, 3, 17)
+GATHER_LIMIT = 4 << 30  # bytes: beyond this the torch path's per-token gather (no grouped matmul) is skipped
+
+
+def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, hidden, generator=g)
+    x = similarity ** 0.5 * base + (1 - similarity) ** 0.5 * torch.randn(T, hidden, generator=g)
+    router = torch.randn(experts, hidden, generator=g) * 0.02
+    w_gate_up = torch.randn(experts, 2 * width, hidden, generator=g) * 0.02
+    w_down = torch.randn(experts, hidden, width, generator=g) * 0.02
+    return [t.to(device, dtype) for t in (x, router, w_gate_up, w_down)]
+
+
+def touched_bytes(counts, T, experts, hidden, width, elsize) -> int:
+    """What a block must move at least: the touched experts' weights, the router, x in and out."""
+    touched = int((counts > 0).sum())
+    return touched * 3 * width * hidden * elsize + experts * hidden * elsize + 2 * T * hidden * elsize
+
+
+def _time(fn, device, reps):
+    if device == "cuda":
+        return time_cuda_graph(fn, n=reps) * 1000  # µs
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
+                    dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True) -> list[dict]:
+    from ..kernels.fused_moe import fused_moe, fused_moe_reference
+    from ..moe import _grouped_mm_fits, moe_torch
+
+    elsize = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for T in tokens:
+        x, router, w_gate_up, w_down = block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=T)
+        counts = torch.zeros(experts, dtype=torch.int32, device=device)
+        out, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts)
+        want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
+        nbytes = touched_bytes(counts, T, experts, hidden, width, elsize)
+        row = dict(T=T, experts_touched=int((counts > 0).sum()), touched_bytes=nbytes,
+                   counts_equal_reference=bool(torch.equal(counts, want_counts)),
+                   max_abs_diff=float((out.float() - want.float()).abs().max()),
+                   floor_us=None if copy_gbps is None else nbytes / (copy_gbps * 1e3))
+        row["triton_us"] = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts),
+                                 device, reps)
+        gather = T * top_k * 3 * width * hidden * elsize
+        if not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT:
+            row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
+        else:
+            try:
+                row["torch_us"] = _time(lambda: moe_torch(x, router, w_gate_up, w_down, top_k, True), device, reps)
+                row["torch_path"] = "grouped_mm" if _grouped_mm_fits(x, width) else "gather"
+            except Exception as e:  # recorded, not fatal: the other rows still run
+                row["torch_us"], row["torch_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        for name in ("triton", "torch"):
+            if row["floor_us"] and row.get(f"{name}_us"):
+                row[f"{name}_over_floor"] = row[f"{name}_us"] / row["floor_us"]
+        row["per_forward_ms"] = row["triton_us"] * layers / 1e3
+        row["floor_per_forward_ms"] = None if row["floor_us"] is None else row["floor_us"] * layers / 1e3
+        rows.append(row)
+        if progress:
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=None)
+    ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        shape, tokens, dtype, bw = SMOKE, a.tokens or SMOKE_TOKENS, torch.float32, None
+    else:
+        from .attention import device_copy_gbps
+
+        shape, tokens, device, dtype = QWEN3_30B_A3B, a.tokens or TOKENS, "cuda", torch.bfloat16
+        bw = device_copy_gbps()
+    rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw)
+    if a.out:
+        import triton
+
+        meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+                    torch=torch.__version__, triton=triton.__version__, shape=shape, similarity=a.similarity,
+                    dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
+        with open(a.out, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

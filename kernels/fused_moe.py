@@ -1,0 +1,398 @@
+"""A mixture-of-experts MLP for decode and verify, in fixed shapes: routing, the token→expert sort, the experts.
+
+    fused_moe(x, router_weight, w_gate_up, w_down, top_k, renormalize, counts=None)
+        -> (out [T, H] in x's dtype, counts [E] int32: tokens routed to each expert in this call)
+    fused_moe_reference(...)  the torch ground truth (a loop over the experts, as the reference models run it)
+
+Shapes: x [T, H], router_weight [E, H], w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I].
+Routing: softmax over the E router logits in fp32, the top_k probabilities, divided by their sum when
+`renormalize`. Ties go to the lower expert index, the order of torch's stable descending sort (torch.topk
+leaves the order of ties unspecified; on the CPU it does not take the lower index). Each token's output is
+Σ_j w_j · down_e(silu(gate_e(x)) · up_e(x)) over its top_k experts e, accumulated in fp32.
+
+Launches, none of them reading anything back to the host, every shape fixed by (T, E, top_k, H, I), so a
+round that calls it can be captured once as a CUDA graph for each tree size:
+  1. router logits: F.linear in x's dtype (as the reference models compute them);
+  2. `_route_kernel`, one program per BLOCK_T tokens: softmax, top-k by repeated argmax, renormalisation
+     (up to ROUTE_IN_ALIGN_MAX_T tokens the align program does this itself: a launch fewer for AR and small trees);
+  3. `_align_kernel`, one program: per-expert counts, the touched experts compacted into S = min(E, T·top_k)
+     slots (slot s holds the s-th touched expert in expert order, -1 past the last), each slot's start in the
+     pair list, and the (token, j) pairs sorted by expert, stably (pair p = t·top_k + j);
+  4. `_gate_up_kernel`, grid (S, I / BLOCK_N): a slot's tokens times its expert's gate and up rows, SiLU·mul,
+     into h [T·top_k, I] in sorted order;
+  5. `_down_kernel`, grid (S, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
+     y [T·top_k, H] fp32 in pair order;
+  6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
+     atomics), cast to x's dtype.
+
+Why this shape: decode and verify are bound by the weights' bytes. A program owns one expert's N-tile and
+loops over the slot's tokens, so each touched expert's weights are read once per call however many of the
+T tokens route to it (exactly once while its tokens fit one BLOCK_M tile, i.e. T ≤ BLOCK_M; past that each
+further tile re-reads the weight tile, from L2 in practice). Slots past the touched experts exit at once.
+The counts are an intermediate of the sort, so handing them out (for telemetry) costs nothing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _route_block(Logits, Weights, Ids, rows, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Route tokens `rows` [BLOCK_T]; -> how many of them chose each expert [BLOCK_E] int32."""
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, BLOCK_K)
+    rmask = rows < T
+    cmask = cols < E
+    x = tl.load(Logits + rows[:, None] * s_row + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=float("-inf")).to(tl.float32)                      # [BT, BE]
+    x = tl.where(rmask[:, None], x, 0.0)  # rows past T: finite, so no NaN (never stored)
+    m = tl.max(x, 1)
+    p = tl.exp(x - m[:, None])
+    p = tl.where(cmask[None, :], p, 0.0)
+    p = p / tl.sum(p, 1)[:, None]
+    cand = tl.where(cmask[None, :], p, -1.0)  # padding columns never win: probabilities are >= 0
+    vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(cand, 1)
+        idx = tl.argmax(cand, 1, tie_break_left=True).to(tl.int32)  # the lowest index among equals
+        vals = tl.where(kcols[None, :] == j, best[:, None], vals)
+        ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
+        chosen = cols[None, :] == idx[:, None]                               # [BT, BE]
+        counts += tl.sum((chosen & rmask[:, None]).to(tl.int32), 0)
+        cand = tl.where(chosen, -1.0, cand)
+    if RENORM:
+        vals = vals / tl.sum(vals, 1)[:, None]
+    out = rows[:, None] * TOP_K + kcols[None, :]
+    smask = rmask[:, None] & (kcols[None, :] < TOP_K)
+    tl.store(Weights + out, vals, mask=smask)
+    tl.store(Ids + out, ids, mask=smask)
+    return counts
+
+
+@triton.jit
+def _route_kernel(Logits, Weights, Ids, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_block(Logits, Weights, Ids, rows, T, E, s_row, TOP_K, RENORM, BLOCK_T, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPairs, T, P, E, S, s_row,
+                  ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    if ROUTE:  # few tokens: route them here too (one launch less), then read the ids back
+        for t0 in range(0, T, BLOCK_T):
+            counts += _route_block(Logits, Weights, Ids, t0 + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
+                                   BLOCK_T, BLOCK_E, BLOCK_K)
+        tl.debug_barrier()  # the ids written above are read by other threads of this program below
+    else:
+        for p0 in range(0, P, BLOCK_P):  # pass 1: tokens per expert
+            offs = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(Ids + offs, mask=offs < P, other=-1)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    tl.store(Counts + experts, counts, mask=experts < E)
+    starts = tl.cumsum(counts, 0) - counts                                  # exclusive: each expert's first pair
+    touched = counts > 0
+    slot_of = tl.cumsum(touched.to(tl.int32), 0) - 1
+    n_touched = tl.sum(touched.to(tl.int32), 0)
+    slots = tl.arange(0, BLOCK_S)
+    tl.store(SlotExpert + slots, tl.full([BLOCK_S], -1, tl.int32), mask=(slots >= n_touched) & (slots < S))
+    tl.store(SlotExpert + slot_of, experts, mask=touched)
+    tl.store(SlotStart + slot_of, starts, mask=touched)
+    running = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):  # pass 2: each pair's place, stably (earlier pairs first within an expert)
+        offs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(Ids + offs, mask=offs < P, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)             # [BP, BE]
+        rank = tl.cumsum(onehot, 0) - onehot + running[None, :] + starts[None, :]
+        pos = tl.sum(onehot * rank, 1)                                      # [BP]
+        tl.store(SortedPairs + pos, offs, mask=offs < P)
+        running += tl.sum(onehot, 0)
+
+
+@triton.jit
+def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, s_xt, s_we, s_wn, s_ht,
+                    TOP_K: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    slot = tl.program_id(0)
+    e = tl.load(SlotExpert + slot)
+    if e < 0:  # past the touched experts
+        return
+    start = tl.load(SlotStart + slot)
+    count = tl.load(Counts + e)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    w_gate = W + e.to(tl.int64) * s_we + cols[None, :] * s_wn                 # [1, BN] row starts
+    w_up = w_gate + I * s_wn
+    for m0 in range(0, count, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rmask = rows < count
+        pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
+        tok = pair // TOP_K
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < H
+            a = tl.load(X + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & cmask[None, :]
+            wg = tl.load(w_gate + kk[:, None], mask=wmask, other=0.0)       # [BK, BN]
+            wu = tl.load(w_up + kk[:, None], mask=wmask, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, wg, acc_g)
+                acc_u = tl.dot(a, wu, acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # silu(gate) * up
+        tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, s_ht, s_we, s_wn, s_yt,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    slot = tl.program_id(0)
+    e = tl.load(SlotExpert + slot)
+    if e < 0:
+        return
+    start = tl.load(SlotStart + slot)
+    count = tl.load(Counts + e)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output columns (of H)
+    cmask = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    w_down = W + e.to(tl.int64) * s_we + cols[None, :] * s_wn
+    for m0 in range(0, count, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rmask = rows < count
+        pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < I
+            a = tl.load(Hbuf + (start + rows)[:, None] * s_ht + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0)
+            wd = tl.load(w_down + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
+            if IEEE:
+                acc = tl.dot(a, wd, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, wd, acc)
+        acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
+        tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+
+
+def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
+
+
+def _sm_count(device) -> int:
+    if _interpret() or torch.device(device).type != "cuda":
+        return 1
+    index = torch.device(device).index
+    return _cuda_sms(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # asked once per GPU: an eager forward calls this for every MoE layer
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2) -> dict:
+    """Tile sizes from the static shape only (never from routing), so they are fixed at capture time.
+
+    BLOCK_M covers every token of an expert when T is small (an expert gets at most T tokens); BLOCK_N
+    shrinks until (slots × N-tiles) gives about two programs per SM, since a few programs cannot pull the
+    weights at full bandwidth. fp32 takes half the K depth and two stages, so its tiles fit shared memory.
+    Under the interpreter: large tiles, few programs (it pays per operation)."""
+    S = min(E, T * top_k)
+    if _interpret():
+        return dict(S=S, BLOCK_M=_pow2(T, 16, 64), BLOCK_N_UP=_pow2(I, 16, 128), BLOCK_N_DOWN=_pow2(H, 16, 128),
+                    BLOCK_K_UP=_pow2(H, 16, 128), BLOCK_K_DOWN=_pow2(I, 16, 128), num_warps=4, num_stages=1)
+    sms = _sm_count(device)
+
+    def block_n(N):
+        bn = 64
+        while bn > 16 and S * triton.cdiv(N, bn) < 2 * sms:
+            bn //= 2
+        return bn
+
+    depth = 128 if elsize <= 2 else 64
+    return dict(S=S, BLOCK_M=_pow2(T, 16, 64), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
+                BLOCK_K_UP=min(depth, _pow2(H, 16)), BLOCK_K_DOWN=min(depth, _pow2(I, 16)), num_warps=4,
+                num_stages=3 if elsize <= 2 else 2)
+
+
+ROUTE_IN_ALIGN_MAX_T = 32  # up to this many tokens the align program routes them itself: one launch less
+
+
+def _route_blocks(T: int, E: int) -> tuple[int, int]:
+    BLOCK_E = _pow2(E, 16)
+    return BLOCK_E, max(1, min(_pow2(T), 4096 // BLOCK_E, 64 if _interpret() else 16))
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32), best first."""
+    T, E = logits.shape
+    assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    BLOCK_E, BLOCK_T = _route_blocks(T, E)
+    _route_kernel[(triton.cdiv(T, BLOCK_T),)](x, weights, ids, T, E, x.stride(0), TOP_K=top_k,
+                                              RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+                                              BLOCK_K=_pow2(top_k), num_warps=4)
+    return weights, ids
+
+
+def _align(ids, E, counts, logits=None, weights=None, top_k=1, renormalize=False):
+    T = ids.shape[0]
+    P = ids.numel()
+    S = min(E, P)
+    device = ids.device
+    counts = torch.empty(E, dtype=torch.int32, device=device) if counts is None else counts
+    assert counts.shape == (E,) and counts.dtype == torch.int32 and counts.is_contiguous()
+    slot_expert = torch.empty(S, dtype=torch.int32, device=device)
+    slot_start = torch.empty(S, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(P, dtype=torch.int32, device=device)
+    BLOCK_E, BLOCK_T = _route_blocks(T, E)
+    BLOCK_P = max(16, min(_pow2(P), 8192 // BLOCK_E))
+    route = logits is not None
+    _align_kernel[(1,)](logits if route else ids, weights if route else ids, ids, counts, slot_expert, slot_start,
+                        sorted_pairs, T, P, E, S, logits.stride(0) if route else 0, ROUTE=route, TOP_K=top_k,
+                        RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_K=_pow2(top_k), BLOCK_P=BLOCK_P,
+                        BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
+    return counts, slot_expert, slot_start, sorted_pairs
+
+
+def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
+    """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
+    slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k)."""
+    return _align(ids, E, counts)
+
+
+def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
+                    fuse: bool | None = None):
+    """moe_route then moe_align: -> (weights, ids, counts, slot_expert, slot_start, sorted_pairs). With
+    `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T) the align program routes the tokens itself, in one launch."""
+    T, E = logits.shape
+    if fuse is None:
+        fuse = T <= ROUTE_IN_ALIGN_MAX_T
+    if not fuse:
+        weights, ids = moe_route(logits, top_k, renormalize)
+        return (weights, ids, *moe_align(ids, E, counts))
+    assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    return (weights, ids, *_align(ids, E, counts, x, weights, top_k, renormalize))
+
+
+@triton.jit
+def _combine_kernel(Y, Out, H, s_yt, s_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), cast to out's dtype
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Y + (t * TOP_K + j) * s_yt + cols, mask=mask, other=0.0)
+    tl.store(Out + t * s_ot + cols, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, renormalize: bool, counts: torch.Tensor | None = None, config: dict | None = None):
+    """x [T, H] -> (out [T, H] in x's dtype, counts [E] int32); `counts` (if given) is filled in place."""
+    T, H = x.shape
+    E, two_i, H2 = w_gate_up.shape
+    I = two_i // 2
+    assert H2 == H and router_weight.shape == (E, H) and w_down.shape == (E, H, I), (
+        f"fused_moe: x {tuple(x.shape)}, router {tuple(router_weight.shape)}, gate_up {tuple(w_gate_up.shape)}, "
+        f"down {tuple(w_down.shape)} do not fit together")
+    assert w_gate_up.stride(2) == 1 and w_down.stride(2) == 1, "expert weights must be row-major"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
+    weights, _, counts, slot_expert, slot_start, sorted_pairs = moe_route_align(
+        F.linear(x, router_weight), top_k, renormalize, counts, cfg.get("fuse_route"))
+    S, P = cfg["S"], T * top_k
+    ieee = x.dtype == torch.float32
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _gate_up_kernel[(S, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
+        x, w_gate_up, h, counts, slot_expert, slot_start, sorted_pairs, H, I, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), h.stride(0), TOP_K=top_k, IEEE=ieee, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
+    _down_kernel[(S, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
+        h, w_down, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, h.stride(0), w_down.stride(0),
+        w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
+        BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    BLOCK_H = min(1024, _pow2(H, 16))
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, out, H, y.stride(0), out.stride(0), TOP_K=top_k,
+                                                  BLOCK_H=BLOCK_H, num_warps=4)
+    return out, counts
+
+
+# ----------------------------------------------------------------------------- torch references
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """logits [T, E] -> (weights [T, top_k] fp32, ids [T, top_k] int32): softmax in fp32, stable sort."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    vals, ids = probs.sort(dim=-1, descending=True, stable=True)
+    vals, ids = vals[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        vals = vals / vals.sum(-1, keepdim=True)
+    return vals, ids.int()
+
+
+def align_reference(ids: torch.Tensor, E: int):
+    """The same four tensors as moe_align, by a stable argsort (fixed shapes, no host sync)."""
+    flat = ids.reshape(-1).long()
+    P = flat.numel()
+    S = min(E, P)
+    counts = torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    sorted_pairs = flat.argsort(stable=True)
+    starts = counts.cumsum(0) - counts
+    touched = counts > 0
+    slot_of = torch.where(touched, touched.long().cumsum(0) - 1, S)  # untouched experts go to a spare slot
+    experts = torch.arange(E, device=ids.device)
+    slot_expert = torch.full((S + 1,), -1, dtype=torch.long, device=ids.device).scatter_(0, slot_of, experts)
+    slot_start = torch.zeros(S + 1, dtype=torch.long, device=ids.device).scatter_(0, slot_of, starts)
+    slot_expert[S] = -1
+    return counts.int(), slot_expert[:S].int(), slot_start[:S].int(), sorted_pairs.int()
+
+
+def fused_moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor, top_k: int, renormalize: bool):
+    """The ground truth, any size: each expert on its own tokens in fp32, weighted, summed per token.
+    (A loop with data-dependent shapes: a reference, not a graph-safe path.)"""
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in range(E):
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gate, up = (xf[tok] @ w_gate_up[e].float().t()).split(two_i // 2, dim=-1)
+        y = (F.silu(gate) * up) @ w_down[e].float().t()                       # [n, H]
+        out.index_add_(0, tok, y * weights[tok, j, None])
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E).int()
+    return out.to(x.dtype), counts
