@@ -7,8 +7,10 @@ name and renamed into place when finished.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -69,13 +71,22 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """Every non-empty line as JSON; a ValueError names the file and line of one that is not."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             line = line.strip()
             if line:
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {n}: not JSON ({e.msg}, column {e.colno})") from None
     return out
+
+
+# Written into every temp directory this module makes (and into an old run renamed aside), so that
+# cleaning after a killed process removes only what this code made, never a user's look-alike entry.
+MARKER = ".ddtree-lab-partial"
 
 
 def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -92,6 +103,10 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         if trash.exists():
             shutil.rmtree(trash)
         os.rename(dst, trash)
+        with contextlib.suppress(OSError):
+            (trash / MARKER).touch()
+    with contextlib.suppress(FileNotFoundError):
+        (src / MARKER).unlink()
     os.rename(src, dst)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
@@ -109,6 +124,7 @@ def atomic_dir(dst: str | os.PathLike, keep_on_error: bool = False) -> Iterator[
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+    (tmp / MARKER).write_text(f"{os.getpid()}\n")
     try:
         yield tmp
     except BaseException:
@@ -120,15 +136,51 @@ def atomic_dir(dst: str | os.PathLike, keep_on_error: bool = False) -> Iterator[
     replace_dir(tmp, dst)
 
 
-def clean_stale_temps(parent: str | os.PathLike) -> None:
-    """Remove temp dirs/files left by a killed process (names start with '.' and hold '.tmp-')."""
+def clean_stale_temps(parent: str | os.PathLike, names: Iterable[str]) -> list[Path]:
+    """Remove the temp and set-aside directories of `names` that a killed process left in `parent`
+    (`.<name>.tmp-*` / `.<name>.old-*` holding this module's marker); returns what was removed.
+    Anything else, hidden or not, is left alone. Call it only while holding the folder's lock."""
     parent = Path(parent)
     if not parent.is_dir():
-        return
-    for p in parent.iterdir():
-        if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    p.unlink()
+        return []
+    pattern = re.compile(r"^\.(%s)\.(tmp|old)-" % "|".join(re.escape(n) for n in names)) if names else None
+    removed = []
+    for p in sorted(parent.iterdir()):
+        if pattern is not None and pattern.match(p.name) and p.is_dir() and not p.is_symlink() \
+                and (p / MARKER).is_file():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+# ----------------------------------------------------------------------------- file digests
+def file_digest(path: str | os.PathLike) -> dict:
+    """{"size", "sha256"} of one file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def digest_tree(root: str | os.PathLike, exclude: Iterable[str] = ()) -> dict[str, dict]:
+    """{relative path: file_digest} of every file under root (sorted), less the `exclude` names."""
+    root, skip = Path(root), set(exclude) | {MARKER}
+    return {p.relative_to(root).as_posix(): file_digest(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in skip}
+
+
+def changed_files(root: str | os.PathLike, recorded: dict[str, dict]) -> list[str]:
+    """What differs from a digest_tree record: '<file>: missing', '<file>: size A, was B', '<file>: content changed'."""
+    out = []
+    for rel, want in recorded.items():
+        p = Path(root) / rel
+        if not p.is_file():
+            out.append(f"{rel}: missing")
+            continue
+        size = p.stat().st_size
+        if size != want.get("size"):
+            out.append(f"{rel}: {size} bytes, was {want.get('size')}")
+        elif file_digest(p)["sha256"] != want.get("sha256"):
+            out.append(f"{rel}: content changed")
+    return out

@@ -48,8 +48,10 @@ class TreeMask:
         return self._bits
 
     def dense(self, past_len, kv_len: int, window: int | None) -> torch.Tensor:
-        """bool [T, kv_len]: visible cache slots. past_len may be a device tensor (fixed shapes)."""
-        key = (kv_len, window)
+        """bool [T, kv_len]: visible cache slots. past_len may be a device tensor (fixed shapes).
+        An int past_len is part of the key: a mask reused at another past_len without fresh() must not
+        hand out the slots of the last one (a device tensor is read when the mask is made: fresh())."""
+        key = (kv_len, window, past_len if isinstance(past_len, int) else id(past_len))
         if key not in self._dense:
             T = self.anc.shape[0]
             rel = torch.arange(kv_len, device=self.anc.device) - past_len  # slot - past_len

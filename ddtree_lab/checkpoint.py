@@ -88,8 +88,11 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{index}: lists shard {f.name}, which is not in {directory}")
         return files
     if single.is_file():
-        with safe_open(str(single), "pt") as f:
-            return {name: single for name in f.keys()}
+        try:
+            with safe_open(str(single), "pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:  # noqa: BLE001 - the reader's own error type; name the file instead
+            raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from None
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -110,9 +113,12 @@ class _TensorReader:
         if name not in self.files:
             raise CheckpointError(f"{self.directory}: missing tensor '{name}'")
         path = self.files[name]
-        handle = self._handles.get(path) or self._handles.setdefault(path, safe_open(str(path), "pt"))
-        stored = name if name in handle.keys() else self.prefix + name
-        t = handle.get_tensor(stored)
+        try:
+            handle = self._handles.get(path) or self._handles.setdefault(path, safe_open(str(path), "pt"))
+            stored = name if name in handle.keys() else self.prefix + name
+            t = handle.get_tensor(stored)
+        except Exception as e:  # noqa: BLE001 - a truncated or garbled file: name it
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{path}: tensor '{stored}' has shape {tuple(t.shape)}, expected {tuple(shape)}")
         return t
@@ -265,7 +271,10 @@ def load_tokenizer(directory: Path):
         return None, {}
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a corrupt file
+        raise CheckpointError(f"{path}: not a readable tokenizer file ({e})") from None
     tcfg_path = directory / "tokenizer_config.json"
     tcfg = read_json(tcfg_path) if tcfg_path.is_file() else {}
     template_file = directory / "chat_template.jinja"  # where newer transformers save the template

@@ -122,13 +122,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_runtime(device: str | None, attention: str | None) -> None:
+    """ValueError for a device or attention backend this machine cannot run (before any model loads)."""
+    import os
+
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is visible here (use --device cpu)")
+        if ":" in device and int(device.split(":")[1] or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    if attention == "triton" and (device or "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1 to run its kernels "
+                         "under the interpreter on the CPU, slowly); use --attention sdpa")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_runtime(getattr(args, "device", None), getattr(args, "attention", None))
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         # bad input: one clear line, no traceback
         print(f"ddtree-lab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only or full disk, a path that is a file: say which, keep what is written
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"ddtree-lab {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
 
 

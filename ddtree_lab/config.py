@@ -174,9 +174,12 @@ def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(data).__name__}, expected an object of fields")
+    return data
 
 
 def _need(cfg: dict, key: str, where: Path, kind=(int,)):
@@ -193,6 +196,8 @@ def _rope_from_hf(cfg: dict, where: Path) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{where}: field 'rope_theta' should be a number, got {theta!r}")
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:

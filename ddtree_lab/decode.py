@@ -148,7 +148,7 @@ class RoundProgram:
         self.draft_logits = self.target.lm_head_logits(h[1:])
 
     def tree_build(self) -> None:
-        self.tree = build_tree(self.draft_logits, self.budget, self.topk)
+        self.tree = build_tree(self.draft_logits, self.budget, self.topk, check_finite=False)  # no sync in a round
         self.tokens = torch.cat([self.bonus, self.tree.tokens])                   # [T], root first
         self.parents = torch.cat([self.tree.parents.new_zeros(1), self.tree.parents])
         self.depths = torch.cat([self.tree.depths.new_zeros(1), self.tree.depths])
@@ -197,7 +197,7 @@ class RoundProgram:
                           experts_touched=self.target.experts_touched())
 
 
-def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len):
+def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
     check_budget(budget, topk)
@@ -206,6 +206,8 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise ValueError(f"temperature={temperature!r} must be a finite number ≥ 0")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -2 ** 63 <= seed < 2 ** 64:
+        raise ValueError(f"seed={seed!r} must be an integer in -2^63..2^64-1 (a generator's seed)")
     if prompt_len < 1:
         raise ValueError("prompt is empty: give at least one token")
     limit = pair.target.cfg.max_position_embeddings
@@ -243,7 +245,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     sync_every: rounds run between host reads of the new tokens (more = fewer syncs, later EOS stop).
     """
     prompt_ids = encode_prompt(pair, prompt)
-    _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids))
+    _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids), seed)
     target, drafter, device = pair.target, pair.drafter, pair.device
     graphs = (device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
     if graphs and device.type != "cuda":

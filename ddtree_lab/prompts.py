@@ -30,6 +30,18 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict, add_g
                                                **special_tokens)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_chat(messages: list[dict]) -> None:
+    """ValueError naming the first message without 'role'/'content' or with an unknown role."""
+    for i, m in enumerate(messages):
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"chat prompt message {i} needs 'role' and 'content' fields")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"chat prompt message {i}: role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
+
+
 def is_chat(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
@@ -37,11 +49,13 @@ def is_chat(prompt) -> bool:
 def encode_prompt(pair, prompt) -> list[int]:
     """-> token ids. Text is encoded as is; a list of {'role', 'content'} dicts goes through the chat template."""
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable bytes from a file or argv (surrogate escapes)
+            raise ValueError(f"prompt text is not valid UTF-8 (at character {e.start})") from None
         return pair.encode(prompt)
     if is_chat(prompt):
-        for i, m in enumerate(prompt):
-            if "role" not in m or "content" not in m:
-                raise ValueError(f"chat prompt message {i} needs 'role' and 'content' fields")
+        check_chat(prompt)
         if not pair.chat_template:
             raise ValueError(f"pair {pair.name!r} has no chat template (tokenizer_config.json 'chat_template'): "
                              "give the prompt as text")
@@ -99,6 +113,13 @@ def read_prompt_set(spec: str, n_prompts: int | None = None, base: Path | None =
         if not (chat or (isinstance(prompt, str) and "prompt" in row)):
             raise ValueError(f"{path}:{i + 1}: each line must be an object with a string 'prompt' "
                              "or a list of chat 'messages'")
+        if chat:
+            try:
+                check_chat(prompt)
+            except ValueError as e:
+                raise ValueError(f"{path}:{i + 1}: {e}") from None
+        elif not prompt:
+            raise ValueError(f"{path}:{i + 1}: the prompt is empty")
         pid = str(row.get("id", len(rows)))
         if pid in seen:
             raise ValueError(f"{path}:{i + 1}: prompt id {pid!r} repeats line {seen[pid]} (ids must be unique)")

@@ -106,16 +106,32 @@ def depth_topk(draft_logits: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.
     return torch.log_softmax(draft_logits.float(), dim=-1).topk(K, dim=-1)
 
 
+def check_logits(draft_logits: torch.Tensor) -> None:
+    """ValueError naming the first depth whose logits are NaN, +inf or all -inf."""
+    x = draft_logits.detach()  # [L, V]
+    bad = torch.isnan(x).any(-1) | (x == float("inf")).any(-1) | (x == float("-inf")).all(-1)  # [L]
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"build_tree: draft_logits row {row} (depth {row + 1}) holds NaN or +inf or is all "
+                         "-inf: a tree of NaN scores would follow")
+
+
 def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None,
-               method: str | None = None) -> DraftTree:
+               method: str | None = None, check_finite: bool = True) -> DraftTree:
     """draft_logits [L, V] (depths 1..L) -> the `budget` most likely rank prefixes as a DraftTree.
 
     method: "sort" (torch, this function, any size), "count" (kernels/tree_build.py, beams up to 128
     wide: the same tree in L + 1 launches) or "fused" (the same, one launch, beams up to 256 wide).
     Default: options.tree_build if set (the sort where that build does not take the beam); else "fused"
     where `use_triton` says so and the beam fits, else "sort" (the fused build was timed fastest,
-    docs/performance.md)."""
+    docs/performance.md).
+
+    check_finite: refuse logits holding NaN or +inf, or a row that is all -inf (they would give a tree
+    of NaN scores). It reads a flag back to the host, so the round program, which must not sync,
+    passes False."""
     check_budget(budget, topk)
+    if check_finite:
+        check_logits(draft_logits)
     L, V = draft_logits.shape
     K = topk_width(topk, budget, V)
     n = tree_size(L, K, budget)

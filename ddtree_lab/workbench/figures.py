@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from ..atomic import atomic_write_text
 from ..names import STAGES
+from .results import recommend_budget  # noqa: F401 - the star of the speedup figure; lives in results.py
 from .viz import make_decoder, round_view, show_token
 
 PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
@@ -52,22 +53,6 @@ def busy_runs(runs: list[dict], limit: int = 8) -> set[str]:
     step = max(1, math.ceil(len(ddt) / (limit - len(keep) or 1)))
     keep |= {r["name"] for r in ddt[::step]}
     return {r["name"] for r in runs} - keep
-
-
-def recommend_budget(rows: list[dict]) -> dict | None:
-    """The DDTree run with the highest speedup among complete runs not found lossy."""
-    best = None
-    for r in grid_rows(rows):
-        cfg, cmp = run_config(r), r.get("comparison") or {}
-        if cfg.get("method") != "ddtree" or r["status"] != "complete" or cmp.get("speedup") is None:
-            continue
-        if cmp.get("verdict") in ("mismatch", "no tokens"):
-            continue
-        if best is None or cmp["speedup"] > best["speedup"]:
-            best = {"run": r["name"], "budget": cfg.get("budget"), "topk": cfg.get("topk"),
-                    "temperature": cfg.get("temperature"), "speedup": cmp["speedup"],
-                    "mean_tau": run_summary(r).get("mean_tau")}
-    return best
 
 
 # ----------------------------------------------------------------------------- study figures

@@ -21,10 +21,10 @@ from ..atomic import atomic_write_text
 from ..names import MICROBENCH_FILE, REPORT_FILE, STUDY_FILE, TIMELINE_FILE
 from . import external, ingest, viz
 from .page import Page, esc, fmt_num, html_table, verdict_html
-from .figures import (acceptance_depth_figure, busy_runs, grid_rows, microbench_figure, recommend_budget,
-                      run_config, run_summary, short_kernel_name, stage_figure, sweep_figure, tau_histogram_figure,
+from .figures import (acceptance_depth_figure, busy_runs, grid_rows, microbench_figure, run_config,
+                      run_summary, short_kernel_name, stage_figure, sweep_figure, tau_histogram_figure,
                       timeline_figure)
-from .results import collect_study, load_traces, suspect_reason, tokenizer_for
+from .results import collect_study, load_traces, recommend, recommendation_text, suspect_reason, tokenizer_for
 
 
 
@@ -86,7 +86,7 @@ def runs_table_html(rows: list[dict]) -> str:
         spt = sm.get("seconds_per_token")
         body.append([f"<b>{esc(r['name'])}</b>", esc(cfg.get("method")), esc(cfg.get("budget") or "–"),
                      esc(cfg.get("topk") or "–"), esc(cfg.get("temperature")),
-                     f'<span class="{"bad" if r["status"] == "failed" else "ok"}">{esc(r["status"])}</span>',
+                     f'<span class="{"bad" if r["status"] in ("failed", "damaged") else "ok"}">{esc(r["status"])}</span>',
                      f'<td class="num">{fmt_num(sm.get("mean_tau"))}</td>',
                      f'<td class="num">{fmt_num(sm.get("tokens_per_second"), "{:.1f}")}</td>',
                      f'<td class="num">{fmt_num(spt * 1e3 if spt else None)}</td>',
@@ -188,18 +188,11 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     page.section("runs", "Runs")
     page.add(runs_table_html(rows))
 
-    best = recommend_budget(rows)
+    recs = recommend(rows)  # one per temperature, with the timing spread (results.py)
     page.section("budget", "Acceptance and speedup vs budget")
-    if best and best["speedup"] >= 1:
-        page.add(f"<div class='callout'><b>Recommended budget: {best['budget']}</b> "
-                 f"(topk {best['topk'] or '= budget'}, T {best['temperature']:g}): "
-                 f"{best['speedup']:.2f}× over AR, mean τ {fmt_num(best['mean_tau'])} — run {esc(best['run'])}.</div>")
-    elif best:
-        page.add(f"<div class='callout'><b>No budget beat AR here.</b> The best DDTree run, budget "
-                 f"{best['budget']} ({esc(best['run'])}), reached {best['speedup']:.2f}× with mean τ "
-                 f"{fmt_num(best['mean_tau'])}: the drafter is not accepted often enough to pay for drafting "
-                 "and a wider verify on this hardware.</div>")
-    else:
+    for rec in recs:
+        page.add(f"<div class='callout'>{esc(recommendation_text(rec))}</div>")
+    if not recs:
         page.add("<p class='na'>No recommendation: it needs an AR run and at least one complete DDTree run.</p>")
     if ok:
         page.figure(sweep_figure(rows, "mean_tau"))

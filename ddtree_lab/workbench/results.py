@@ -11,27 +11,44 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..atomic import atomic_write_json, atomic_write_jsonl, read_jsonl
+from ..atomic import atomic_write_json, atomic_write_jsonl, changed_files, read_jsonl
 from ..decode import generate
 from ..environment import device_info, git_commit, versions
 from ..metrics import summarize_taus
 from ..names import RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
-from .runs import RunParams, read_run_status, run_name
+from .runs import RunParams, input_digests, read_run_status, run_name
 
 SCHEMA = "ddtree_lab.results/1"
 
 
-def summarize(prompts: list[dict], max_depth: int | None = None) -> dict:
+def finite(x) -> float | None:
+    """x as a float, or None when it is missing, NaN or infinite: no figure is built from NaN."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def timing_summary(pass_seconds: list[float], new_tokens: int) -> dict:
+    """Tokens/s of each timed pass over the prompt set -> median, [min, max] spread and the passes."""
+    rates = [new_tokens / w for w in pass_seconds if w > 0]
+    if not rates:
+        return {}
+    return {"tokens_per_second": statistics.median(rates), "tokens_per_second_spread": [min(rates), max(rates)],
+            "tokens_per_second_passes": rates, "timing_repeats": len(rates),
+            "wall_seconds": statistics.median(pass_seconds), "seconds_per_token": 1 / statistics.median(rates)}
+
+
+def summarize(prompts: list[dict], max_depth: int | None = None, pass_seconds: list[float] | None = None) -> dict:
     """Run totals from per-prompt records (tokens, acceptance_lengths, wall/stage seconds).
-    max_depth: the drafter's L (block_size - 1), so runs of a study share their depth axis."""
+    max_depth: the drafter's L (block_size - 1), so runs of a study share their depth axis.
+    pass_seconds: the wall time of each timed pass over all prompts; tokens/s is then their median."""
     taus = [t for p in prompts for t in p.get("acceptance_lengths", [])]
     figures = summarize_taus(taus, max_depth)
     new_tokens = sum(len(p.get("tokens", [])) for p in prompts)
@@ -40,14 +57,31 @@ def summarize(prompts: list[dict], max_depth: int | None = None) -> dict:
     for p in prompts:
         for k, v in (p.get("stage_seconds") or {}).items():
             stages[k] = stages.get(k, 0.0) + float(v)
-    return {
+    out = {
         "new_tokens": new_tokens,
         **figures,
         "stage_seconds": stages,
         "wall_seconds": wall,
         "tokens_per_second": new_tokens / wall if wall > 0 else None,
+        "tokens_per_second_spread": None,
+        "timing_repeats": 1 if wall > 0 else 0,
         "seconds_per_token": wall / new_tokens if new_tokens else None,
     }
+    if pass_seconds and new_tokens:
+        out.update(timing_summary(pass_seconds, new_tokens))
+    return drop_non_finite(out)
+
+
+FIGURE_KEYS = ("mean_tau", "tokens_per_second", "seconds_per_token", "wall_seconds")
+
+
+def drop_non_finite(summary: dict) -> dict:
+    """NaN / inf figures become None and are named in summary["non_finite"] (the run is then suspect)."""
+    bad = [k for k in FIGURE_KEYS if summary.get(k) is not None and finite(summary[k]) is None]
+    if bad:
+        summary = {**summary, **{k: None for k in bad},
+                   "non_finite": sorted(set(summary.get("non_finite") or []) | set(bad))}
+    return summary
 
 
 # ----------------------------------------------------------------------------- recording
@@ -86,7 +120,8 @@ def prompt_record(prompt: dict, res: Any, n_prompt_tokens: int | None = None) ->
 
 
 def build_results(params: RunParams, pair: Any, prompts: list[dict], gen_results: list[Any],
-                  n_prompt_tokens: list[int] | None = None, extra: dict | None = None) -> dict:
+                  n_prompt_tokens: list[int] | None = None, extra: dict | None = None,
+                  pass_seconds: list[float] | None = None) -> dict:
     """The results.json dict of one run, from its GenerationResults (one per prompt)."""
     per_prompt = [prompt_record(p, r, n_prompt_tokens[i] if n_prompt_tokens else None)
                   for i, (p, r) in enumerate(zip(prompts, gen_results))]
@@ -102,7 +137,7 @@ def build_results(params: RunParams, pair: Any, prompts: list[dict], gen_results
         "device": device_info(getattr(pair, "device", params.device)),
         "versions": versions(), "commit": git_commit(),
         "prompts": per_prompt,
-        "summary": summarize(per_prompt, drafter_depth(pair)),
+        "summary": summarize(per_prompt, drafter_depth(pair), pass_seconds),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     out.update(extra or {})
@@ -167,20 +202,30 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
         warm = params.max_new_tokens if separate else min(8, params.max_new_tokens)
         generate(pair, prompt_input(pair, prompts[0]["prompt"]), **{**kw, "max_new_tokens": warm},
                     seed=params.seed, trace=False)
-    results, rows, ntok = [], [], []
-    for i, p in enumerate(prompts):
-        x = prompt_input(pair, p["prompt"])
-        res = generate(pair, x, seed=params.seed + i, trace=not separate, **kw)
-        traced = generate(pair, x, seed=params.seed + i, trace=True, **kw) if separate else res
-        results.append(res)
-        rows.extend(trace_rows(p, traced))
-        ntok.append(len(getattr(res, "prompt_tokens", None) or []) or None)
-        if progress:
-            taus = getattr(res, "acceptance_lengths", []) or []
-            print(f"{params.run_name} prompt {i + 1}/{len(prompts)}: {len(res.tokens)} tokens, "
-                  f"{len(taus)} rounds, {res.wall_seconds:.2f}s", flush=True)
+    # Timed passes over the whole prompt set (params.repeats): tokens/s is their median, the spread
+    # their range. The first pass gives the tokens, traces and stage times; all passes give timings.
+    results, rows, ntok, pass_seconds = [], [], [], []
+    inputs = [prompt_input(pair, p["prompt"]) for p in prompts]
+    for rep in range(max(1, int(params.repeats))):
+        wall = 0.0
+        for i, (p, x) in enumerate(zip(prompts, inputs)):
+            res = generate(pair, x, seed=params.seed + i, trace=not separate and rep == 0, **kw)
+            wall += res.wall_seconds
+            if rep:
+                continue
+            traced = generate(pair, x, seed=params.seed + i, trace=True, **kw) if separate else res
+            results.append(res)
+            rows.extend(trace_rows(p, traced))
+            ntok.append(len(getattr(res, "prompt_tokens", None) or []) or None)
+            if progress:
+                taus = getattr(res, "acceptance_lengths", []) or []
+                print(f"{params.run_name} prompt {i + 1}/{len(prompts)}: {len(res.tokens)} tokens, "
+                      f"{len(taus)} rounds, {res.wall_seconds:.2f}s", flush=True)
+        pass_seconds.append(wall)
     timing = "untraced call (trees from a second, traced call)" if separate else "traced call"
-    return build_results(params, pair, prompts, results, ntok, extra={"timing": timing}), rows
+    timing += f"; median of {len(pass_seconds)} pass(es) over the prompts"
+    return build_results(params, pair, prompts, results, ntok, extra={"timing": timing},
+                         pass_seconds=pass_seconds), rows
 
 
 def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:
@@ -196,30 +241,63 @@ def ensure_results(params: RunParams, pair: Any = None, progress: bool = True) -
     the comparison (speedup, losslessness) is added right away; the report recomputes it anyway."""
     run_dir = Path(params.run_dir or ".")
     path = run_dir / RESULTS_FILE
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old.get("fingerprint") == params.fingerprint():
-            return old
+    inputs = input_digests(params)
+    old, _ = read_results(run_dir)
+    if old is not None and old.get("fingerprint") == params.fingerprint() and old.get("inputs") == inputs:
+        return old
     results, rows = generate_run(params, pair, progress)
     results["fingerprint"] = params.fingerprint()
+    results["inputs"] = inputs  # the prompt file and checkpoints it read: an edit in place regenerates
     ar = load_results(Path(params.study_dir) / ar_run_name(results)) if params.study_dir else None
     results["comparison"] = compare(results, ar)
     write_run(run_dir, results, rows)
     return results
 
 
-def load_results(run_dir: str | os.PathLike) -> dict | None:
+def read_results(run_dir: str | os.PathLike) -> tuple[dict | None, str | None]:
+    """(results.json, None), (None, None) when absent, or (None, what is wrong with it, file and line)."""
+    path = Path(run_dir) / RESULTS_FILE
+    if not path.is_file():
+        return None, None
     try:
-        return json.loads((Path(run_dir) / RESULTS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+        res = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        return None, f"{RESULTS_FILE} line {e.lineno}: not JSON ({e.msg})"
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{RESULTS_FILE}: unreadable ({e})"
+    if not isinstance(res, dict):
+        return None, f"{RESULTS_FILE}: holds a JSON {type(res).__name__}, not an object"
+    for key, kind in (("summary", dict), ("config", dict), ("prompts", list)):
+        if key in res and not isinstance(res[key], kind):
+            return None, f"{RESULTS_FILE}: '{key}' is not a{'n object' if kind is dict else ' list'}"
+    if not all(isinstance(p, dict) for p in res.get("prompts", [])):
+        return None, f"{RESULTS_FILE}: an entry of 'prompts' is not an object"
+    return res, None
+
+
+def load_results(run_dir: str | os.PathLike) -> dict | None:
+    return read_results(run_dir)[0]
+
+
+def check_traces(run_dir: str | os.PathLike) -> str | None:
+    """What is wrong with a run's traces.jsonl (file and line), or None."""
+    path = Path(run_dir) / TRACES_FILE
+    try:
+        load_traces(run_dir)
+    except ValueError as e:
+        return str(e).replace(str(path), TRACES_FILE)
+    return None
 
 
 def load_traces(run_dir: str | os.PathLike, prompt_id: str | None = None) -> list[dict]:
+    """A run's trace rows; a ValueError names the file and line of a damaged one."""
     path = Path(run_dir) / TRACES_FILE
     if not path.is_file():
         return []
     rows = read_jsonl(path)
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}: row {i + 1} is not an object")
     return [r for r in rows if prompt_id is None or r.get("prompt_id") == prompt_id]
 
 
@@ -359,10 +437,24 @@ def losslessness(results: dict, ar: dict | None) -> dict:
 
 
 def compare(results: dict, ar: dict | None) -> dict:
-    tps = results.get("summary", {}).get("tokens_per_second")
-    ar_tps = (ar or {}).get("summary", {}).get("tokens_per_second")
-    speedup = tps / ar_tps if tps and ar_tps and not settings_differ(results, ar) else None
-    return {"ar_run": (ar or {}).get("run"), "speedup": speedup, **losslessness(results, ar)}
+    sm, ar_sm = results.get("summary") or {}, (ar or {}).get("summary") or {}
+    tps, ar_tps = finite(sm.get("tokens_per_second")), finite(ar_sm.get("tokens_per_second"))
+    ok = bool(tps and ar_tps and not settings_differ(results, ar))
+    speedup = tps / ar_tps if ok else None
+    spread = None
+    lo, hi = _spread(sm), _spread(ar_sm)
+    if ok and lo and hi and hi[0] > 0:  # slowest pass over AR's fastest .. fastest over AR's slowest
+        spread = [lo[0] / hi[1], lo[1] / hi[0]]
+    return {"ar_run": (ar or {}).get("run"), "speedup": speedup, "speedup_spread": spread,
+            **losslessness(results, ar)}
+
+
+def _spread(summary: dict) -> list[float] | None:
+    s = summary.get("tokens_per_second_spread")
+    if isinstance(s, list) and len(s) == 2 and all(finite(x) for x in s):
+        return [float(s[0]), float(s[1])]
+    tps = finite(summary.get("tokens_per_second"))
+    return [tps, tps] if tps else None
 
 
 def collect_study(study_dir: str | os.PathLike) -> list[dict]:
@@ -370,19 +462,23 @@ def collect_study(study_dir: str | os.PathLike) -> list[dict]:
     study_dir = Path(study_dir)
     try:  # runs of grid points since dropped from the study file are left out
         listed = set(json.loads((study_dir / STUDY_FILE).read_text()).get("runs") or [])
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError, TypeError):
         listed = set()
     rows = []
     for d in sorted(p for p in study_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         status = read_run_status(d)
-        res = load_results(d)
-        if status is None and res is None:
+        res, bad_results = read_results(d)
+        if status is None and res is None and bad_results is None:
             continue
         if listed and d.name not in listed and (status or {}).get("kind", "run" if res else "study") == "run":
             continue
-        kind = (status or {}).get("kind", "run" if res is not None else "study")
+        kind = (status or {}).get("kind", "run" if res is not None or bad_results else "study")
+        damaged = run_damage(d, status, bad_results)
+        if res is not None and isinstance(res.get("summary"), dict):  # no figure is drawn from NaN
+            res["summary"] = drop_non_finite(res["summary"])
         rows.append({"name": d.name, "dir": d, "kind": kind, "results": res, "run": status or {},
-                     "status": (status or {}).get("status", "complete")})
+                     "damaged": damaged,
+                     "status": "damaged" if damaged else (status or {}).get("status", "complete")})
     by_name = {r["name"]: r for r in rows}
     for r in rows:
         if r["results"] is not None:
@@ -391,8 +487,26 @@ def collect_study(study_dir: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def run_damage(run_dir: Path, status: dict | None, bad_results: str | None) -> list[str]:
+    """What is damaged in a finished run directory (file and line), from the digests run.json recorded
+    and from reading results.json and traces.jsonl; [] when whole."""
+    out = [bad_results] if bad_results else []
+    if (run_dir / RUN_FILE).is_file() and status is None:
+        out.append(f"{RUN_FILE}: not a readable JSON object")
+    recorded = (status or {}).get("files")
+    if isinstance(recorded, dict):
+        out += [f"{x} (since the run finished)" for x in changed_files(run_dir, recorded)
+                if not x.startswith(RESULTS_FILE) or not bad_results]
+    bad_traces = check_traces(run_dir)
+    if bad_traces:
+        out.append(bad_traces)
+    return out
+
+
 def suspect_reason(row: dict) -> str | None:
-    """Why a run needs a look (failed, no tokens, not lossless), or None."""
+    """Why a run needs a look (damaged, failed, no tokens, not lossless, NaN figures), or None."""
+    if row.get("damaged"):
+        return f"damaged: {'; '.join(row['damaged'])}"
     if row["status"] == "failed":
         return f"failed: {row['run'].get('error')}"
     res = row.get("results")
@@ -403,7 +517,87 @@ def suspect_reason(row: dict) -> str | None:
         return f"{verdict}: {row['comparison'].get('detail')}"
     if any(not p.get("tokens") for p in res.get("prompts", [])):
         return "a prompt produced no tokens"
-    tau = res.get("summary", {}).get("mean_tau")
-    if tau is not None and (math.isnan(tau) or tau < 1):
+    sm = res.get("summary", {})
+    nan = sorted(set(sm.get("non_finite") or []) |
+                 {k for k in FIGURE_KEYS if sm.get(k) is not None and finite(sm[k]) is None})
+    if nan:
+        return f"summary {', '.join(nan)} not a finite number: left out of every figure"
+    tau = sm.get("mean_tau")
+    if tau is not None and tau < 1:
         return f"mean τ {tau} < 1"
     return None
+
+
+# ----------------------------------------------------------------------------- recommendation
+def _grid_config(row: dict) -> dict:
+    return (row.get("results") or {}).get("config") or (row.get("run") or {}).get("params") or {}
+
+
+def recommend(rows: list[dict]) -> list[dict]:
+    """Per temperature: the DDTree run with the highest speedup among complete runs not found lossy,
+    its speedup spread (timed passes), the runner-up, and whether its margin over AR (when it beats
+    AR) or over the runner-up is within the spread of the passes (`within_noise`, `noise_against`)."""
+    by_t: dict[float, list[dict]] = {}
+    ar: dict[float, dict] = {}
+    for r in rows:
+        cfg, cmp = _grid_config(r), r.get("comparison") or {}
+        if r.get("kind") != "run" or r.get("status") != "complete" or r.get("results") is None:
+            continue
+        t = float(cfg.get("temperature") or 0.0)
+        if cfg.get("method") == "ar":
+            ar[t] = r
+        if cfg.get("method") != "ddtree" or finite(cmp.get("speedup")) is None:
+            continue
+        if cmp.get("verdict") in ("mismatch", "no tokens"):
+            continue
+        by_t.setdefault(t, []).append(r)
+    out = []
+    for t in sorted(by_t):
+        ranked = sorted(by_t[t], key=lambda r: -r["comparison"]["speedup"])
+        best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        cfg, cmp, sm = _grid_config(best), best["comparison"], (best["results"].get("summary") or {})
+        mine = _spread(sm)
+        rec = {"temperature": t, "run": best["name"], "budget": cfg.get("budget"), "topk": cfg.get("topk"),
+               "speedup": cmp["speedup"], "speedup_spread": cmp.get("speedup_spread"),
+               "mean_tau": sm.get("mean_tau"), "timing_repeats": sm.get("timing_repeats"),
+               "runner_up": second["name"] if second else None,
+               "runner_up_budget": _grid_config(second).get("budget") if second else None,
+               "runner_up_speedup": second["comparison"]["speedup"] if second else None,
+               "within_noise": False, "noise_against": None}
+        ar_spread = _spread((ar.get(t, {}).get("results") or {}).get("summary") or {})
+        if cmp["speedup"] >= 1 and mine and ar_spread and mine[0] <= ar_spread[1]:
+            rec.update(within_noise=True, noise_against="AR")  # the slowest pass is no faster than AR's best
+        elif second is not None and mine:
+            other = _spread(second["results"].get("summary") or {})
+            if other and other[1] >= mine[0]:
+                rec.update(within_noise=True, noise_against=second["name"])
+        out.append(rec)
+    return out
+
+
+def recommend_budget(rows: list[dict]) -> dict | None:
+    """The single best DDTree run over all temperatures (the sweep figure's star), or None."""
+    recs = recommend(rows)
+    return max(recs, key=lambda r: r["speedup"]) if recs else None
+
+
+def recommendation_text(rec: dict) -> str:
+    """One temperature's recommendation as a sentence (plain text; the report escapes it)."""
+    sp = rec.get("speedup_spread")
+    spread = f" (passes {sp[0]:.2f}–{sp[1]:.2f}×, {rec.get('timing_repeats')} timed)" if sp else ""
+    tau = f", mean τ {rec['mean_tau']:.2f}" if finite(rec.get("mean_tau")) is not None else ""
+    where = f"T {rec['temperature']:g}: "
+    if rec["speedup"] >= 1:
+        text = (f"{where}Recommended budget {rec['budget']} (topk {rec['topk'] or '= budget'}): "
+                f"{rec['speedup']:.2f}× over AR{spread}{tau} — run {rec['run']}.")
+    else:
+        text = (f"{where}No budget beat AR. The best DDTree run, budget {rec['budget']} ({rec['run']}), reached "
+                f"{rec['speedup']:.2f}×{spread}{tau}: the drafter is not accepted often enough to pay for "
+                "drafting and a wider verify on this hardware.")
+    if rec.get("noise_against") == "AR":
+        text += (" Its margin over AR is within noise: its slowest timed pass was no faster than AR's fastest; "
+                 "raise grid.repeats or the prompt count before acting on it.")
+    elif rec.get("noise_against"):
+        text += (f" Budget {rec['runner_up_budget']} ({rec['runner_up_speedup']:.2f}×) is within noise of it: "
+                 "their timed passes overlap, so either will do.")
+    return text

@@ -9,20 +9,24 @@ fingerprint is skipped, so a study resumes where it stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import atomic_dir, atomic_write_json, atomic_write_text, clean_stale_temps
+from ..atomic import (atomic_dir, atomic_write_json, atomic_write_text, changed_files, clean_stale_temps,
+                      digest_tree)
 from ..environment import REPO_DIR
 from ..names import REPORT_FILE, RUN_FILE, STUDY_FILE
 from .report import build_report
-from .runs import RunParams, base_params, expand_grid, read_run_status, study_params
+from .runs import (RunParams, base_params, changed_inputs, expand_grid, input_digests, read_run_status,
+                   run_fingerprint, study_params)
 from .spec import Study, StudyError, find_notebook, load_study
 
 KERNEL = "python3"
@@ -79,9 +83,12 @@ def execute_notebook(nb: Path, out_nb: Path, params: RunParams, cwd: Path, timeo
 
 
 def execute_run(name: str, notebooks: list[Path], params: RunParams, study_dir: Path,
-                timeout: int = 3600, progress: bool = True, log=print, kind: str = "run") -> RunOutcome:
+                timeout: int = 3600, progress: bool = True, log=print, kind: str = "run",
+                fingerprint: str | None = None, inputs: dict | None = None) -> RunOutcome:
     """Execute `notebooks` in order into `<study_dir>/<name>/` (atomically); never raises for a
-    notebook error: the failure and the partial notebook are recorded in the run directory."""
+    notebook error: the failure and the partial notebook are recorded in the run directory.
+    run.json records the fingerprint (default: the parameters' alone), the digests of what the run
+    read (`inputs`) and the size and sha256 of every file the run wrote (`files`)."""
     t0 = time.perf_counter()
     status, error, tb, error_nb = "complete", None, None, None
     with atomic_dir(study_dir / name) as tmp:
@@ -98,28 +105,96 @@ def execute_run(name: str, notebooks: list[Path], params: RunParams, study_dir: 
                 break
         secs = time.perf_counter() - t0
         atomic_write_json(tmp / RUN_FILE, {
-            "name": name, "kind": kind, "status": status, "fingerprint": params.fingerprint(),
+            "name": name, "kind": kind, "status": status, "fingerprint": fingerprint or params.fingerprint(),
+            "inputs": inputs or {}, "files": digest_tree(tmp, exclude=[RUN_FILE]),
             "params": params.to_json(), "notebooks": [n.name for n in notebooks],
             "error": error, "error_notebook": error_nb, "error_detail": tb,
             "seconds": round(secs, 3), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return RunOutcome(name, status, secs, error)
 
 
-def _needs_run(run_dir: Path, fingerprint: str, retry_failed: bool) -> bool:
+def why_rerun(run_dir: Path, fingerprint: str, retry_failed: bool, inputs: dict | None = None) -> str | None:
+    """Why a run must execute again ('not run yet', 'inputs changed: prompts', 'results.json: 7 bytes,
+    was 8', ...), or None when it is complete, unchanged and its files are whole."""
     st = read_run_status(run_dir)
-    if st is None or st.get("fingerprint") != fingerprint:
-        return True
-    return st.get("status") != "complete" and retry_failed
+    if st is None:
+        return "not run yet" if not run_dir.exists() else "no readable run.json"
+    if st.get("fingerprint") != fingerprint:
+        changed = changed_inputs(st.get("inputs"), inputs) if inputs is not None else []
+        return f"inputs changed: {', '.join(changed)}" if changed else "settings changed"
+    if st.get("status") != "complete":
+        return f"it {st.get('status')} before" if retry_failed else None
+    if not isinstance(st.get("files"), dict):
+        return "run.json records no file digests (written by an older version)"
+    damaged = changed_files(run_dir, st["files"])
+    return f"its files changed since it finished: {'; '.join(damaged[:3])}" if damaged else None
+
+
+def _needs_run(run_dir: Path, fingerprint: str, retry_failed: bool) -> bool:
+    return why_rerun(run_dir, fingerprint, retry_failed) is not None
+
+
+LOCK_FILE = ".study.lock"  # beside it, LOCK_FILE + ".json" says who holds it
+
+
+class StudyBusy(StudyError):
+    """Another process is running a study into the same folder."""
+
+
+@contextlib.contextmanager
+def study_lock(study_dir: Path):
+    """Hold the study folder's lock (an OS file lock: released when the process dies) for a whole study;
+    a second study into the same folder is refused with who holds it."""
+    from filelock import FileLock, Timeout
+
+    lock, info = FileLock(str(study_dir / LOCK_FILE)), study_dir / (LOCK_FILE + ".json")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            who = json.loads(info.read_text())
+            holder = f"pid {who.get('pid')} on {who.get('host')} since {who.get('started')}"
+        except (OSError, ValueError, AttributeError):
+            holder = "another process"
+        raise StudyBusy("--out", f"{study_dir} is in use by another study: {holder} (lock {lock.lock_file}); "
+                                 "wait for it or choose another --out") from None
+    try:
+        atomic_write_json(info, {"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            info.unlink()
+        lock.release()
+
+
+def _prepare_dir(study_dir: Path) -> None:
+    if study_dir.exists() and not study_dir.is_dir():
+        raise StudyError("--out", f"{study_dir} is a file, not a folder")
+    try:
+        study_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StudyError("--out", f"cannot create {study_dir}: {e.strerror}") from None
+    if not os.access(study_dir, os.W_OK | os.X_OK):
+        raise StudyError("--out", f"{study_dir} is not writable")
 
 
 def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry_failed: bool = True,
               progress: bool = True, log=print) -> StudySummary:
     """Execute a validated study; see the module docstring."""
     study_dir = Path(study_dir or Path("outputs") / study.name).resolve()
-    study_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(study_dir)
+    _prepare_dir(study_dir)
+    with study_lock(study_dir):
+        return _run_locked(study, study_dir, retry_failed, progress, log)
+
+
+def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: bool, log) -> StudySummary:
     base = study.path.parent if study.path else None
     runs = expand_grid(study, study_dir)
+    own = [r.run_name for r in runs] + [Path(n).stem for n in study.notebooks.per_study] + \
+        [Path(study.notebooks.report).stem]
+    for p in clean_stale_temps(study_dir, own):
+        log(f"removed {p.name}: left by a study that was stopped")
     atomic_write_json(study_dir / STUDY_FILE, {"study": study.to_json(),
                                                  "runs": [r.run_name for r in runs]})
     if study.path:
@@ -130,12 +205,16 @@ def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry
     total = len(runs) + len(study.notebooks.per_study)
     for i, params in enumerate(runs, 1):
         rdir = study_dir / params.run_name
-        if not _needs_run(rdir, params.fingerprint(), retry_failed):
+        inputs = input_digests(params, per_run)
+        fp = run_fingerprint(params, inputs)
+        why = why_rerun(rdir, fp, retry_failed, inputs)
+        if why is None:
             log(f"[{i}/{total}] {params.run_name}: complete, skipped")
             outcomes.append(RunOutcome(params.run_name, "skipped"))
             continue
-        log(f"[{i}/{total}] {params.run_name}")
-        o = execute_run(params.run_name, per_run, params, study_dir, study.notebooks.timeout, progress, log)
+        log(f"[{i}/{total}] {params.run_name}" + (f" (again: {why})" if rdir.exists() else ""))
+        o = execute_run(params.run_name, per_run, params, study_dir, study.notebooks.timeout, progress, log,
+                        fingerprint=fp, inputs=inputs)
         log(f"    {o.status} in {o.seconds:.1f}s" + (f": {o.error}" if o.error else ""))
         outcomes.append(o)
 
@@ -145,13 +224,15 @@ def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry
         params = study_params(study, study_dir, nb_name)
         fp_params = dataclasses.replace(params, run_name=f"{params.run_name}|{json.dumps(state)}")
         name = Path(nb_name).stem
-        if not _needs_run(study_dir / name, fp_params.fingerprint(), retry_failed):
+        nb_inputs = input_digests(params, [find_notebook(nb_name, base)])
+        fp = run_fingerprint(fp_params, nb_inputs)
+        if why_rerun(study_dir / name, fp, retry_failed, nb_inputs) is None:
             log(f"[{j}/{total}] {name}: complete, skipped")
             outcomes.append(RunOutcome(name, "skipped"))
             continue
         log(f"[{j}/{total}] {name}")
-        o = _execute_study_notebook(name, find_notebook(nb_name, base), params, fp_params, study_dir,
-                                    study.notebooks.timeout, progress, log)
+        o = execute_run(name, [find_notebook(nb_name, base)], params, study_dir, study.notebooks.timeout,
+                        progress, log, kind="study", fingerprint=fp, inputs=nb_inputs)
         log(f"    {o.status} in {o.seconds:.1f}s" + (f": {o.error}" if o.error else ""))
         outcomes.append(o)
 
@@ -159,15 +240,6 @@ def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry
     if study.report:
         report = _make_report(study, study_dir, base, progress, log)
     return StudySummary(study_dir, outcomes, report)
-
-
-def _execute_study_notebook(name, nb, params, fp_params, study_dir, timeout, progress, log):
-    o = execute_run(name, [nb], params, study_dir, timeout, progress, log, kind="study")
-    st = read_run_status(study_dir / name)
-    if st is not None:  # store the fingerprint that includes the runs' state
-        st["fingerprint"] = fp_params.fingerprint()
-        atomic_write_json(study_dir / name / RUN_FILE, st)
-    return o
 
 
 def _make_report(study: Study, study_dir: Path, base, progress: bool, log) -> Path:
@@ -210,6 +282,8 @@ def run_study_cli(args) -> int:
         if args.check:
             study = load_study(args.params)
             out = Path(args.out or Path("outputs") / study.name)
+            if out.exists() and not out.is_dir():
+                raise StudyError("--out", f"{out} is a file, not a folder")
             for r in expand_grid(study, out):
                 print(r.run_name)
             print(f"ok: {len(expand_grid(study))} runs -> {out}")
@@ -218,6 +292,10 @@ def run_study_cli(args) -> int:
                        progress=not args.quiet)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full or read-only disk mid-study: finished runs stay as they are
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or e}{where}; finished runs are kept, a re-run resumes", file=sys.stderr)
         return 2
     print(f"{s.count('complete')} run(s) completed, {s.count('skipped')} skipped, "
           f"{s.count('failed')} failed -> {s.study_dir}")

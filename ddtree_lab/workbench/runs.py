@@ -12,8 +12,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import pairs
 from ..environment import REPO_DIR
 from ..names import METHODS, RUN_FILE
+from ..prompts import resolve_prompt_set
 from .spec import Study
 
 
@@ -40,6 +42,7 @@ class RunParams:
     max_new_tokens: int = 32
     seed: int = 0
     warmup: bool = True
+    repeats: int = 3              # timed passes over the prompt set (median and spread recorded)
     budgets: list = field(default_factory=list)  # the study's ddtree budgets (per-study notebooks)
 
     @classmethod
@@ -65,6 +68,69 @@ class RunParams:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# ----------------------------------------------------------------------------- what a run read
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _safetensors_digest(path: Path) -> str:
+    """Size + the header (every tensor's name, dtype, shape and offsets): cheap, and it changes with any
+    re-save; a same-size in-place edit of tensor bytes alone is not seen (docs/workbench.md)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        header = f.read(min(n, 100 << 20))
+    return _sha(f"{path.stat().st_size}:".encode() + head + header)
+
+
+def checkpoint_digests(directory: str | Path, label: str) -> dict[str, str]:
+    """{label/file: digest} for what loading a checkpoint dir reads: its JSON files (config, tokenizer,
+    index) by content, its weight files by size + header."""
+    d, out = Path(directory), {}
+    if not d.is_dir():
+        return {label: "missing"}
+    for p in sorted(d.iterdir()):
+        if p.suffix == ".json" and p.is_file():
+            out[f"{label}/{p.name}"] = _sha(p.read_bytes())
+        elif p.suffix == ".safetensors" and p.is_file():
+            out[f"{label}/{p.name}"] = _safetensors_digest(p)
+    return out
+
+
+def input_digests(params: "RunParams", notebooks=()) -> dict[str, str]:
+    """Digests of everything a run reads besides its parameters: the prompt-set file, the checkpoint
+    directories and the notebooks it executes. Part of a run's fingerprint, so an edit in place reruns it."""
+    out: dict[str, str] = {}
+    prompts = resolve_prompt_set(params.prompt_set)
+    out["prompts"] = _sha(prompts.read_bytes()) if prompts is not None else "missing"
+    dirs: tuple = ()
+    if params.pair and not params.pair.startswith(pairs.RANDOM_PREFIX):  # random weights come from the seed
+        try:
+            dirs = pairs.resolve(params.pair)
+        except ValueError:
+            out["pair"] = "unresolved"
+    elif not params.pair:
+        dirs = tuple(x for x in (params.target_dir, params.drafter_dir) if x)
+    for label, d in zip(("target", "drafter"), dirs):
+        if d:
+            out.update(checkpoint_digests(d, label))
+    for nb in notebooks:
+        out[f"notebook/{Path(nb).name}"] = _sha(Path(nb).read_bytes())
+    return out
+
+
+def run_fingerprint(params: "RunParams", inputs: dict[str, str]) -> str:
+    """The fingerprint a study records for a run: its parameters and the digests of what it read."""
+    blob = json.dumps([params.fingerprint(), inputs], sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def changed_inputs(old: dict | None, new: dict[str, str]) -> list[str]:
+    """The input names whose digest differs (for the log line of a rerun)."""
+    old = old or {}
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
 def _fmt_t(t: float) -> str:
     return f"{t:g}"
 
@@ -81,7 +147,7 @@ def base_params(study: Study, study_dir: Path) -> dict:
                 target_dir=m.target or "", drafter_dir=m.drafter or "", device=m.device,
                 dtype=m.dtype, attention=m.attention, compile=m.compile, prompt_set=study.prompts.set,
                 n_prompts=study.prompts.n_prompts, max_new_tokens=study.grid.max_new_tokens,
-                seed=study.grid.seed, warmup=study.warmup, budgets=sorted(set(study.grid.budget)))
+                seed=study.grid.seed, warmup=study.warmup, repeats=study.grid.repeats, budgets=sorted(set(study.grid.budget)))
 
 
 def expand_grid(study: Study, study_dir: Path | str = ".") -> list[RunParams]:
@@ -119,6 +185,7 @@ def study_params(study: Study, study_dir: Path, notebook: str) -> RunParams:
 def read_run_status(run_dir: Path) -> dict | None:
     """A run directory's run.json, or None when it is absent or unreadable."""
     try:
-        return json.loads((Path(run_dir) / RUN_FILE).read_text())
+        st = json.loads((Path(run_dir) / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return st if isinstance(st, dict) else None

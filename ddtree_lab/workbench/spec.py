@@ -60,6 +60,7 @@ class GridSpec:
     temperature: list[float] = field(default_factory=lambda: [0.0])
     max_new_tokens: int = 64
     seed: int = 0
+    repeats: int = 3              # timed passes over the prompt set per run: median and spread
 
 
 @dataclass
@@ -98,7 +99,8 @@ _SECTIONS: dict[str, dict[str, Any]] = {
                "drafter": (str, type(None)), "device": str, "dtype": str, "attention": str,
                "compile": bool},
     "prompts": {"set": str, "n_prompts": int},
-    "grid": {"budget": list, "topk": list, "temperature": list, "max_new_tokens": int, "seed": int},
+    "grid": {"budget": list, "topk": list, "temperature": list, "max_new_tokens": int, "seed": int,
+             "repeats": int},
     "notebooks": {"per_run": list, "per_study": list, "report": str, "timeout": int},
 }
 _REQUIRED = {"": ("name", "models", "prompts", "methods", "grid")}
@@ -289,6 +291,12 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
     if not 1 <= grid.max_new_tokens <= 65536:
         raise StudyError("grid.max_new_tokens", f"{grid.max_new_tokens} is out of range 1..65536", src)
     grid.seed = g.get("seed", grid.seed)
+    if not 0 <= grid.seed <= SEED_LIMIT - prompts.n_prompts:  # prompt i samples with seed + i
+        raise StudyError("grid.seed", f"{grid.seed} is out of range 0..2^63-1-n_prompts "
+                                      f"({SEED_LIMIT - prompts.n_prompts})", src)
+    grid.repeats = g.get("repeats", grid.repeats)
+    if not 1 <= grid.repeats <= 100:
+        raise StudyError("grid.repeats", f"{grid.repeats} is out of range 1..100", src)
 
     n = _check_keys("notebooks", data.get("notebooks", {}), src)
     nbs = NotebooksSpec(**{**dataclasses.asdict(NotebooksSpec()), **n})
@@ -311,9 +319,12 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
         if fname.startswith("notebooks.per_study") and stem in seen:
             raise StudyError(fname, f"{nb!r} is listed twice", src)
         seen.add(stem)
-        if find_notebook(nb, base) is None:
+        found = find_notebook(nb, base)
+        if found is None:
             dirs = ", ".join(str(d) for d in notebook_dirs(base))
             raise StudyError(fname, f"notebook {nb!r} not found (looked in {dirs})", src)
+        if check_files:
+            _check_is_notebook(found, fname, src)
 
     # results from serving stacks (ddtree-lab ingest) that join this study's report
     external = _as_list("external", data["external"], str, src) if data.get("external") not in (None, []) else []
@@ -323,9 +334,107 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
             raise StudyError(f"external[{i}]", f"{x!r} does not exist", src)
         external[i] = str(resolved)
 
-    return Study(name=name, models=models, prompts=prompts, methods=methods, grid=grid,
-                 notebooks=nbs, report=report, description=data.get("description", ""),
-                 warmup=data.get("warmup", True), external=external, path=path)
+    study = Study(name=name, models=models, prompts=prompts, methods=methods, grid=grid,
+                  notebooks=nbs, report=report, description=data.get("description", ""),
+                  warmup=data.get("warmup", True), external=external, path=path)
+    if check_files:
+        _check_runtime(study, src)
+        _check_prompts_fit(study, base, src)
+    return study
+
+
+SEED_LIMIT = 2 ** 63 - 1  # torch generators take a signed 64-bit seed
+
+
+def _check_is_notebook(path: Path, fname: str, src: str | None) -> None:
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StudyError(fname, f"{path} is not a notebook (not JSON: {e})", src) from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise StudyError(fname, f"{path} is not a notebook (no 'cells' list)", src)
+
+
+def _check_runtime(study: Study, src: str | None) -> None:
+    """Triton kernels on the CPU run only under the interpreter (TRITON_INTERPRET=1, inherited by the runs)."""
+    m = study.models
+    if m.attention == "triton" and m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise StudyError("models.attention", "triton needs a CUDA device (or TRITON_INTERPRET=1 in the "
+                                             "environment: its kernels then run under the interpreter, slowly)", src)
+
+
+def _target_dir(study: Study) -> Path | None:
+    m = study.models
+    if m.pair and not m.pair.startswith(pairs.RANDOM_PREFIX):
+        return Path(pairs.resolve(m.pair)[0])
+    return Path(m.target) if m.target else None
+
+
+def _check_prompts_fit(study: Study, base: Path | None, src: str | None) -> None:
+    """Every run would fail on a prompt that does not fit the context with max_new_tokens, or on chat
+    prompts for a checkpoint without a chat template: refuse them now, naming the prompt."""
+    m, g = study.models, study.grid
+    target = _target_dir(study)
+    if target is None:  # random weights: prompts go in as their UTF-8 bytes
+        from ..pairs.random import RANDOM_SHAPES  # a torch-free table of sizes
+
+        limit = RANDOM_SHAPES[m.pair[len(pairs.RANDOM_PREFIX):]]["max_position_embeddings"]
+        count, template = (lambda text: len(text.encode("utf-8"))), True
+    else:
+        try:
+            cfg = json.loads((target / "config.json").read_text(encoding="utf-8"))
+            limit = int(cfg.get("max_position_embeddings") or 0) if isinstance(cfg, dict) else 0
+        except (OSError, ValueError, TypeError):
+            return  # the loader names what is wrong with the file; nothing to compare against here
+        tok_file, tcfg_file = target / "tokenizer.json", target / "tokenizer_config.json"
+        count = None
+        if tok_file.is_file():
+            try:
+                from tokenizers import Tokenizer
+                tok = Tokenizer.from_file(str(tok_file))
+                count = lambda text: len(tok.encode(text, add_special_tokens=False).ids)  # noqa: E731
+            except Exception:  # noqa: BLE001 - the loader reports a corrupt tokenizer with its path
+                count = None
+        try:
+            tcfg = json.loads(tcfg_file.read_text(encoding="utf-8")) if tcfg_file.is_file() else {}
+        except (OSError, ValueError):
+            tcfg = {}
+        template = bool((isinstance(tcfg, dict) and tcfg.get("chat_template"))
+                        or (target / "chat_template.jinja").is_file())
+    if limit and g.max_new_tokens >= limit:
+        raise StudyError("grid.max_new_tokens", f"{g.max_new_tokens} leaves no room for a prompt in the "
+                                                f"model's context of {limit} tokens", src)
+    rows = read_prompt_set(study.prompts.set, study.prompts.n_prompts, base)
+    for row in rows:
+        chat = isinstance(row["prompt"], list)
+        if chat and not template:
+            raise StudyError("prompts.set", f"prompt {row['id']!r} is a chat prompt but {target} has no chat "
+                                            "template (tokenizer_config.json 'chat_template')", src)
+        if count is None or not limit:
+            continue
+        text = "".join(str(x.get("content", "")) for x in row["prompt"]) if chat else row["prompt"]
+        n = count(text)  # a chat template only adds tokens: this is a lower bound
+        if n + g.max_new_tokens > limit:
+            raise StudyError("grid.max_new_tokens", f"prompt {row['id']!r} ({n} tokens) + {g.max_new_tokens} new "
+                                                    f"tokens exceeds the model's context of {limit}", src)
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a mapping that repeats a key (plain YAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
 
 
 def load_study(path: str | os.PathLike, check_files: bool = True) -> Study:
@@ -334,7 +443,11 @@ def load_study(path: str | os.PathLike, check_files: bool = True) -> Study:
     if not path.is_file():
         raise StudyError("", "file not found", str(path))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise StudyError("", f"unreadable: {e}", str(path)) from None
+    try:
+        data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

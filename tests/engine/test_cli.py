@@ -27,3 +27,26 @@ def test_bad_budget_is_one_line_without_traceback(tiny_dirs):
     out = run_cli("generate", "x", "--target", str(t), "--drafter", str(d), "--budget", "5000")
     assert out.returncode == 2
     assert "budget=5000 is out of range" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_runtime_the_machine_lacks_is_one_line(tiny_dirs, tmp_path):
+    """--device cuda without a GPU (generate, and the README's bench e2e), --attention triton on the
+    CPU without the interpreter, a trace file that cannot be written: one line each, exit 2, no traceback."""
+    import torch
+
+    t, d = tiny_dirs
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cases = [(["generate", "x", "--target", str(t), "--drafter", str(d), "--attention", "triton"],
+              "--attention triton needs a CUDA device (or TRITON_INTERPRET=1")]
+    if not torch.cuda.is_available():
+        cases += [(["generate", "x", "--target", str(t), "--drafter", str(d), "--device", "cuda"],
+                   "--device cuda: no CUDA device is visible"),
+                  (["bench", "e2e", "--model", "random:qwen3-8b"], "--device cuda: no CUDA device is visible")]
+    for args, words in cases:
+        out = subprocess.run([sys.executable, "-m", "ddtree_lab.cli", *args], capture_output=True, text=True,
+                             timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 2 and words in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    trace = run_cli("generate", "x", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "2",
+                    "--trace", str(tmp_path / "missing" / "dir" / "t.jsonl"))
+    assert trace.returncode == 2 and "No such file or directory" in trace.stderr and "Traceback" not in trace.stderr

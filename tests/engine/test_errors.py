@@ -14,6 +14,9 @@ from ddtree_lab.testing import make_tiny_pair
     (dict(budget=0), "budget"), (dict(budget=1025), "budget"), (dict(topk=0), "topk"),
     (dict(method="beam"), "method"), (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(max_new_tokens=3000), "max_position_embeddings"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=True), "temperature"), (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(seed=2 ** 64), "seed"), (dict(seed=1.5), "seed"),
 ])
 def test_generate_refuses_bad_arguments(tiny_pair, kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -117,3 +120,34 @@ def test_config_that_disagrees_with_its_weights_is_refused(dirs):
     (t / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama")))
     with pytest.raises(CheckpointError, match=r"self_attn.k_norm.weight"):
         dl.load_pair(target=t, drafter=d)
+
+
+def _corrupt(dirs, tmp_path, edit):
+    t, d = dirs
+    bad = tmp_path / "bad_target"
+    shutil.copytree(t, bad)
+    edit(bad)
+    return bad, d
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:1000]),
+     "model.safetensors: not a readable safetensors file"),
+    (lambda p: (p / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00" + b"garbage!" * 20),
+     "model.safetensors: not a readable safetensors file"),
+    (lambda p: (p / "tokenizer.json").write_text('{"version": '), "tokenizer.json: not a readable tokenizer file"),
+    (lambda p: (p / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list"),
+    (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
+                                                         "rope_theta": "big"})), "field 'rope_theta' should be a number"),
+])
+def test_damaged_checkpoint_files_named(dirs, tmp_path, edit, words):
+    t, d = _corrupt(dirs, tmp_path, edit)
+    with pytest.raises(ValueError, match=words):
+        dl.load_pair(target=t, drafter=d)
+
+
+def test_bad_prompt_text_and_roles(tiny_pair):
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        dl.generate(tiny_pair, "abc\udcff", max_new_tokens=2)
+    with pytest.raises(ValueError, match="role 'wizard'"):
+        dl.generate(tiny_pair, [{"role": "wizard", "content": "hi"}], max_new_tokens=2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ddtree_lab as dl
-from ddtree_lab.tree import ancestor_matrix
+from ddtree_lab.tree import ancestor_matrix, build_tree
 
 
 def heap_tree(logp: torch.Tensor, budget: int, topk):
@@ -113,3 +113,29 @@ def test_budget_out_of_range(bad):
 def test_topk_invalid():
     with pytest.raises(ValueError, match="topk"):
         dl.build_tree(torch.randn(3, 10), 8, topk=0)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_logits_refused(poison):
+    logits = torch.randn(4, 50)
+    logits[2, 7] = poison
+    with pytest.raises(ValueError, match="row 2 .depth 3. holds NaN"):
+        build_tree(logits, 16)
+    masked = torch.randn(4, 50)
+    masked[:, 10:] = float("-inf")  # masked tokens are fine: no NaN follows
+    tree = build_tree(masked, 16)
+    assert torch.isfinite(tree.scores).all() and int(tree.tokens.max()) < 10
+    masked[1] = float("-inf")  # a row with nothing left
+    with pytest.raises(ValueError, match="row 1"):
+        build_tree(masked, 16)
+    assert torch.isnan(build_tree(logits, 16, check_finite=False).scores).any()  # what the check keeps out
+
+
+def test_dense_mask_follows_an_int_past_len():
+    """A TreeMask reused without fresh() must not hand out the dense mask of another past_len."""
+    from ddtree_lab.attention import TreeMask
+
+    m = TreeMask.causal(2, "cpu")
+    a, b = m.dense(3, 10, None).clone(), m.dense(5, 10, None)
+    assert not torch.equal(a, b)
+    assert torch.equal(b, TreeMask.causal(2, "cpu").dense(5, 10, None))

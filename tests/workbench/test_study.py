@@ -87,12 +87,63 @@ def test_shipped_study_files_validate():
     (lambda d: d.pop("methods"), "methods", "required"),
     (lambda d: d.update(name="bad name/x"), "name", "letters"),
     (lambda d: d.update(grid=[1, 2]), "grid", "mapping"),
+    # refused by --check because every run would fail (issue 15)
+    (lambda d: d["grid"].update(max_new_tokens=2045), "grid.max_new_tokens", "exceeds the model's context of 2048"),
+    (lambda d: d["grid"].update(max_new_tokens=5000), "grid.max_new_tokens", "leaves no room"),
+    (lambda d: d["grid"].update(seed=2 ** 63), "grid.seed", "out of range"),
+    (lambda d: d["grid"].update(seed=-1), "grid.seed", "out of range"),
+    (lambda d: d["grid"].update(repeats=0), "grid.repeats", "out of range 1..100"),
 ])
 def test_bad_study_refused_with_field(env, mutate, field, words):
     tmp, base = env
     mutate(base)
     msg = refused(tmp, base, field)
     assert words in msg
+
+
+def test_duplicate_yaml_keys_refused(env):
+    """Case 4: a key given twice (top level or in a section) is refused with its line, not last-wins."""
+    tmp, base = env
+    text = yaml.safe_dump(base)
+    twice = text + "grid:\n  budget: [8]\n"
+    with pytest.raises(study_spec.StudyError, match=r"line \d+, column 1.: key 'grid' appears twice"):
+        study_spec.load_study(write(tmp, twice))
+    inner = text.replace("  budget:\n", "  budget: [2]\n  budget:\n", 1)
+    assert inner != text
+    with pytest.raises(study_spec.StudyError, match="key 'budget' appears twice"):
+        study_spec.load_study(write(tmp, inner))
+    assert study_spec.load_study(write(tmp, text)).grid.budget == [4, 16]
+
+
+def _prompt_file(tmp, rows, name="p2.jsonl"):
+    f = tmp / name
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(f)
+
+
+def test_check_refuses_what_every_run_would_fail(env, monkeypatch):
+    tmp, base = env
+    base["prompts"]["n_prompts"] = 1
+    cases = [
+        ([{"id": "c", "messages": [{"role": "user", "content": "hi"}]}], "prompts.set", "no chat template"),
+        ([{"id": "e", "prompt": ""}], "prompts.set", "prompt is empty"),
+        ([{"id": "r", "messages": [{"role": "wizard", "content": "hi"}]}], "prompts.set", "role 'wizard'"),
+        ([{"id": "long", "prompt": "word " * 3000}], "grid.max_new_tokens", "prompt 'long'"),
+    ]
+    for rows, field, words in cases:
+        base["prompts"]["set"] = _prompt_file(tmp, rows)
+        assert words in refused(tmp, base, field)
+    base["prompts"]["set"] = _prompt_file(tmp, [{"id": "ok", "prompt": "def f():"}])
+    fake = tmp / "fake.ipynb"
+    fake.write_text("print('not a notebook')\n")
+    base["notebooks"]["per_run"] = [str(fake)]
+    assert "is not a notebook" in refused(tmp, base, "notebooks.per_run[0]")
+    base["notebooks"]["per_run"] = ["accepted_paths"]
+    base["models"]["attention"] = "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in refused(tmp, base, "models.attention")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # then its kernels run under the interpreter
+    assert study_spec.load_study(write(tmp, base)).models.attention == "triton"
 
 
 def test_bad_yaml_and_missing_file(tmp_path):
@@ -171,9 +222,33 @@ def test_atomic_writes_and_dirs(tmp_path):
             raise RuntimeError("boom")
     assert (dst / "f").read_text() == "one"  # the old run survives a failed rewrite
     assert [q.name for q in tmp_path.iterdir() if q.name.startswith(".")] == []
-    os.makedirs(tmp_path / ".run.tmp-stale")
-    atomic.clean_stale_temps(tmp_path)
-    assert not (tmp_path / ".run.tmp-stale").exists()
+
+
+def test_cleaning_removes_only_what_the_study_made(tmp_path):
+    """Case 7: a user's hidden `.x.tmp-` / `.x.old-` entries (dirs and files) survive a study start;
+    only a killed run's own temp directory (this code's marker inside, a run name of the study) goes."""
+    mine = tmp_path / ".ar-t0.tmp-stale"
+    mine.mkdir()  # what atomic_dir leaves when its process is killed: the marker inside
+    (mine / atomic.MARKER).write_text("1\n")
+    users = [tmp_path / ".notes.tmp-2024", tmp_path / ".ar-t0.old-backup", tmp_path / ".cache.old-x"]
+    users[0].mkdir()
+    users[1].mkdir()
+    users[2].write_text("keep me")
+    removed = atomic.clean_stale_temps(tmp_path, ["ar-t0", "ddtree-b4-k0-t0"])
+    assert removed == [mine] and not mine.exists()
+    assert all(p.exists() for p in users)
+    assert atomic.clean_stale_temps(tmp_path, []) == []
+
+
+def test_file_digests_find_a_truncated_file(tmp_path):
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "results.json").write_text('{"a": 1}')
+    (tmp_path / "figures" / "f.json").write_text("{}")
+    rec = atomic.digest_tree(tmp_path, exclude=["run.json"])
+    assert set(rec) == {"results.json", "figures/f.json"} and atomic.changed_files(tmp_path, rec) == []
+    (tmp_path / "results.json").write_text('{"a": 1')
+    (tmp_path / "figures" / "f.json").write_text("[]")
+    assert atomic.changed_files(tmp_path, rec) == ["figures/f.json: content changed", "results.json: 7 bytes, was 8"]
 
 
 def test_chat_prompts_and_shipped_sets(tmp_path):

@@ -87,7 +87,11 @@ def test_study_runs_and_records(tiny_study):
     assert "{2: " in printed and (out / "draft_trees" / "figures" / "draft_trees.json").is_file()
     b2 = json.loads((out / "ddtree-b2-k0-t0" / "results.json").read_text())
     assert b2["comparison"]["verdict"] == "lossless"  # AR ran first: compared at run time already
-    assert not list(out.glob(".*"))  # no temp dirs left behind
+    assert [p.name for p in out.glob(".*")] == [runner.LOCK_FILE]  # no temp dirs left; the lock stays
+    st = json.loads((out / "ar-t0" / "run.json").read_text())
+    assert {"results.json", "traces.jsonl", "paths_or_fail.ipynb"} <= set(st["files"])
+    assert {"prompts", "target/config.json", "target/model.safetensors", "notebook/paths_or_fail.ipynb"} <= \
+        set(st["inputs"])
 
 
 def test_failed_run_is_recorded_and_reported(tiny_study):
@@ -131,7 +135,7 @@ def test_needs_run_logic(tmp_path):
     from ddtree_lab.atomic import atomic_write_json
     d = tmp_path / "r"
     assert runner._needs_run(d, "fp", retry_failed=True)  # absent
-    atomic_write_json(d / "run.json", {"status": "complete", "fingerprint": "fp"})
+    atomic_write_json(d / "run.json", {"status": "complete", "fingerprint": "fp", "files": {}})
     assert not runner._needs_run(d, "fp", True) and runner._needs_run(d, "other", True)  # changed parameters
     atomic_write_json(d / "run.json", {"status": "failed", "fingerprint": "fp"})
     assert runner._needs_run(d, "fp", True) and not runner._needs_run(d, "fp", False)
