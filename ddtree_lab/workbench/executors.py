@@ -41,9 +41,9 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, gpus_per_run: float = 1, num_gpus: int | None = None,
+    def __init__(self, address: str | None = None, gpus_per_run: float | None = 1, num_gpus: int | None = None,
                  retries: int = 1):
-        if gpus_per_run < 0:
+        if gpus_per_run is not None and gpus_per_run < 0:
             raise ValueError(f"--gpus-per-run {gpus_per_run} must be ≥ 0")
         self.address, self.gpus_per_run, self.num_gpus, self.retries = address, gpus_per_run, num_gpus, retries
 
@@ -80,7 +80,7 @@ class RayExecutor:
             on_done(job, outcome)
 
 
-def make_executor(name: str = "sequential", address: str | None = None, gpus_per_run: float = 1,
+def make_executor(name: str = "sequential", address: str | None = None, gpus_per_run: float | None = None,
                   num_gpus: int | None = None):
     if name == "sequential":
         if address is not None:

@@ -27,6 +27,7 @@ from ..names import REPORT_FILE, RUN_FILE, STUDY_FILE
 from .report import build_report
 from .runs import (RunParams, base_params, changed_inputs, expand_grid, input_digests, read_run_status,
                    run_fingerprint, study_params)
+from .executors import EXECUTORS, SequentialExecutor, WorkerDied, make_executor
 from .spec import Study, StudyError, find_notebook, load_study
 
 KERNEL = "python3"
@@ -179,16 +180,48 @@ def _prepare_dir(study_dir: Path) -> None:
         raise StudyError("--out", f"{study_dir} is not writable")
 
 
+@dataclass
+class RunJob:
+    """One grid run for an executor: everything `execute_job` needs, picklable (a Ray task gets a copy)."""
+
+    name: str
+    notebooks: list[Path]
+    params: RunParams
+    study_dir: Path
+    timeout: int
+    progress: bool
+    fingerprint: str
+    inputs: dict
+
+
+def execute_job(job: RunJob) -> RunOutcome:
+    return execute_run(job.name, job.notebooks, job.params, job.study_dir, job.timeout, job.progress,
+                       fingerprint=job.fingerprint, inputs=job.inputs)
+
+
+def record_lost_run(job: RunJob, error: str) -> RunOutcome:
+    """A run whose worker died before it returned: recorded as failed (a re-run retries it)."""
+    with atomic_dir(job.study_dir / job.name) as tmp:
+        atomic_write_json(tmp / RUN_FILE, {
+            "name": job.name, "kind": "run", "status": "failed", "fingerprint": job.fingerprint,
+            "inputs": job.inputs, "files": {}, "params": job.params.to_json(),
+            "notebooks": [n.name for n in job.notebooks], "error": error, "error_notebook": None,
+            "error_detail": None, "seconds": 0.0, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return RunOutcome(job.name, "failed", 0.0, error)
+
+
 def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry_failed: bool = True,
-              progress: bool = True, log=print) -> StudySummary:
-    """Execute a validated study; see the module docstring."""
+              progress: bool = True, log=print, executor=None) -> StudySummary:
+    """Execute a validated study; see the module docstring. `executor` (workbench/executors.py) runs the
+    grid's runs: one after another here by default, or as Ray tasks; everything else is the same."""
     study_dir = Path(study_dir or Path("outputs") / study.name).resolve()
     _prepare_dir(study_dir)
     with study_lock(study_dir):
-        return _run_locked(study, study_dir, retry_failed, progress, log)
+        return _run_locked(study, study_dir, retry_failed, progress, log, executor or SequentialExecutor())
 
 
-def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: bool, log) -> StudySummary:
+def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: bool, log,
+                executor) -> StudySummary:
     base = study.path.parent if study.path else None
     runs = expand_grid(study, study_dir)
     own = [r.run_name for r in runs] + [Path(n).stem for n in study.notebooks.per_study] + \
@@ -201,8 +234,11 @@ def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: boo
         atomic_write_text(study_dir / "study.yaml", study.path.read_text(encoding="utf-8"))
 
     per_run = [find_notebook(n, base) for n in study.notebooks.per_run]
-    outcomes: list[RunOutcome] = []
+    if getattr(executor, "gpus_per_run", 0) is None:  # Ray's default: a GPU each where the study runs on GPUs
+        executor.gpus_per_run = 0 if study.models.device == "cpu" else 1
+    by_name: dict[str, RunOutcome] = {}
     total = len(runs) + len(study.notebooks.per_study)
+    jobs = []
     for i, params in enumerate(runs, 1):
         rdir = study_dir / params.run_name
         inputs = input_digests(params, per_run)
@@ -210,13 +246,21 @@ def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: boo
         why = why_rerun(rdir, fp, retry_failed, inputs)
         if why is None:
             log(f"[{i}/{total}] {params.run_name}: complete, skipped")
-            outcomes.append(RunOutcome(params.run_name, "skipped"))
+            by_name[params.run_name] = RunOutcome(params.run_name, "skipped")
             continue
-        log(f"[{i}/{total}] {params.run_name}" + (f" (again: {why})" if rdir.exists() else ""))
-        o = execute_run(params.run_name, per_run, params, study_dir, study.notebooks.timeout, progress, log,
-                        fingerprint=fp, inputs=inputs)
-        log(f"    {o.status} in {o.seconds:.1f}s" + (f": {o.error}" if o.error else ""))
-        outcomes.append(o)
+        log(f"[{i}/{total}] {params.run_name}" + (f" (again: {why})" if rdir.exists() else "")
+            + (f" -> {executor.name}" if executor.name != "sequential" else ""))
+        jobs.append(RunJob(params.run_name, per_run, params, study_dir, study.notebooks.timeout, progress, fp, inputs))
+
+    def done(job: RunJob, o) -> None:
+        if isinstance(o, WorkerDied):
+            o = record_lost_run(job, o.error)
+        by_name[job.name] = o
+        who = f"    {job.name}: " if executor.name != "sequential" else "    "
+        log(f"{who}{o.status} in {o.seconds:.1f}s" + (f": {o.error}" if o.error else ""))
+
+    executor.map(execute_job, jobs, done)
+    outcomes: list[RunOutcome] = [by_name[r.run_name] for r in runs]
 
     # Once-per-study notebooks depend on every run's results: their fingerprint covers them.
     state = [(o.name, (read_run_status(study_dir / o.name) or {}).get("finished_at")) for o in outcomes]
@@ -259,12 +303,12 @@ def _make_report(study: Study, study_dir: Path, base, progress: bool, log) -> Pa
 
 
 def main_study(path: str | os.PathLike, out: str | os.PathLike | None = None, *,
-               retry_failed: bool = True, progress: bool = True, log=print) -> StudySummary:
+               retry_failed: bool = True, progress: bool = True, log=print, executor=None) -> StudySummary:
     """Validate the study file (raising StudyError before anything runs), then run it.
 
     `out` is the study's output directory (default: outputs/<name>)."""
     study = load_study(path)
-    return run_study(study, out, retry_failed=retry_failed, progress=progress, log=log)
+    return run_study(study, out, retry_failed=retry_failed, progress=progress, log=log, executor=executor)
 
 
 # ----------------------------------------------------------------------------- CLI pieces
@@ -275,6 +319,13 @@ def add_study_args(p) -> None:
     p.add_argument("--check", action="store_true", help="only validate the study file and list its runs")
     p.add_argument("--no-retry-failed", action="store_true", help="keep failed runs as they are on a re-run")
     p.add_argument("--quiet", action="store_true", help="no per-cell progress bars")
+    p.add_argument("--executor", choices=EXECUTORS, default="sequential",
+                   help="how the grid's runs execute: one after another here (default), or as Ray tasks, each "
+                        "holding its GPUs, on this machine or a Ray cluster (pip install -e '.[ray]')")
+    p.add_argument("--address", default=None, help="with --executor ray: a running Ray cluster ('auto': the local "
+                   "one); default: start a Ray for this study")
+    p.add_argument("--gpus-per-run", type=float, default=None, help="with --executor ray: GPUs each run holds "
+                   "(default: 1 for a CUDA study, 0 for a CPU one)")
 
 
 def run_study_cli(args) -> int:
@@ -288,8 +339,9 @@ def run_study_cli(args) -> int:
                 print(r.run_name)
             print(f"ok: {len(expand_grid(study))} runs -> {out}")
             return 0
+        executor = make_executor(args.executor, args.address, args.gpus_per_run)
         s = main_study(args.params, args.out, retry_failed=not args.no_retry_failed,
-                       progress=not args.quiet)
+                       progress=not args.quiet, executor=executor)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

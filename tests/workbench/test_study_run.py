@@ -139,3 +139,32 @@ def test_needs_run_logic(tmp_path):
     assert not runner._needs_run(d, "fp", True) and runner._needs_run(d, "other", True)  # changed parameters
     atomic_write_json(d / "run.json", {"status": "failed", "fingerprint": "fp"})
     assert runner._needs_run(d, "fp", True) and not runner._needs_run(d, "fp", False)
+
+
+def test_ray_executor_writes_what_the_sequential_one_wrote(tiny_study):
+    """The same grid as Ray tasks on a local Ray that declares two GPUs, each run holding one: the same run
+    folders, statuses (the deliberate failure included) and tokens as the default executor's."""
+    ray = pytest.importorskip("ray")
+    from ddtree_lab.workbench.executors import RayExecutor
+
+    root, out, _, _ = tiny_study
+    spec = yaml.safe_load((root / "tinyrun.yaml").read_text())
+    spec["notebooks"]["per_study"] = []
+    spec["report"] = False
+    (root / "tinyrun_ray.yaml").write_text(yaml.safe_dump(spec))
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        summary = runner.main_study(root / "tinyrun_ray.yaml", root / "out_ray", progress=False, log=lambda *_: None,
+                                    executor=RayExecutor(gpus_per_run=1))
+    finally:
+        ray.shutdown()
+    grid = ["ar-t0", "ddtree-b2-k0-t0", "ddtree-b4-k0-t0"]
+    assert [o.name for o in summary.outcomes] == grid
+    for name in grid:
+        seq = json.loads((out / name / "run.json").read_text())
+        par = json.loads((root / "out_ray" / name / "run.json").read_text())
+        assert par["status"] == seq["status"] and par["fingerprint"] == seq["fingerprint"]
+        if seq["status"] == "complete":
+            tokens = [json.loads((d / name / "results.json").read_text())["prompts"][0]["tokens"]
+                      for d in (out, root / "out_ray")]
+            assert tokens[0] == tokens[1] and tokens[0]
