@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..atomic import atomic_write_json, atomic_write_jsonl, changed_files, read_jsonl
+from ..bench.e2e import weight_bytes_per_step
 from ..decode import generate
 from ..environment import device_info, git_commit, versions
 from ..metrics import summarize_taus
@@ -224,8 +225,23 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
         pass_seconds.append(wall)
     timing = "untraced call (trees from a second, traced call)" if separate else "traced call"
     timing += f"; median of {len(pass_seconds)} pass(es) over the prompts"
-    return build_results(params, pair, prompts, results, ntok, extra={"timing": timing},
-                         pass_seconds=pass_seconds), rows
+    out = build_results(params, pair, prompts, results, ntok, extra={"timing": timing}, pass_seconds=pass_seconds)
+    out["summary"].update(expert_union(pair, rows))
+    return out, rows
+
+
+def expert_union(pair: Any, rows: list[dict]) -> dict:
+    """An MoE target's experts touched per verify forward (AR: per step), from the traced rounds: the mean per
+    MoE layer, their mean, and the weight bytes such a forward reads (attention, router, touched experts,
+    one embedding row, LM head). Empty for a dense target."""
+    counts = [r["experts_touched"] for r in rows if r.get("experts_touched")]
+    if not counts:
+        return {}
+    per_layer = [sum(col) / len(col) for col in zip(*counts)]
+    target = getattr(pair, "target", None)
+    nbytes = weight_bytes_per_step(target, per_layer) if target is not None else None
+    return {"experts_touched_per_layer": per_layer, "experts_touched_mean": sum(per_layer) / len(per_layer),
+            "verify_weight_bytes": nbytes}
 
 
 def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:

@@ -1,0 +1,29 @@
+"""An MoE target's runs record the experts each verify forward touched, and the bytes such a forward reads."""
+import dataclasses
+
+import ddtree_lab as dl
+from ddtree_lab.bench.e2e import weight_bytes_per_step
+from ddtree_lab.testing import make_tiny_pair
+from ddtree_lab.workbench import results as R
+from ddtree_lab.workbench.runs import RunParams
+
+
+def test_moe_run_records_experts_touched_and_bytes(tmp_path):
+    t, d = make_tiny_pair(tmp_path / "moe", arch="qwen3_moe", seed=2)
+    pair = dl.load_pair(target=t, drafter=d)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "def add(a, b):"}\n')
+    base = RunParams(study_name="moe", run_dir=str(tmp_path / "r"), target_dir=str(t), drafter_dir=str(d),
+                     pair="", prompt_set=str(tmp_path / "p.jsonl"), n_prompts=1, max_new_tokens=12, warmup=False)
+    ar, _ = R.generate_run(dataclasses.replace(base, method="ar", budget=0), pair, progress=False)
+    tree, rows = R.generate_run(dataclasses.replace(base, method="ddtree", budget=24), pair, progress=False)
+    k, E = pair.target.cfg.num_experts_per_tok, pair.target.cfg.num_experts
+    assert ar["summary"]["experts_touched_per_layer"] == [float(k)] * len(ar["summary"]["experts_touched_per_layer"])
+    s = tree["summary"]
+    assert k < s["experts_touched_mean"] <= E  # a tree reads the union of its tokens' experts
+    assert s["verify_weight_bytes"] == weight_bytes_per_step(pair.target, s["experts_touched_per_layer"])
+    assert s["verify_weight_bytes"] > ar["summary"]["verify_weight_bytes"]
+    assert all(r["experts_touched"] for r in rows if r.get("tree"))
+
+
+def test_dense_run_records_no_experts(tiny_pair):
+    assert R.expert_union(tiny_pair, [{"experts_touched": None}]) == {}
