@@ -226,22 +226,23 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
     timing = "untraced call (trees from a second, traced call)" if separate else "traced call"
     timing += f"; median of {len(pass_seconds)} pass(es) over the prompts"
     out = build_results(params, pair, prompts, results, ntok, extra={"timing": timing}, pass_seconds=pass_seconds)
-    out["summary"].update(expert_union(pair, rows))
+    out["summary"].update(verify_reads(pair, rows))
     return out, rows
 
 
-def expert_union(pair: Any, rows: list[dict]) -> dict:
-    """An MoE target's experts touched per verify forward (AR: per step), from the traced rounds: the mean per
-    MoE layer, their mean, and the weight bytes such a forward reads (attention, router, touched experts,
-    one embedding row, LM head). Empty for a dense target."""
+def verify_reads(pair: Any, rows: list[dict]) -> dict:
+    """The weight bytes one verify forward (AR: one step) reads — attention, MLP or router and the touched
+    experts, one embedding row, LM head — and, for an MoE target, the experts it touched per MoE layer
+    (mean over the traced rounds) and their mean: a tree reads the union of its tokens' experts."""
+    target = getattr(pair, "target", None)
+    if target is None:
+        return {}
     counts = [r["experts_touched"] for r in rows if r.get("experts_touched")]
     if not counts:
-        return {}
+        return {"verify_weight_bytes": weight_bytes_per_step(target)}
     per_layer = [sum(col) / len(col) for col in zip(*counts)]
-    target = getattr(pair, "target", None)
-    nbytes = weight_bytes_per_step(target, per_layer) if target is not None else None
     return {"experts_touched_per_layer": per_layer, "experts_touched_mean": sum(per_layer) / len(per_layer),
-            "verify_weight_bytes": nbytes}
+            "verify_weight_bytes": weight_bytes_per_step(target, per_layer)}
 
 
 def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:

@@ -25,5 +25,6 @@ def test_moe_run_records_experts_touched_and_bytes(tmp_path):
     assert all(r["experts_touched"] for r in rows if r.get("tree"))
 
 
-def test_dense_run_records_no_experts(tiny_pair):
-    assert R.expert_union(tiny_pair, [{"experts_touched": None}]) == {}
+def test_dense_run_records_its_bytes_and_no_experts(tiny_pair):
+    assert R.verify_reads(tiny_pair, [{"experts_touched": None}]) == {
+        "verify_weight_bytes": weight_bytes_per_step(tiny_pair.target)}
