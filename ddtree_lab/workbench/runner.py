@@ -66,16 +66,27 @@ def _short_error(exc: BaseException) -> str:
 
 def execute_notebook(nb: Path, out_nb: Path, params: RunParams, cwd: Path, timeout: int,
                      progress: bool) -> None:
+    """Execute `nb` into `out_nb` with cwd = `cwd`, in the study's shared kernel (workbench/kernels.py:
+    namespace reset before each notebook, a kernel that died or timed out replaced by a fresh one)."""
     import papermill as pm
-    old = dict(os.environ)
-    os.environ.update(_kernel_env())
+    from papermill.exceptions import PapermillExecutionError
+
+    from .kernels import ENGINE, shared_kernel
+    kernel = shared_kernel(KERNEL)
+    km = kernel.manager(_kernel_env())
+    usable = False
     try:
         pm.execute_notebook(str(nb), str(out_nb), parameters=params.to_json(), kernel_name=KERNEL,
-                            cwd=str(cwd), progress_bar=progress, execution_timeout=timeout,
+                            engine_name=ENGINE, km=km, kernel_cwd=str(cwd), cwd=str(cwd),
+                            progress_bar=progress, execution_timeout=timeout,
                             store_widget_state=False)  # widget state would embed plotly.js per notebook
+        usable = True
+    except PapermillExecutionError:  # a cell raised: the kernel is idle and fine for the next notebook
+        usable = True
+        raise
     finally:
-        os.environ.clear()
-        os.environ.update(old)
+        if not usable:  # dead, timed out (still busy) or interrupted: the next notebook gets a new one
+            kernel.shutdown()
 
 
 def execute_run(name: str, notebooks: list[Path], params: RunParams, study_dir: Path,

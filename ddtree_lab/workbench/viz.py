@@ -369,7 +369,11 @@ class TreeExplorer:
 
 # ----------------------------------------------------------------------------- notebook helpers
 def setup_notebook() -> None:
-    """Figures in executed notebooks as plotly JSON (rendered by JupyterLab) plus a small HTML
-    loader, instead of 3.5 MB of plotly.js inside every notebook."""
+    """Figures in notebooks as plotly JSON only: JupyterLab's plotly extension draws them with the
+    plotly.js it ships, so neither an open notebook nor an executed one asks the network for
+    anything, and no notebook carries 3.5 MB of plotly.js."""
     import plotly.io as pio
-    pio.renderers.default = "plotly_mimetype+notebook_connected"
+    pio.renderers.default = NOTEBOOK_RENDERER
+
+
+NOTEBOOK_RENDERER = "plotly_mimetype"
