@@ -52,7 +52,8 @@ def fmt_num(x: Any, fmt: str = "{:.2f}") -> str:
 def html_table(head: list[str], body: list[list[str]]) -> str:
     h = "".join(f"<th>{esc(c)}</th>" for c in head)
     b = "".join("<tr>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in row) + "</tr>" for row in body)
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+    thead = f"<thead><tr>{h}</tr></thead>" if any(head) else ""  # no empty header row for key/value tables
+    return f"<table>{thead}<tbody>{b}</tbody></table>"
 
 
 def verdict_html(v: str | None) -> str:
