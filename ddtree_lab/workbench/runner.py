@@ -186,14 +186,13 @@ def _make_report(study: Study, study_dir: Path, base, progress: bool, log) -> Pa
     page in-process so a study always ends with a report."""
     nb = find_notebook(study.notebooks.report, base)
     params = RunParams(**base_params(study, study_dir), run_name="findings_report", run_dir=".")
-    log(f"report: {nb.name}")
+    log("[report]")
     o = execute_run(Path(study.notebooks.report).stem, [nb], params, study_dir,
                     study.notebooks.timeout, progress, log, kind="report")
     path = study_dir / REPORT_FILE
     if o.status != "complete" or not path.is_file():
         log(f"    report notebook {o.status}: {o.error}; building the report directly")
         build_report(study_dir)
-    log(f"report: {path}")
     return path
 
 
@@ -230,8 +229,14 @@ def run_study_cli(args) -> int:
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{s.count('complete')} run(s) completed, {s.count('skipped')} skipped, "
-          f"{s.count('failed')} failed -> {s.study_dir}")
+    # Count the grid's runs as the report does; the once-per-study notebooks are named apart.
+    grid = set(json.loads((s.study_dir / STUDY_FILE).read_text()).get("runs", []))
+    runs = [o for o in s.outcomes if o.name in grid]
+    nbs = [o for o in s.outcomes if o.name not in grid]
+
+    def counts(outs):
+        return ", ".join(f"{sum(o.status == k for o in outs)} {k}" for k in ("complete", "skipped", "failed"))
+    print(f"{len(runs)} runs ({counts(runs)}); {len(nbs)} study notebooks ({counts(nbs)}) -> {s.study_dir}")
     if s.report:
         print(f"report: {s.report}")
     return 1 if s.count("failed") else 0
