@@ -17,6 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from jupyter_core.utils import run_sync
 from papermill.clientwrap import PapermillNotebookClient
 from papermill.engines import NBClientEngine, papermill_engines
 from papermill.utils import merge_kwargs, remove_args
@@ -46,14 +47,15 @@ class SharedKernel:
 
     def manager(self, env: dict):
         """The running kernel manager for `env`, starting one if there is none (or `env` changed)."""
-        if self.km is not None and (self.env != env or not self.km.is_alive()):
+        if self.km is not None and (self.env != env or not run_sync(self.km.is_alive)()):
             self.shutdown()
         if self.km is None:
-            from jupyter_client.manager import KernelManager
+            # The async manager, as nbclient's own: its client never blocks the loop that notices a dead kernel.
+            from jupyter_client.manager import AsyncKernelManager
             self._ipc_dir = tempfile.mkdtemp(prefix="ddtree-kernel-")
-            km = KernelManager(kernel_name=self.kernel_name, transport="ipc",
-                               ip=os.path.join(self._ipc_dir, "kernel"))
-            km.start_kernel(env=env, cwd=tempfile.gettempdir())
+            km = AsyncKernelManager(kernel_name=self.kernel_name, transport="ipc",
+                                    ip=os.path.join(self._ipc_dir, "kernel"))
+            run_sync(km.start_kernel)(env=env, cwd=tempfile.gettempdir())
             self.km, self.env = km, dict(env)
             self.starts += 1
         return self.km
@@ -63,13 +65,13 @@ class SharedKernel:
         if km is None:
             return
         try:
-            if km.is_alive():
-                km.shutdown_kernel(now=True)
+            if run_sync(km.is_alive)():
+                run_sync(km.shutdown_kernel)(now=True)
         except Exception:  # noqa: BLE001 - a kernel that is already gone is what we want
             pass
         finally:
             try:
-                km.cleanup_resources()
+                run_sync(km.cleanup_resources)()
             except Exception:  # noqa: BLE001
                 pass
             if self._ipc_dir:
