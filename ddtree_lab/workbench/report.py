@@ -117,7 +117,7 @@ def _cpu_note(rows: list[dict]) -> str:
     res = next((r["results"] for r in grid_rows(rows) if r.get("results")), None) or {}
     if str((res.get("models") or {}).get("device", "")).startswith("cuda"):
         return ""
-    return ("<p>On a CPU with the tiny lab pair, drafting a block costs about as much as a target step "
+    return ("<p class='sub'>On a CPU with the tiny lab pair, drafting a block costs about as much as a target step "
             "and a verify of a whole tree costs more than one token's step, so DDTree can be slower than AR "
             "even while it accepts several tokens per round; to see the speedup, run "
             "<code>ddtree-lab study params/lab_gpu.yaml</code> on a GPU.</p>")
@@ -263,7 +263,7 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
                  "and a wider verify on this hardware.</div>")
     else:
         page.add("<p class='na'>No recommendation: it needs an AR run and at least one complete DDTree run.</p>")
-    if best and best["speedup"] < 1:
+    if ok:  # on a CPU, whichever way the speedup went
         page.add(_cpu_note(rows))
     page.add(_tau_note(study, rows))
     if ok:

@@ -120,6 +120,31 @@ def test_build_report(study_dir):
     assert "Recommended budget" in page or "No budget beat AR" in page  # speedups vary by machine
     assert "out of cheese" in page and "diverges at token 3" in page
     assert "verify micro-benchmark" in page.lower()
+    assert '<a href="#microbench">Verify micro-benchmark</a>' in page  # in the navigation
+    assert "there is none to measure on a CPU" in page  # its caption speaks of no undrawn roofline
+    assert "params/lab_gpu.yaml" in page  # the CPU note says what to run next
+    assert "τ here is measured on" in page  # why τ differs from a README's held-out τ
+    assert "figures rendered" not in page and "<th></th>" not in page  # no debug footer, no empty row
+    setup = page[page.index('id="setup"'):page.index('id="runs"')]
+    assert "{" not in setup and "[" not in setup, setup[:400]  # no raw JSON in the setup table
+
+
+def test_acceptance_conditional_needs_enough_rounds():
+    a = metrics.acceptance_by_depth([1, 2, 2, 3, 3, 3, 3, 3, 3, 7])
+    fig = figures.acceptance_depth_figure({"r": a})
+    right = fig.data[1]
+    before = [a["rounds"]] + a["reached"][:-1]
+    for y, b in zip(right.y, before):
+        assert (y is None) == (b < figures.MIN_CONDITIONAL)
+    assert [tuple(c) for c in right.customdata] == list(zip(a["reached"], before))  # counts on hover
+
+
+def test_budget_ticks_for_every_budget():
+    rows = [{"name": f"ddtree-b{b}-k0-t0", "kind": "run", "status": "complete",
+             "results": {"config": {"method": "ddtree", "budget": b, "topk": 0, "temperature": 0.0},
+                         "summary": {"mean_tau": 2.0}}} for b in (4, 24, 100)]
+    fig = figures.sweep_figure(rows, "mean_tau")
+    assert list(fig.layout.xaxis.tickvals) == [4, 24, 100]
 
 
 def test_report_cli(study_dir, tmp_path, capsys):
