@@ -9,10 +9,11 @@ from .names import METHODS
 
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", default=None, help="a named pair: 'lab' (shipped) or a pulled one, e.g. 'smollm2'")
-    p.add_argument("--target", default=None, help="target model directory (HF format)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--pair", default=None, help="a named pair: 'lab' (shipped) or a pulled one, e.g. 'smollm2'; "
+                                              "'lab' when neither --pair nor --target is given")
+    p.add_argument("--target", default=None, help="target model directory (HF format), instead of --pair")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory, with --target")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16")
     p.add_argument("--attention", default="sdpa", help="verify attention: sdpa | triton | flex")
 
@@ -26,17 +27,57 @@ def load_pair_from_args(args):
                         dtype=args.dtype, attention=args.attention)
 
 
+TOKS_NOTE = ("tok/s = new tokens / the generate call's wall time (prefill included; model load and CUDA-graph "
+             "capture not; one prompt, no warm-up, so first-call costs count): a study's tokens/s is over all its "
+             "prompts after an untimed warm-up, so the two differ")
+
+
+class _Ticker:
+    """An elapsed-time line on stderr every few seconds while a long generate runs (the engine has no
+    per-token callback); written only to a terminal, so logs and pipes stay clean."""
+
+    def __init__(self, what: str, every: float = 2.0):
+        import threading
+        self.what, self.every, self.done = what, every, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.on = sys.stderr.isatty()
+
+    def _run(self) -> None:
+        import time
+        t0 = time.perf_counter()
+        while not self.done.wait(self.every):
+            print(f"\r{self.what}: {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if self.on:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.on:
+            self.thread.join()
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
 def _generate(args) -> int:
     import ddtree_lab as dl
     from ddtree_lab.metrics import summarize_taus
 
+    quiet = args.json
+    if not quiet:
+        print("--- loading the pair", file=sys.stderr)
     pair = load_pair_from_args(args)
     prompt = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
-    res = dl.generate(pair, prompt, method=args.method, budget=args.budget, topk=args.topk,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                      trace=args.trace is not None)
+    what = f"{args.method}" + (f" budget {args.budget}" if args.method == "ddtree" else "")
+    if not quiet:
+        print(f"--- generating up to {args.max_new_tokens} tokens ({what})", file=sys.stderr)
+    with _Ticker(f"--- generating ({what})") if not quiet else _Ticker(""):
+        res = dl.generate(pair, prompt, method=args.method, budget=args.budget, topk=args.topk,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          trace=args.trace is not None)
     if args.trace:
         with open(args.trace, "w") as f:
             for r in res.rounds:
@@ -51,6 +92,7 @@ def _generate(args) -> int:
           f"({res.tokens_per_second:.1f} tok/s), {s['rounds']} rounds, mean tau {s['mean_tau']:.2f}",
           file=sys.stderr)
     print("--- stage seconds: " + ", ".join(f"{k} {v:.4f}" for k, v in res.stage_seconds.items()), file=sys.stderr)
+    print(f"--- {TOKS_NOTE}", file=sys.stderr)
     return 0
 
 
@@ -101,20 +143,23 @@ def _register(sub, name: str, module: str, add: str, run: str, help: str) -> Non
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-lab", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="decode one prompt with AR, DFlash or DDTree")
+    p = sub.add_parser("generate", help="decode one prompt with AR, DFlash or DDTree",
+                       description="Decode one prompt; prints the text, then τ, stage times and tokens/s on stderr.",
+                       epilog=TOKS_NOTE, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_pair_args(p)
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--method", default="ddtree", choices=METHODS)
-    p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--topk", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", default="ddtree", choices=METHODS, help="decoding method")
+    p.add_argument("--budget", type=int, default=64, help="DDTree: draft-tree nodes verified per round")
+    p.add_argument("--topk", type=int, default=None, help="DDTree: candidates per depth; None means K = the budget")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (equals AR token for token)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (used when temperature > 0)")
     p.add_argument("--trace", default=None, help="write per-round traces to this jsonl file")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (and nothing on stderr)")
     p.set_defaults(func=_generate)
 
     for entry in SUBCOMMANDS:
@@ -136,6 +181,14 @@ def check_runtime(device: str | None, attention: str | None) -> None:
     if attention == "triton" and (device or "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1 to run its kernels "
                          "under the interpreter on the CPU, slowly); use --attention sdpa")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("ddtree_lab")
+    except PackageNotFoundError:  # run from a checkout without pip install
+        return "unknown (not installed)"
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,20 @@ from .results import recommend_budget  # noqa: F401 - the star of the speedup fi
 from .viz import make_decoder, round_view, show_token
 
 PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+BASELINE_LABEL_SPOTS = ["top left", "bottom right", "top right", "bottom left"]
+
+
+def stage_color(stage: str) -> str:
+    """One colour per stage, the same in the stage breakdown and the kernel timeline."""
+    known = ["prefill"] + [s for s in STAGES if s != "prefill"]
+    i = known.index(stage) if stage in known else len(known) + sum(map(ord, stage))
+    return PALETTE[i % len(PALETTE)]
+
+
+def budget_axis(budgets) -> dict:
+    """A log2 budget axis with a tick at every budget swept (powers of two or not)."""
+    ticks = sorted({int(b) for b in budgets if b})
+    return dict(type="log", tickvals=ticks, ticktext=[str(b) for b in ticks]) if ticks else dict(type="log")
 
 
 # ----------------------------------------------------------------------------- table helpers
@@ -73,13 +87,16 @@ def _by_series(rows: list[dict], value) -> dict[str, tuple[list, list, list]]:
 
 
 def _baseline_lines(fig: go.Figure, rows: list[dict], value, label_fmt: str) -> None:
+    # Each baseline's label at its own corner of the line, so AR and DFlash labels never sit on each other.
+    k = 0
     for r in grid_rows(rows):
         cfg = run_config(r)
         if cfg.get("method") in ("ar", "dflash") and r.get("results") is not None and value(r) is not None:
             dash = "dot" if cfg["method"] == "ar" else "dash"
             fig.add_hline(y=value(r), line=dict(dash=dash, color="#888"),
                           annotation_text=label_fmt.format(name=r["name"], v=value(r)),
-                          annotation_position="top left")
+                          annotation_position=BASELINE_LABEL_SPOTS[k % len(BASELINE_LABEL_SPOTS)])
+            k += 1
 
 
 def sweep_figure(rows: list[dict], metric: str = "mean_tau") -> go.Figure:
@@ -107,7 +124,9 @@ def sweep_figure(rows: list[dict], metric: str = "mean_tau") -> go.Figure:
                                 (run_config(r).get("budget") or 0 for r in rows), default=0) else "top center")
     fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
                       margin=dict(l=55, r=20, t=60, b=45),
-                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", dtick=math.log10(2)),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"),
+                                 **budget_axis(run_config(r).get("budget") for r in grid_rows(rows)
+                                               if run_config(r).get("method") == "ddtree")),
                       yaxis=dict(title=dict(text=ylabel)))
     return fig
 
@@ -121,11 +140,11 @@ def stage_figure(rows: list[dict]) -> go.Figure:
     for i, st in enumerate(stages):
         ys = [1e3 * run_summary(r).get("stage_seconds", {}).get(st, 0.0) / run_summary(r)["new_tokens"] for r in runs]
         if any(ys):
-            fig.add_bar(name=st, x=names, y=ys, marker_color=PALETTE[i % len(PALETTE)],
+            fig.add_bar(name=st, x=names, y=ys, marker_color=stage_color(st),
                         hovertemplate="%{x}<br>" + st + ": %{y:.2f} ms/token<extra></extra>")
     fig.update_layout(title=dict(text="where the time goes (ms per output token)"), barmode="stack",
                       template="plotly_white", height=420, margin=dict(l=55, r=20, t=60, b=90),
-                      yaxis=dict(title=dict(text="ms / token")))
+                      xaxis=dict(title=dict(text="run")), yaxis=dict(title=dict(text="ms / token")))
     return fig
 
 
@@ -155,7 +174,7 @@ def timeline_figure(tl: dict, max_kernel_rows: int = 12) -> go.Figure:
         ev = [e for e in tl["stages"] if e["name"] == st]
         fig.add_bar(y=[f"stage: {st}"] * len(ev), x=[e["dur_us"] / 1e3 for e in ev],
                     base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=st,
-                    marker_color=PALETTE[i % len(PALETTE)],
+                    marker_color=stage_color(st),
                     hovertemplate=st + ": %{x:.3f} ms at %{base:.2f} ms<extra></extra>")
     top = [k["name"] for k in tl.get("top_kernels", [])[:max_kernel_rows]]
     labels: dict[str, int] = {}
@@ -168,11 +187,28 @@ def timeline_figure(tl: dict, max_kernel_rows: int = 12) -> go.Figure:
                     base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", showlegend=False,
                     marker_color="#555", hovertemplate=html.escape(name) + ": %{x:.3f} ms<extra></extra>")
     rows = len({*(f"stage: {e['name']}" for e in tl.get("stages", [])), *top})
-    fig.update_layout(title=dict(text=f"timeline ({tl.get('kind', 'kernels')}; {tl.get('source', '')})"),
-                      barmode="overlay", template="plotly_white", height=max(300, 60 + 26 * rows),
-                      margin=dict(l=260, r=20, t=60, b=45), xaxis=dict(title=dict(text="ms")),
-                      yaxis=dict(autorange="reversed"))
+    fig.update_layout(title=dict(text=timeline_title(tl)),
+                      barmode="overlay", template="plotly_white", height=max(300, 80 + 26 * rows),
+                      margin=dict(l=260, r=20, t=80, b=45), xaxis=dict(title=dict(text="time since the generate call (ms)")),
+                      yaxis=dict(title=dict(text="stage / kernel"), autorange="reversed"))
     return fig
+
+
+def timeline_cut_note(tl: dict) -> str | None:
+    """A sentence when the kernel rows stop before the profiled span ends, else None."""
+    total, shown = tl.get("kernel_events"), tl.get("kernels_shown")
+    if not total or shown is None or shown >= total:
+        return None
+    return (f"kernel rows show the first {shown} of {total} events (to {tl.get('kernels_until_us', 0) / 1e3:.0f} ms "
+            f"of {tl.get('span_us', 0) / 1e3:.0f} ms); trace.json holds them all")
+
+
+def timeline_title(tl: dict) -> str:
+    what = " · ".join(str(x) for x in (tl.get("method"), f"budget {tl['budget']}" if tl.get("budget") and
+                                        tl.get("method") == "ddtree" else None, tl.get("device")) if x)
+    head = f"timeline of one generate{f' ({what})' if what else ''}: {tl.get('kind', 'kernels')}"
+    cut = timeline_cut_note(tl)
+    return head + (f"<br><sup>{cut}</sup>" if cut else "")
 
 
 def microbench_figure(mb: dict) -> go.Figure:
@@ -190,10 +226,12 @@ def microbench_figure(mb: dict) -> go.Figure:
     if mb.get("copy_gbps"):
         fig.add_hline(y=mb["copy_gbps"], line=dict(dash="dot", color="#8172b3"), row=1, col=2,
                       annotation_text=f"measured copy {mb['copy_gbps']:.0f} GB/s", annotation_position="bottom right")
-    fig.update_xaxes(type="log", dtick=math.log10(2), title_text="budget")
-    fig.update_yaxes(title_text="ms", row=1, col=1)
-    fig.update_yaxes(title_text="GB/s", row=1, col=2)
-    fig.update_layout(template="plotly_white", height=380, margin=dict(l=55, r=20, t=60, b=45))
+    fig.update_xaxes(title_text="tree budget (nodes)", **budget_axis(x))
+    fig.update_yaxes(title_text="verify ms per round", row=1, col=1)
+    fig.update_yaxes(title_text="achieved GB/s", row=1, col=2)
+    where = mb.get("gpu") or mb.get("device") or "cpu"
+    fig.update_layout(title=dict(text=f"verify micro-benchmark: one verify forward per tree budget ({where})"),
+                      template="plotly_white", height=400, showlegend=False, margin=dict(l=55, r=20, t=90, b=45))
     return fig
 
 
@@ -234,13 +272,26 @@ def acceptance_depth_figure(runs: dict[str, dict], title: str = "acceptance by d
         vis = "legendonly" if label in hidden else True
         fig.add_scatter(x=a.get("depth", []), y=a.get("survival", []), name=label, legendgroup=label,
                         mode="lines+markers", line=dict(color=color), visible=vis, row=1, col=1)
-        fig.add_scatter(x=a.get("depth", []), y=a.get("conditional", []), name=label, legendgroup=label,
+        # P(reach d | reach d-1) is drawn only where at least MIN_CONDITIONAL rounds reached d-1: a
+        # ratio of two or three rounds jumps between 0 and 100 % and says nothing; hover gives the counts.
+        depth, cond, reached = a.get("depth", []), a.get("conditional", []), a.get("reached")
+        before = ([a.get("rounds")] + list(reached[:-1])) if reached is not None else [None] * len(depth)
+        after = list(reached) if reached is not None else [None] * len(depth)
+        ys = [c if c is not None and (b is None or b >= MIN_CONDITIONAL) else None for c, b in zip(cond, before)]
+        fig.add_scatter(x=depth, y=ys, name=label, legendgroup=label, customdata=list(zip(after, before)),
+                        hovertemplate="depth %{x}: %{y:.0%} (%{customdata[0]} of %{customdata[1]} rounds)<extra>"
+                                      + html.escape(label) + "</extra>",
                         showlegend=False, mode="lines+markers", line=dict(color=color), visible=vis, row=1, col=2)
     fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
                       margin=dict(l=50, r=20, t=80, b=45))
     fig.update_xaxes(title_text="depth d", dtick=1)
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    fig.update_yaxes(title_text="share of rounds", row=1, col=1)
+    fig.update_yaxes(title_text=f"P(reach d | reach d−1), ≥ {MIN_CONDITIONAL} rounds at d−1", row=1, col=2)
     return fig
+
+
+MIN_CONDITIONAL = 5
 
 
 def accepted_paths_figure(rows: Sequence[dict], tokenizer: Any = None, title: str = "accepted path per round") -> go.Figure:

@@ -25,12 +25,19 @@ nav a{margin-right:12px;font-size:14px}
 
 ERROR_HOOK = ("<script>window.__reportErrors=[];window.addEventListener('error',function(e){"
               "window.__reportErrors.push(String(e.message||e));});</script>")
+# After load, a hidden element carries what the browser tests read: how many figures drew their SVG,
+# the JavaScript errors, and every figure's title and visible axis titles (as JSON).
 STATUS_HOOK = """<script>window.addEventListener('load',function(){setTimeout(function(){
-var n=Array.prototype.filter.call(document.querySelectorAll('.js-plotly-plot'),
-  function(d){return d.querySelector('.main-svg')!==null;}).length;
+var plots=Array.prototype.filter.call(document.querySelectorAll('.js-plotly-plot'),
+  function(d){return d.querySelector('.main-svg')!==null;});
+var figs=plots.map(function(d){var fl=d._fullLayout||{},axes={};
+  Object.keys(fl).forEach(function(k){if(/^[xy]axis[0-9]*$/.test(k)&&fl[k].visible){
+    axes[k]=(fl[k].title&&fl[k].title.text)||'';}});
+  return {id:d.id,title:(fl.title&&fl.title.text)||'',axes:axes};});
 var s=document.getElementById('render-status');
-s.setAttribute('data-plots',String(n));s.setAttribute('data-errors',String(window.__reportErrors.length));
-s.textContent='figures rendered: '+n+(window.__reportErrors.length?' · errors: '+window.__reportErrors.join(' | '):'');
+s.setAttribute('data-plots',String(plots.length));s.setAttribute('data-errors',String(window.__reportErrors.length));
+s.setAttribute('data-figures',JSON.stringify(figs));
+s.setAttribute('data-error-text',window.__reportErrors.join(' | '));
 },50);});</script>"""
 
 
@@ -45,7 +52,8 @@ def fmt_num(x: Any, fmt: str = "{:.2f}") -> str:
 def html_table(head: list[str], body: list[list[str]]) -> str:
     h = "".join(f"<th>{esc(c)}</th>" for c in head)
     b = "".join("<tr>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in row) + "</tr>" for row in body)
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+    thead = f"<thead><tr>{h}</tr></thead>" if any(head) else ""  # no empty header row for key/value tables
+    return f"<table>{thead}<tbody>{b}</tbody></table>"
 
 
 def verdict_html(v: str | None) -> str:
@@ -79,4 +87,4 @@ class Page:
                 f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style>"
                 f"{ERROR_HOOK}<script type='text/javascript'>{get_plotlyjs()}</script></head><body><main>"
                 f"<h1>{esc(title)}</h1><p class='sub'>{subtitle}</p><nav>{nav}</nav>{''.join(self.parts)}"
-                f"<p id='render-status' class='sub'></p></main>{STATUS_HOOK}</body></html>")
+                f"<p id='render-status' hidden></p></main>{STATUS_HOOK}</body></html>")

@@ -2,6 +2,7 @@
 and the verify micro-benchmark (verify time and achieved bandwidth against the budget)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -99,10 +100,33 @@ def summarize_chrome_trace(trace: dict | list, rounds: list[dict] | None = None,
     top = sorted(({"name": k, "total_us": v[0], "count": v[1], "share": v[0] / total} for k, v in agg.items()),
                  key=lambda k: -k["total_us"])
     keep = {k["name"] for k in top[:12]}
-    kernels = [{"name": e["name"], "start_us": e["ts"], "dur_us": e["dur"]}
-               for e in sorted(gpu, key=lambda e: e["ts"]) if e["name"] in keep][:max_events]
+    busy = [e for e in sorted(gpu, key=lambda e: e["ts"]) if e["name"] in keep]
+    kernels = [{"name": e["name"], "start_us": e["ts"], "dur_us": e["dur"]} for e in busy[:max_events]]
+    # The figure says where its kernel rows stop when the cut drops events (the trace has them all).
+    cut = {"kernel_events": len(busy), "kernels_shown": len(kernels),
+           "kernels_until_us": (kernels[-1]["start_us"] + kernels[-1]["dur_us"] - t0) if kernels else 0.0}
     return {"kind": kind, "source": source, "stages": stages, "kernels": kernels, "top_kernels": top[:40],
-            "span_us": t1 - t0}
+            "span_us": t1 - t0, **cut}
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """The profiler's native library prints start/stop lines to file descriptor 2 (no switch turns
+    them off); they would land on the terminal and in the notebook, so fd 2 points at /dev/null
+    meanwhile. Python errors are exceptions, not writes, so nothing that matters is lost."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def profile_run(params: RunParams, pair: Any = None, out_dir: str | os.PathLike = ".",
@@ -115,7 +139,7 @@ def profile_run(params: RunParams, pair: Any = None, out_dir: str | os.PathLike 
     generate(pair, prompt, **{**kw, "max_new_tokens": 8}, seed=params.seed, trace=False)  # warm-up
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
                                      and str(getattr(pair, "device", "cpu")).startswith("cuda") else [])
-    with profile(activities=acts) as prof:
+    with _quiet_native_stderr(), profile(activities=acts) as prof:
         with record_function("ddtree_lab.generate"):
             res = generate(pair, prompt, seed=params.seed, trace=True, profile=True, **kw)
     out_dir = Path(out_dir)
@@ -171,8 +195,11 @@ def verify_microbench(params: RunParams, pair: Any = None, budgets: list[int] | 
     out = {"points": points, "gpu": dev.get("gpu"), "peak_gbps": peak_bandwidth_gbps(dev.get("gpu")),
            "copy_gbps": copy_gbps,
            "weight_bytes": weight_bytes, "device": dev.get("device"),
-           "note": "bytes = target weights read per forward + KV cache at the mean position; rooflines: "
-                   "the datasheet memory bandwidth and the measured device copy bandwidth (none on a CPU)."}
+           "note": ("bytes = target weights read per forward + KV cache at the mean position; the dashed lines "
+                    "are the datasheet memory bandwidth and the measured device copy bandwidth"
+                    if dev.get("gpu") else "bytes = target weights read per forward + KV cache at the mean "
+                    "position; on a CPU there is no memory roofline to draw, so the right panel is the "
+                    "achieved rate alone")}
     if out_dir is not None:
         atomic_write_json(Path(out_dir) / MICROBENCH_FILE, out)
     return out

@@ -21,20 +21,24 @@ from ..atomic import atomic_write_text
 from ..names import MICROBENCH_FILE, REPORT_FILE, STUDY_FILE, TIMELINE_FILE
 from . import external, ingest, viz
 from .page import Page, esc, fmt_num, html_table, verdict_html
-from .figures import (acceptance_depth_figure, busy_runs, grid_rows, microbench_figure, run_config,
-                      run_summary, short_kernel_name, stage_figure, sweep_figure, tau_histogram_figure,
-                      timeline_figure)
+from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, grid_rows, microbench_figure,
+                      recommend_budget, run_config, run_summary, short_kernel_name, stage_figure, sweep_figure,
+                      tau_histogram_figure, timeline_cut_note, timeline_figure)
 from .results import collect_study, load_traces, recommend, recommendation_text, suspect_reason, tokenizer_for
 
 
 
 # ----------------------------------------------------------------------------- tree views
 def tree_sample_figures(rows: list[dict], max_runs: int = 3, max_rounds: int = 12) -> list[tuple[str, go.Figure]]:
+    """Slider figures of the first prompt's rounds for the smallest, the recommended and the largest
+    DDTree budget (DFlash when there is no DDTree run)."""
     runs = [r for r in grid_rows(rows) if run_config(r).get("method") in ("ddtree", "dflash")
             and r["status"] == "complete"]
     ddt = [r for r in runs if run_config(r)["method"] == "ddtree"]
-    if len(ddt) > max_runs:  # smallest, middle and largest budget
-        ddt = [ddt[0], ddt[len(ddt) // 2], ddt[-1]]
+    best = recommend_budget(rows)
+    if len(ddt) > max_runs:
+        chosen = [ddt[0], next((r for r in ddt if best and r["name"] == best["run"]), ddt[len(ddt) // 2]), ddt[-1]]
+        ddt = list({r["name"]: r for r in chosen}.values())
     pick = ddt or runs[:1]
     tok = next((tokenizer_for(r['results']) for r in runs if r.get('results')), None)
     out = []
@@ -43,28 +47,80 @@ def tree_sample_figures(rows: list[dict], max_runs: int = 3, max_rounds: int = 1
         if not traces:
             continue
         first = traces[0].get("prompt_id")
-        sample = [t for t in traces if t.get("prompt_id") == first][:max_rounds]
-        out.append((r["name"], viz.tree_slider_figure(sample, tok, title=f"{r['name']} · prompt {first}")))
+        of_prompt = [t for t in traces if t.get("prompt_id") == first]
+        sample = of_prompt[:max_rounds]
+        star = " (recommended budget)" if best and r["name"] == best["run"] else ""
+        title = (f"{r['name']}{star}: prompt {first}, rounds {sample[0].get('index', 0)}–"
+                 f"{sample[-1].get('index', len(sample) - 1)} of its {len(of_prompt)}")
+        out.append((r["name"], viz.tree_slider_figure(sample, tok, title=title)))
     return out
 
 
-def _setup_html(study: dict, rows: list[dict]) -> str:
+def _plain(v) -> str:
+    """A setup value as text: a dict as `key value` pairs, a list comma-separated, no JSON syntax."""
+    if isinstance(v, dict):
+        return " · ".join(f"{k} {_plain(x)}" for k, x in v.items() if x not in (None, "", [], {}))
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_plain(x) for x in v)
+    return "" if v is None else str(v)
+
+
+def _grid_as_written(study_dir: Path, s: dict) -> dict | None:
+    """The grid as the study file says it (its copy beside the runs), else as study.json holds it."""
+    try:
+        import yaml
+        g = (yaml.safe_load((study_dir / "study.yaml").read_text(encoding="utf-8")) or {}).get("grid")
+        if isinstance(g, dict):
+            return g
+    except (OSError, ValueError, ImportError, AttributeError):
+        pass
+    return s.get("grid")
+
+
+def _setup_html(study: dict, rows: list[dict], study_dir: Path | None = None) -> str:
     res = next((r["results"] for r in grid_rows(rows) if r.get("results")), None) or {}
     s = study.get("study", {})
     models = res.get("models") or s.get("models") or {}
+    sm = s.get("models") or {}
+
+    def model(m):
+        return _plain({"kind": m.get("kind"), "from": m.get("path")}) if isinstance(m, dict) else _plain(m)
+
     items = [
         ("study", s.get("name")), ("description", s.get("description")),
-        ("pair", models.get("name") or (s.get("models") or {}).get("pair")),
-        ("target", json.dumps(models.get("target"))), ("drafter", json.dumps(models.get("drafter"))),
-        ("device / dtype / attention", f"{models.get('device', (s.get('models') or {}).get('device'))} / "
-                                       f"{models.get('dtype', (s.get('models') or {}).get('dtype'))} / "
-                                       f"{models.get('attention', (s.get('models') or {}).get('attention'))}"),
-        ("hardware", json.dumps(res.get("device"))),
+        ("pair", models.get("name") or sm.get("pair")),
+        ("target", model(models.get("target"))), ("drafter", model(models.get("drafter"))),
+        ("device / dtype / attention", " / ".join(str(models.get(k, sm.get(k)) or "–")
+                                                  for k in ("device", "dtype", "attention"))),
+        ("hardware", _plain(res.get("device"))),
         ("prompts", f"{(s.get('prompts') or {}).get('set')} × {(s.get('prompts') or {}).get('n_prompts')}"),
-        ("methods", ", ".join(s.get("methods") or [])), ("grid", json.dumps(s.get("grid"))),
-        ("versions", json.dumps(res.get("versions"))), ("commit", res.get("commit")),
+        ("methods", ", ".join(s.get("methods") or [])),
+        ("grid", _plain(_grid_as_written(study_dir, s) if study_dir else s.get("grid"))),
+        ("versions", _plain(res.get("versions"))), ("commit", res.get("commit")),
     ]
-    return html_table(["", ""], [[f"<b>{esc(k)}</b>", esc(v)] for k, v in items if v not in (None, "", "null")])
+    return html_table([], [[f"<b>{esc(k)}</b>", esc(v)] for k, v in items if v not in (None, "", "null")])
+
+
+def _tau_note(study: dict, rows: list[dict]) -> str:
+    s = study.get("study", {})
+    pr, g = s.get("prompts") or {}, s.get("grid") or {}
+    n = pr.get("n_prompts")
+    toks = g.get("max_new_tokens")
+    size = f"{n} prompt{'s' if n != 1 else ''} × {toks} new tokens" if n and toks else "this study's prompts"
+    return (f"<p class='sub'>τ here is measured on {esc(size)} of {esc(pr.get('set') or 'the prompt set')}. "
+            "The held-out τ a pair's README gives averages its whole held-out set with longer generations; "
+            "a few short prompts land far from it in either direction, so compare runs within this report, "
+            "not with that figure.</p>")
+
+
+def _cpu_note(rows: list[dict]) -> str:
+    res = next((r["results"] for r in grid_rows(rows) if r.get("results")), None) or {}
+    if str((res.get("models") or {}).get("device", "")).startswith("cuda"):
+        return ""
+    return ("<p class='sub'>On a CPU with the tiny lab pair, drafting a block costs about as much as a target step "
+            "and a verify of a whole tree costs more than one token's step, so DDTree can be slower than AR "
+            "even while it accepts several tokens per round; to see the speedup, run "
+            "<code>ddtree-lab study params/lab_gpu.yaml</code> on a GPU.</p>")
 
 
 def sweep_table(rows: list[dict]) -> list[dict]:
@@ -104,7 +160,11 @@ def _kernel_section(page: Page, study_dir: Path, rows: list[dict]) -> None:
         return
     d = kt[0]
     tl = json.loads((d / TIMELINE_FILE).read_text())
-    page.add(f"<p>Profiled run: {esc(tl.get('run'))} on {esc(tl.get('device'))}; Chrome trace: "
+    what = " ".join(str(x) for x in (tl.get("method"), f"budget {tl['budget']}" if tl.get("budget") and
+                                     tl.get("method") == "ddtree" else None) if x)
+    cut = timeline_cut_note(tl)
+    page.add(f"<p>Profiled: one generate of {esc(what or tl.get('run'))} on {esc(tl.get('device'))}"
+             f"{'; ' + esc(cut) if cut else ''}. Chrome trace: "
              f"<code>{esc(os.path.relpath(d / tl.get('trace_file', 'trace.json'), study_dir))}</code> "
              "(open it in a trace viewer for the full detail). Stage rows come from the engine's stage "
              "clocks laid end to end when the engine emits no profiler annotations, so they show each "
@@ -119,10 +179,12 @@ def _kernel_section(page: Page, study_dir: Path, rows: list[dict]) -> None:
                           f'<td class="num">{100 * k.get("share", 0):.1f}%</td>'] for k in top]))
     if (d / MICROBENCH_FILE).is_file():
         mb = json.loads((d / MICROBENCH_FILE).read_text())
-        page.add("<h3>Verify micro-benchmark</h3>")
+        page.section("microbench", "Verify micro-benchmark")
         page.figure(microbench_figure(mb))
-        if mb.get("note"):
-            page.add(f"<p class='sub'>{esc(mb['note'])}</p>")
+        lines = ("the dashed lines are the memory rooflines" if mb.get("peak_gbps") or mb.get("copy_gbps")
+                 else "no roofline is drawn: there is none to measure on a CPU")
+        page.add(f"<p class='sub'>Verify time per round against the tree budget; achieved GB/s = bytes "
+                 f"read per verify (target weights + KV cache at the mean position) / verify time; {lines}.</p>")
 
 
 BENCH_COLUMNS = [("method", "method", "{}"), ("budget", "budget", "{}"), ("mean_tau", "mean τ", "{:.2f}"),
@@ -184,7 +246,7 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     page = Page()
 
     page.section("setup", "Setup")
-    page.add(_setup_html(study, rows))
+    page.add(_setup_html(study, rows, study_dir))
     page.section("runs", "Runs")
     page.add(runs_table_html(rows))
 
@@ -194,6 +256,9 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
         page.add(f"<div class='callout'>{esc(recommendation_text(rec))}</div>")
     if not recs:
         page.add("<p class='na'>No recommendation: it needs an AR run and at least one complete DDTree run.</p>")
+    if ok:  # on a CPU, whichever way the speedup went
+        page.add(_cpu_note(rows))
+    page.add(_tau_note(study, rows))
     if ok:
         page.figure(sweep_figure(rows, "mean_tau"))
         page.figure(sweep_figure(rows, "speedup"))
@@ -211,6 +276,8 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     page.section("depth", "Acceptance by depth")
     if spec:
         page.add(note)
+        page.add(f"<p class='sub'>Right: of the rounds that reached depth d−1, the share that reached d; drawn "
+                 f"where at least {MIN_CONDITIONAL} rounds reached d−1 (hover for the counts).</p>")
         page.figure(acceptance_depth_figure({r["name"]: run_summary(r).get("acceptance_by_depth", {}) for r in spec},
                                                 hidden=hidden))
     page.section("stages", "Stage breakdown")

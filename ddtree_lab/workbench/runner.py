@@ -71,16 +71,27 @@ def _short_error(exc: BaseException) -> str:
 
 def execute_notebook(nb: Path, out_nb: Path, params: RunParams, cwd: Path, timeout: int,
                      progress: bool) -> None:
+    """Execute `nb` into `out_nb` with cwd = `cwd`, in the study's shared kernel (workbench/kernels.py:
+    namespace reset before each notebook, a kernel that died or timed out replaced by a fresh one)."""
     import papermill as pm
-    old = dict(os.environ)
-    os.environ.update(_kernel_env())
+    from papermill.exceptions import PapermillExecutionError
+
+    from .kernels import ENGINE, shared_kernel
+    kernel = shared_kernel(KERNEL)
+    km = kernel.manager(_kernel_env())
+    usable = False
     try:
         pm.execute_notebook(str(nb), str(out_nb), parameters=params.to_json(), kernel_name=KERNEL,
-                            cwd=str(cwd), progress_bar=progress, execution_timeout=timeout,
+                            engine_name=ENGINE, km=km, kernel_cwd=str(cwd), cwd=str(cwd),
+                            progress_bar=progress, execution_timeout=timeout,
                             store_widget_state=False)  # widget state would embed plotly.js per notebook
+        usable = True
+    except PapermillExecutionError:  # a cell raised: the kernel is idle and fine for the next notebook
+        usable = True
+        raise
     finally:
-        os.environ.clear()
-        os.environ.update(old)
+        if not usable:  # dead, timed out (still busy) or interrupted: the next notebook gets a new one
+            kernel.shutdown()
 
 
 def execute_run(name: str, notebooks: list[Path], params: RunParams, study_dir: Path,
@@ -291,14 +302,13 @@ def _make_report(study: Study, study_dir: Path, base, progress: bool, log) -> Pa
     page in-process so a study always ends with a report."""
     nb = find_notebook(study.notebooks.report, base)
     params = RunParams(**base_params(study, study_dir), run_name="findings_report", run_dir=".")
-    log(f"report: {nb.name}")
+    log("[report]")
     o = execute_run(Path(study.notebooks.report).stem, [nb], params, study_dir,
                     study.notebooks.timeout, progress, log, kind="report")
     path = study_dir / REPORT_FILE
     if o.status != "complete" or not path.is_file():
         log(f"    report notebook {o.status}: {o.error}; building the report directly")
         build_report(study_dir)
-    log(f"report: {path}")
     return path
 
 
@@ -349,8 +359,14 @@ def run_study_cli(args) -> int:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         print(f"error: {e.strerror or e}{where}; finished runs are kept, a re-run resumes", file=sys.stderr)
         return 2
-    print(f"{s.count('complete')} run(s) completed, {s.count('skipped')} skipped, "
-          f"{s.count('failed')} failed -> {s.study_dir}")
+    # Count the grid's runs as the report does; the once-per-study notebooks are named apart.
+    grid = set(json.loads((s.study_dir / STUDY_FILE).read_text()).get("runs", []))
+    runs = [o for o in s.outcomes if o.name in grid]
+    nbs = [o for o in s.outcomes if o.name not in grid]
+
+    def counts(outs):
+        return ", ".join(f"{sum(o.status == k for o in outs)} {k}" for k in ("complete", "skipped", "failed"))
+    print(f"{len(runs)} runs ({counts(runs)}); {len(nbs)} study notebooks ({counts(nbs)}) -> {s.study_dir}")
     if s.report:
         print(f"report: {s.report}")
     return 1 if s.count("failed") else 0

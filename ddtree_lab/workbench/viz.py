@@ -21,7 +21,8 @@ ACCEPT_COLOR = "#e4572e"
 TARGET_COLOR = "#d62728"
 EDGE_COLOR = "#b8bcc4"
 COLORSCALE = "Viridis"
-LABEL_LIMIT = 48  # above this many nodes, token text only on hover
+LABEL_LIMIT = 80  # above this many nodes, token text only on hover
+ROW_PX = 20       # vertical pixels per leaf row: labels beside their node never touch a neighbour
 
 
 # ----------------------------------------------------------------------------- data
@@ -166,7 +167,7 @@ def tree_traces(v: RoundView, decode: Callable[[int], str] | None = None) -> lis
     labels = len(v.tokens) <= LABEL_LIMIT
     nodes = dict(
         type="scatter", name="draft nodes", x=x, y=y, mode="markers+text" if labels else "markers",
-        text=text if labels else None, textposition="top center", textfont=dict(size=10),
+        text=text if labels else None, textposition="middle right", textfont=dict(size=10),
         hovertext=hover, hoverinfo="text",
         marker=dict(color=probs, colorscale=COLORSCALE, cmin=0.0, cmax=1.0, showscale=True,
                     colorbar=dict(title=dict(text="draft p"), thickness=12, len=0.7),
@@ -189,18 +190,33 @@ def tree_traces(v: RoundView, decode: Callable[[int], str] | None = None) -> lis
         nodes, stop]
 
 
-def _tree_layout_dict(title: str = "", views: Sequence[RoundView] = ()) -> dict:
+def depth_range(v: RoundView) -> list[float]:
     # Room right of the deepest column for the "target: …" label of a walk that stopped there.
-    deepest = max((max(v.depths) for v in views), default=1)
-    return dict(title=dict(text=title), showlegend=False, template="plotly_white", height=520,
-                margin=dict(l=30, r=30, t=60, b=40), hovermode="closest",
-                xaxis=dict(title=dict(text="depth"), dtick=1, zeroline=False, range=[-0.3, deepest + 1.9]),
+    return [-0.3, max(v.depths, default=0) + 1.9]
+
+
+def leaf_rows(v: RoundView) -> int:
+    return int(max(tree_layout(v.parents), default=0)) + 1
+
+
+def _tree_layout_dict(title: str = "", views: Sequence[RoundView] = ()) -> dict:
+    rows = max((leaf_rows(v) for v in views), default=1)
+    first = views[0] if views else RoundView([-1], [0], [-1], [0.0], [0.0], [0], [0], None)
+    return dict(title=dict(text=title), showlegend=True, template="plotly_white",
+                height=min(2400, max(520, 170 + ROW_PX * rows)),
+                legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
+                margin=dict(l=30, r=30, t=90, b=40), hovermode="closest",
+                xaxis=dict(title=dict(text="depth in the draft tree (0 = the root, the last accepted token)"),
+                           dtick=1, zeroline=False, range=depth_range(first)),
                 yaxis=dict(visible=False, autorange="reversed"))
 
 
 def round_title(v: RoundView, decode, label: str = "") -> str:
     acc = " ".join(repr(show_token(decode(v.tokens[a]))) for a in v.accepted[1:]) or "(none)"
     return f"{label}round {v.index}: τ = {v.tau}, {v.n} nodes · accepted {acc}"
+
+
+COLOR_NOTE = "colour: the drafter's probability of the node's token"
 
 
 def tree_figure(r: Any, tokenizer: Any = None, title: str | None = None) -> go.Figure:
@@ -213,27 +229,31 @@ def tree_figure(r: Any, tokenizer: Any = None, title: str | None = None) -> go.F
 
 def tree_slider_figure(rounds: Sequence[Any], tokenizer: Any = None, labels: Sequence[str] | None = None,
                        title: str = "draft trees") -> go.Figure:
-    """Static figure for the report: one slider step per round (4 traces each, one step visible)."""
+    """Static figure for the report: one slider step per round (4 traces each, one step visible);
+    each step fits the depth axis to its own tree. `title` names what the rounds are (run, prompt)."""
     decode = make_decoder(tokenizer)
     views = [r if isinstance(r, RoundView) else round_view(r) for r in rounds]
-    labels = list(labels) if labels else [f"round {v.index}" for v in views]
+    labels = list(labels) if labels else [f"{v.index}" for v in views]
     fig = go.Figure()
     for k, v in enumerate(views):
-        for t in tree_traces(v, decode):
+        for j, t in enumerate(tree_traces(v, decode)):
             t = {key: val for key, val in t.items() if key != "type"}
-            t["marker"] = dict(t["marker"], showscale=False) if "colorscale" in t.get("marker", {}) else t.get("marker")
-            if t["marker"] is None:
-                t.pop("marker")
-            fig.add_trace(go.Scatter(**t, visible=(k == 0)))
+            if t.get("marker") is None:
+                t.pop("marker", None)
+            fig.add_trace(go.Scatter(**t, visible=(k == 0), showlegend=j != 0))  # legend: path, nodes, choice
+
+    def head(v: RoundView) -> str:
+        return f"{title}<br><sup>{round_title(v, decode)} · {COLOR_NOTE}</sup>"
+
     steps = []
     for k, v in enumerate(views):
         vis = [j // 4 == k for j in range(4 * len(views))]
         steps.append(dict(method="update", label=labels[k],
-                          args=[{"visible": vis}, {"title.text": f"{title}: " + round_title(v, decode)}]))
-    fig.update_layout(**_tree_layout_dict(f"{title}: " + round_title(views[0], decode) if views else title, views))
+                          args=[{"visible": vis}, {"title.text": head(v), "xaxis.range": depth_range(v)}]))
+    fig.update_layout(**_tree_layout_dict(head(views[0]) if views else title, views))
     if views:
         fig.update_layout(sliders=[dict(active=0, steps=steps, pad=dict(t=40),
-                                        currentvalue=dict(prefix="", visible=True))])
+                                        currentvalue=dict(prefix=f"round (of {len(views)} shown): ", visible=True))])
     return fig
 
 
@@ -369,7 +389,11 @@ class TreeExplorer:
 
 # ----------------------------------------------------------------------------- notebook helpers
 def setup_notebook() -> None:
-    """Figures in executed notebooks as plotly JSON (rendered by JupyterLab) plus a small HTML
-    loader, instead of 3.5 MB of plotly.js inside every notebook."""
+    """Figures in notebooks as plotly JSON only: JupyterLab's plotly extension draws them with the
+    plotly.js it ships, so neither an open notebook nor an executed one asks the network for
+    anything, and no notebook carries 3.5 MB of plotly.js."""
     import plotly.io as pio
-    pio.renderers.default = "plotly_mimetype+notebook_connected"
+    pio.renderers.default = NOTEBOOK_RENDERER
+
+
+NOTEBOOK_RENDERER = "plotly_mimetype"

@@ -120,6 +120,31 @@ def test_build_report(study_dir):
     assert "Recommended budget" in page or "No budget beat AR" in page  # speedups vary by machine
     assert "out of cheese" in page and "diverges at token 3" in page
     assert "verify micro-benchmark" in page.lower()
+    assert '<a href="#microbench">Verify micro-benchmark</a>' in page  # in the navigation
+    assert "there is none to measure on a CPU" in page  # its caption speaks of no undrawn roofline
+    assert "params/lab_gpu.yaml" in page  # the CPU note says what to run next
+    assert "τ here is measured on" in page  # why τ differs from a README's held-out τ
+    assert "figures rendered" not in page and "<th></th>" not in page  # no debug footer, no empty row
+    setup = page[page.index('id="setup"'):page.index('id="runs"')]
+    assert "{" not in setup and "[" not in setup, setup[:400]  # no raw JSON in the setup table
+
+
+def test_acceptance_conditional_needs_enough_rounds():
+    a = metrics.acceptance_by_depth([1, 2, 2, 3, 3, 3, 3, 3, 3, 7])
+    fig = figures.acceptance_depth_figure({"r": a})
+    right = fig.data[1]
+    before = [a["rounds"]] + a["reached"][:-1]
+    for y, b in zip(right.y, before):
+        assert (y is None) == (b < figures.MIN_CONDITIONAL)
+    assert [tuple(c) for c in right.customdata] == list(zip(a["reached"], before))  # counts on hover
+
+
+def test_budget_ticks_for_every_budget():
+    rows = [{"name": f"ddtree-b{b}-k0-t0", "kind": "run", "status": "complete",
+             "results": {"config": {"method": "ddtree", "budget": b, "topk": 0, "temperature": 0.0},
+                         "summary": {"mean_tau": 2.0}}} for b in (4, 24, 100)]
+    fig = figures.sweep_figure(rows, "mean_tau")
+    assert list(fig.layout.xaxis.tickvals) == [4, 24, 100]
 
 
 def test_report_cli(study_dir, tmp_path, capsys):
@@ -170,6 +195,21 @@ def _png_pixels(data: bytes):
     return w, h, bpp, rows
 
 
+def render_status(dom: str) -> dict:
+    """The attributes of the page's hidden #render-status element in a dumped DOM."""
+    from html.parser import HTMLParser
+
+    found = {}
+
+    class P(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if a.get("id") == "render-status":
+                found.update({k: v or "" for k, v in a.items()})
+    P().feed(dom)
+    return found
+
+
 def test_report_renders_in_headless_chromium(study_dir, tmp_path):
     exe = _chromium()
     if exe is None:
@@ -182,13 +222,21 @@ def test_report_renders_in_headless_chromium(study_dir, tmp_path):
     dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "Uncaught" not in dom.stderr, [l for l in dom.stderr.splitlines() if "CONSOLE" in l]
-    import re
-    m = re.search(r'id="render-status"[^>]*data-plots="(\d+)"[^>]*data-errors="(\d+)"', dom.stdout) or \
-        re.search(r'data-plots="(\d+)"[^>]*data-errors="(\d+)"[^>]*id="render-status"', dom.stdout)
-    assert m, "the page's load hook did not run"
-    n_plots, n_errors = int(m.group(1)), int(m.group(2))
-    assert n_errors == 0, dom.stdout[dom.stdout.find("render-status"):][:800]
-    assert n_plots == page.read_text().count('class="fig"')  # every figure drew its SVG
+    status = render_status(dom.stdout)
+    assert "data-plots" in status, "the page's load hook did not run"
+    assert int(status["data-errors"]) == 0, status.get("data-error-text")
+    n_figs = page.read_text().count('class="fig"')
+    assert int(status["data-plots"]) == n_figs  # every figure drew its SVG
+    figs = json.loads(status["data-figures"])
+    assert len(figs) == n_figs >= 10
+    untitled = [f["id"] for f in figs if not f["title"].strip()]
+    assert not untitled, untitled
+    bare_axes = [(f["title"], k) for f in figs for k, t in f["axes"].items() if not t.strip()]
+    assert not bare_axes, bare_axes
+    titles = " | ".join(f["title"] for f in figs)
+    for expected in ("acceptance vs budget", "acceptance by depth", "timeline of one generate",
+                     "verify micro-benchmark", "prompt p0, rounds"):
+        assert expected in titles, (expected, titles)
 
     png = tmp_path / "shot.png"
     shot = subprocess.run(flags + ["--window-size=1200,1800", f"--screenshot={png}", url],

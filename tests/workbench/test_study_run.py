@@ -4,6 +4,7 @@ once-per-study notebooks, the report, and a re-run that skips what is complete.
 Kernel starts are the cost here (a few seconds each), so one study serves every test."""
 import dataclasses
 import json
+import re
 
 import nbformat
 import pytest
@@ -14,6 +15,30 @@ from ddtree_lab.workbench import runs as study_runs
 from ddtree_lab.workbench import spec as study_spec
 
 NOTEBOOKS = ["draft_trees", "accepted_paths", "budget_sweep", "kernel_timeline", "findings_report"]
+
+
+def _committed_notebooks() -> list[str]:
+    """Every notebook git tracks in the repository (every *.ipynb outside outputs/ without git)."""
+    import subprocess
+    try:
+        out = subprocess.run(["git", "-C", str(study_spec.REPO_DIR), "ls-files", "*.ipynb"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = [str(p.relative_to(study_spec.REPO_DIR)) for p in study_spec.REPO_DIR.glob("**/*.ipynb")
+               if "outputs" not in p.parts and not any(x.startswith(".") for x in p.parts)]
+    return sorted(out)
+
+
+def test_shipped_notebooks_are_all_committed():
+    assert {f"notebooks/{n}.ipynb" for n in NOTEBOOKS} <= set(_committed_notebooks())
+
+
+@pytest.mark.parametrize("path", _committed_notebooks())
+def test_committed_notebooks_hold_no_outputs(path):
+    nb = nbformat.read(study_spec.REPO_DIR / path, as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    assert not dirty, f"{path}: cells {dirty} hold outputs or execution counts (nbstripout --install keeps them out)"
+    assert "widgets" not in nb.metadata, f"{path}: saved widget state"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -118,6 +143,31 @@ def test_study_notebooks_and_report(tiny_study):
     assert (out / "findings_report" / "findings_report.ipynb").is_file()
     page = summary.report.read_text()
     assert page.count("plotly.js v") == 1 and "Kernel timeline" in page and "lossless" in page
+
+
+NETWORK_REF = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I)
+
+
+def _network_refs(text: str) -> list[str]:
+    hits = [m.group(0) for m in NETWORK_REF.finditer(text)]
+    hits += [w for w in ("cdn.plot.ly", "cdn.jsdelivr", "unpkg.com", "require.config") if w in text]
+    return hits
+
+
+def test_nothing_written_needs_the_network(tiny_study):
+    root, out, summary, log = tiny_study
+    executed = sorted(out.glob("*/*.ipynb"))
+    assert len(executed) >= 5
+    for path in executed:
+        nb = nbformat.read(path, as_version=4)
+        outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+        text = json.dumps(outputs)
+        assert not _network_refs(text), (path.name, _network_refs(text)[:3])
+    assert any("application/vnd.plotly.v1+json" in json.dumps(nbformat.read(p, as_version=4).cells) for p in executed)
+    # The page inlines plotly.js, whose source names its CDN for map data no figure here uses: only
+    # tags that load something are looked for.
+    page = summary.report.read_text()
+    assert not NETWORK_REF.findall(page), NETWORK_REF.findall(page)[:3]
 
 
 def test_rerun_skips_complete_runs(tiny_study):
