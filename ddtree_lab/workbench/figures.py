@@ -308,3 +308,51 @@ def accepted_paths_figure(rows: Sequence[dict], tokenizer: Any = None, title: st
     fig = _fig(title, xaxis=dict(title=dict(text="round")), yaxis=dict(title=dict(text="τ"), dtick=1))
     fig.add_bar(x=x, y=y, hovertext=hover, hoverinfo="text", marker_color="#4c72b0")
     return fig
+
+
+# ----------------------------------------------------------------------------- what a verify forward reads
+def _verify_points(rows: list[dict]) -> tuple[list, list, list]:
+    """DDTree runs with the figures of their verify forward: (budgets, summaries, names), by budget."""
+    pts = [(run_config(r).get("budget"), run_summary(r), r["name"]) for r in grid_rows(rows)
+           if run_config(r).get("method") == "ddtree" and run_summary(r).get("rounds")]
+    pts.sort(key=lambda p: p[0] or 0)
+    return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+
+
+def experts_figure(rows: list[dict]) -> go.Figure | None:
+    """An MoE target's distinct experts per layer per verify forward against the budget (AR's step and
+    DFlash's block as lines): a tree reads the union of its tokens' experts. None for a dense study."""
+    budgets, sums, names = _verify_points(rows)
+    if not any(s.get("experts_touched_mean") for s in sums):
+        return None
+    fig = go.Figure()
+    fig.add_scatter(x=budgets, y=[s.get("experts_touched_mean") for s in sums], mode="lines+markers", text=names,
+                    name="DDTree verify", hovertemplate="%{text}: %{y:.1f} experts per layer<extra></extra>")
+    _baseline_lines(fig, rows, lambda r: run_summary(r).get("experts_touched_mean"), "{name}: {v:.1f}")
+    fig.update_layout(title=dict(text="experts touched per MoE layer per verify forward"), template="plotly_white",
+                      height=380, margin=dict(l=55, r=20, t=60, b=45),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", tickvals=budgets),
+                      yaxis=dict(title=dict(text="distinct experts (mean over layers and rounds)")))
+    return fig
+
+
+def verify_cost_figure(rows: list[dict], bandwidth_gbps: float | None) -> go.Figure | None:
+    """Verify time per round against the budget, with its floor: the weight bytes that forward reads (the
+    touched experts only, on an MoE target) over the memory bandwidth (none drawn without one, e.g. a CPU)."""
+    budgets, sums, names = _verify_points(rows)
+    ms = [1e3 * s.get("stage_seconds", {}).get("verify", 0.0) / s["rounds"] for s in sums]
+    if not any(ms):
+        return None
+    fig = go.Figure()
+    fig.add_scatter(x=budgets, y=ms, mode="lines+markers", name="verify (measured)", text=names,
+                    hovertemplate="%{text}: %{y:.3f} ms per round<extra></extra>")
+    if bandwidth_gbps:
+        floor = [s.get("verify_weight_bytes") / (bandwidth_gbps * 1e6) if s.get("verify_weight_bytes") else None
+                 for s in sums]
+        fig.add_scatter(x=budgets, y=floor, mode="lines", name=f"floor: weight bytes ÷ {bandwidth_gbps:.0f} GB/s",
+                        line=dict(dash="dot"))
+    fig.update_layout(title=dict(text="verify time per round vs budget"), template="plotly_white", height=380,
+                      margin=dict(l=55, r=20, t=60, b=45),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", tickvals=budgets),
+                      yaxis=dict(title=dict(text="ms per round"), rangemode="tozero"))
+    return fig

@@ -21,9 +21,10 @@ from ..atomic import atomic_write_text
 from ..names import MICROBENCH_FILE, REPORT_FILE, STUDY_FILE, TIMELINE_FILE
 from . import external, ingest, viz
 from .page import Page, esc, fmt_num, html_table, verdict_html
-from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, grid_rows, microbench_figure,
+from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, experts_figure, grid_rows, microbench_figure,
                       recommend_budget, run_config, run_summary, short_kernel_name, stage_figure, sweep_figure,
-                      tau_histogram_figure, timeline_cut_note, timeline_figure)
+                      tau_histogram_figure, timeline_cut_note, timeline_figure, verify_cost_figure)
+from .profile import peak_bandwidth_gbps
 from .results import collect_study, load_traces, recommend, recommendation_text, suspect_reason, tokenizer_for
 
 
@@ -149,6 +150,40 @@ def runs_table_html(rows: list[dict]) -> str:
                      f'<td class="num">{fmt_num(cmp.get("speedup"))}</td>', verdict_html(cmp.get("verdict"))])
     return html_table(["run", "method", "budget", "topk", "T", "status", "mean τ", "tokens/s", "ms/token",
                    "speedup", "lossless"], body)
+
+
+def study_bandwidth_gbps(study_dir: Path, rows: list[dict]) -> tuple[float | None, str]:
+    """The memory bandwidth a floor is drawn with: the study's measured copy bandwidth (its verify
+    micro-benchmark), else the GPU's datasheet figure, else none (a CPU study)."""
+    for mb_file in sorted(study_dir.glob(f"*/{MICROBENCH_FILE}")):
+        try:
+            copy = json.loads(mb_file.read_text()).get("copy_gbps")
+        except (OSError, ValueError):
+            continue
+        if copy:
+            return float(copy), "measured copy bandwidth"
+    gpu = next((((r.get("results") or {}).get("device") or {}).get("gpu") for r in rows
+                if ((r.get("results") or {}).get("device") or {}).get("gpu")), None)
+    peak = peak_bandwidth_gbps(gpu)
+    return (peak, f"{gpu} datasheet bandwidth") if peak else (None, "")
+
+
+def _verify_section(page: Page, study_dir: Path, rows: list[dict]) -> None:
+    """Verify time vs budget with its floor, and for an MoE target the experts a verify forward touches."""
+    bw, source = study_bandwidth_gbps(study_dir, rows)
+    verify = verify_cost_figure(rows, bw)
+    if verify is None:
+        return
+    page.section("verify", "What a verify forward reads")
+    floor = (f"The floor is the weight bytes one verify forward reads over the {source} ({bw:.0f} GB/s)."
+             if bw else "No floor is drawn: this study ran without a GPU whose bandwidth is known.")
+    page.add(f"<p>Verify time per round against the budget. {esc(floor)} On an MoE target a tree reads the "
+             "union of its tokens' experts, so the bytes (and the floor) grow with the budget; on a dense "
+             "target every token reads the same weights.</p>")
+    page.figure(verify)
+    experts = experts_figure(rows)
+    if experts is not None:
+        page.figure(experts)
 
 
 def _kernel_section(page: Page, study_dir: Path, rows: list[dict]) -> None:
@@ -283,6 +318,7 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     page.section("stages", "Stage breakdown")
     if ok:
         page.figure(stage_figure(rows))
+    _verify_section(page, study_dir, rows)
 
     _kernel_section(page, study_dir, rows)
 

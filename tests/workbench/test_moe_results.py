@@ -28,3 +28,18 @@ def test_moe_run_records_experts_touched_and_bytes(tmp_path):
 def test_dense_run_records_its_bytes_and_no_experts(tiny_pair):
     assert R.verify_reads(tiny_pair, [{"experts_touched": None}]) == {
         "verify_weight_bytes": weight_bytes_per_step(tiny_pair.target)}
+
+
+def test_report_shows_experts_and_verify_cost_for_an_moe_study(tmp_path):
+    from ddtree_lab.workbench import report
+
+    t, d = make_tiny_pair(tmp_path / "moe", arch="qwen3_moe", seed=2)
+    pair = dl.load_pair(target=t, drafter=d)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "def add(a, b):"}\n')
+    study = tmp_path / "study"
+    params = RunParams(study_name="moe", study_dir=str(study), target_dir=str(t), drafter_dir=str(d), pair="",
+                       prompt_set=str(tmp_path / "p.jsonl"), n_prompts=1, max_new_tokens=10, warmup=False, repeats=1)
+    R.quick_sweep(params, [4, 16], pair)
+    html = report.build_report(study).read_text()
+    assert "experts touched per MoE layer per verify forward" in html
+    assert "verify time per round vs budget" in html and "No floor is drawn" in html  # a CPU study: no bandwidth
