@@ -1,4 +1,4 @@
-"""Losslessness, sampling correctness, τ accounting and the drafter cache (DESIGN §1)."""
+"""Losslessness, sampling correctness, τ accounting and the drafter cache."""
 import pytest
 import torch
 

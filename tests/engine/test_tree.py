@@ -1,4 +1,4 @@
-"""build_tree against a plain best-first heap over rank prefixes (DESIGN §1 step 2)."""
+"""build_tree against a plain best-first heap over rank prefixes (the tree-building stage)."""
 import heapq
 
 import pytest
