@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import TreeMask
 from .checkpoint import save_drafter, save_target
 from .config import DrafterConfig, RopeConfig, TargetConfig
 from .drafter import Drafter
@@ -87,3 +88,19 @@ def make_tiny_pair(directory, arch: str = "qwen3", vocab_size: int = 300, seed: 
     save_target(target, tdir, dtype=dtype, tokenizer_dir=tok_dir)
     save_drafter(drafter, ddir, dtype=dtype)
     return tdir, ddir
+
+
+def exact_first_tokens(pair, prompt: list[int]):
+    """The target's P(t1, t2) [V, V] and marginal P(t3) [V] at T = 1 after `prompt`, by enumeration (fp64):
+    the reference the sampling tests compare DDTree's and DFlash's samples against."""
+    target, V = pair.target, pair.target.cfg.vocab_size
+
+    def probs(seq):
+        target.setup_cache(len(seq))
+        logits, _ = target(torch.tensor(seq), torch.arange(len(seq)), 0, TreeMask.causal(len(seq), "cpu"))
+        return torch.softmax(logits[-1].double(), -1)
+
+    p1 = probs(prompt)
+    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(V)])  # [V, V]
+    p3 = sum(joint[a, b] * probs(prompt + [a, b]) for a in range(V) for b in range(V))
+    return joint, p3

@@ -4,6 +4,7 @@ import torch
 
 import ddtree_lab as dl
 from ddtree_lab.attention import TreeMask
+from ddtree_lab.testing import exact_first_tokens
 
 PROMPTS = {1: [7], 5: [3, 9, 27, 81, 243], 23: [(i * 37 + 11) % 290 for i in range(23)]}
 
@@ -100,22 +101,6 @@ def test_lagged_host_reads_give_the_same_result(tiny_dirs, monkeypatch, lag, syn
     dl.generate(tiny_pair, [3, 4, 5], method="ar", max_new_tokens=9, stop=[], trace=False, sync_every=sync_every,
                 cuda_graphs=False)
     assert len(calls) == -(-8 // sync_every) * sync_every
-
-
-def exact_first_tokens(pair, prompt):
-    """P(t1, t2) and the marginal P(t3) of the target at T = 1, by enumeration."""
-    target = pair.target
-    V = target.cfg.vocab_size
-
-    def probs(seq):
-        target.setup_cache(len(seq))
-        logits, _ = target(torch.tensor(seq), torch.arange(len(seq)), 0, TreeMask.causal(len(seq), "cpu"))
-        return torch.softmax(logits[-1].double(), -1)
-
-    p1 = probs(prompt)
-    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(V)])  # [V, V]
-    p3 = sum(joint[a, b] * probs(prompt + [a, b]) for a in range(V) for b in range(V))
-    return joint, p3
 
 
 def chi2_pvalue(counts, expected_probs):

@@ -16,7 +16,7 @@ from ddtree_lab.attention import TreeMask  # noqa: E402
 from ddtree_lab.checkpoint import CheckpointError, load_target  # noqa: E402
 from ddtree_lab.config import ConfigError, target_config_from_hf  # noqa: E402
 from ddtree_lab.moe import SparseMoE, moe_torch  # noqa: E402
-from ddtree_lab.testing import make_tiny_pair  # noqa: E402
+from ddtree_lab.testing import exact_first_tokens, make_tiny_pair  # noqa: E402
 from ddtree_lab.trace import RoundTrace  # noqa: E402
 from ddtree_lab.tree import ancestor_matrix  # noqa: E402
 
@@ -194,21 +194,6 @@ def test_experts_touched_is_the_verify_forwards(moe_pair):
         tokens = torch.cat([torch.tensor([r.root_token]), r.tree.tokens])
         target(tokens, 4 + depths, 4, TreeMask(ancestor_matrix(parents, int(depths.max()))))
     assert target.experts_touched() == r.experts_touched
-
-
-def exact_first_tokens(pair, prompt):
-    """P(t1, t2) and the marginal P(t3) of the target at T = 1, by enumeration."""
-    target, V = pair.target, pair.target.cfg.vocab_size
-
-    def probs(seq):
-        target.setup_cache(len(seq))
-        logits, _ = target(torch.tensor(seq), torch.arange(len(seq)), 0, TreeMask.causal(len(seq), "cpu"))
-        return torch.softmax(logits[-1].double(), -1)
-
-    p1 = probs(prompt)
-    joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(V)])  # [V, V]
-    p3 = sum(joint[a, b] * probs(prompt + [a, b]) for a in range(V) for b in range(V))
-    return joint, p3
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 12), ("ddtree", 200)])
