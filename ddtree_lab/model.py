@@ -74,7 +74,11 @@ class Target(nn.Module):
     def experts_touched(self) -> list[int] | None:
         """Per MoE layer, the distinct experts the last forward routed tokens to (None for a dense target).
         Reads the device once: call it only when tracing."""
-        return experts_touched(self) if self.cfg.is_moe else None
+        if not self.cfg.is_moe:
+            return None
+        if "_moe_blocks" not in self.__dict__:  # found once: walking every module each traced round costs more
+            self.__dict__["_moe_blocks"] = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        return experts_touched(self.__dict__["_moe_blocks"])
 
     @property
     def cache_len(self) -> int:

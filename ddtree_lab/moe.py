@@ -91,7 +91,6 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return moe_torch(x, moe.router.weight, moe.gate_up, moe.down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 
-def experts_touched(model: nn.Module) -> list[int]:
-    """Distinct experts each MoE layer's last forward routed a token to, in layer order (one host read)."""
-    counts = [m.counts for m in model.modules() if isinstance(m, SparseMoE)]
-    return torch.stack(counts).gt(0).sum(-1).tolist() if counts else []
+def experts_touched(blocks: list[SparseMoE]) -> list[int]:
+    """Distinct experts each MoE block's last forward routed a token to, in order (one host read)."""
+    return torch.stack([m.counts for m in blocks]).gt(0).sum(-1).tolist() if blocks else []
