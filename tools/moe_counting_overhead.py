@@ -1,8 +1,15 @@
 """How much the expert-union telemetry costs a traced round on an MoE target: one read of every MoE layer's
 counts after a traced DDTree(64) generation of random:qwen3-30b-a3b, against the round's time (run on a GPU:
 `OUT=. python3 tools/moe_counting_overhead.py`; writes counting_overhead.json)."""
-import statistics, time, json, os, torch
+import json
+import os
+import statistics
+import time
+
+import torch
+
 import ddtree_lab as dl
+
 pair = dl.load_pair("random:qwen3-30b-a3b", device="cuda", dtype="bfloat16", attention="triton")
 g = torch.Generator().manual_seed(0)
 prompt = torch.randint(0, 150000, (512,), generator=g).tolist()

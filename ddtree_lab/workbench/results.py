@@ -257,7 +257,6 @@ def ensure_results(params: RunParams, pair: Any = None, progress: bool = True) -
     Results written for other parameters are regenerated. If the study's AR run already exists,
     the comparison (speedup, losslessness) is added right away; the report recomputes it anyway."""
     run_dir = Path(params.run_dir or ".")
-    path = run_dir / RESULTS_FILE
     inputs = input_digests(params)
     old, _ = read_results(run_dir)
     if old is not None and old.get("fingerprint") == params.fingerprint() and old.get("inputs") == inputs:
