@@ -21,9 +21,10 @@ import torch
 
 from . import options
 from .attention import TreeMask
+from .auto_budget import AutoBudget, AutoState, measure_costs, resolve_budget, source_round
 from .checkpoint import Pair
 from .graphs import GraphRunner, kept, padded_prefill, prefill_for, then
-from .names import METHODS, STAGES, topk_width
+from .names import MAX_BUDGET, METHODS, STAGES, topk_width
 from .prompts import encode_prompt
 from .trace import GenerationResult, RoundTrace, StageClock
 from .tree import DraftTree, accept_path, build_tree, check_budget, tree_masks, tree_size, use_triton
@@ -76,8 +77,12 @@ class RoundProgram:
     """One speculative round on static buffers. Stages read and write attributes of `self`."""
 
     def __init__(self, pair: Pair, method: str, budget: int, topk: int | None, temperature: float,
-                 out_capacity: int, max_rounds: int):
+                 out_capacity: int, max_rounds: int, share: "RoundProgram | None" = None,
+                 auto: AutoState | None = None, auto_index: int = 0):
+        """share: a program whose decoding state (and sampler) this one uses, so that either may run the next
+        round (budget="auto": one program per candidate, the largest first); auto: the choice's state."""
         self.pair, self.method = pair, method
+        self.auto, self.auto_index = auto, auto_index
         self.target, self.drafter = pair.target, pair.drafter
         device = self.device = pair.device
         self.L = self.drafter.cfg.block_size - 1 if method != "ar" else 0
@@ -108,6 +113,11 @@ class RoundProgram:
             self.ctx_count = torch.zeros(1, **long)
             rows = self.T
         self.choose = Chooser(temperature, device, rows, self.target.cfg.vocab_size)
+        if share is not None:  # one state for all the candidates' programs
+            for name in self.SHARED:
+                if hasattr(share, name):
+                    setattr(self, name, getattr(share, name))
+            assert share.choose.noise is None or share.choose.noise.shape[0] >= rows, "share the largest program"
         refill = self.choose.refill if temperature > 0 else None
         # (stage name, fixed-shape function, eager pre-step kept outside any graph)
         self.stages = [("verify", self.ar_step, refill)] if method == "ar" else [
@@ -115,6 +125,16 @@ class RoundProgram:
             ("commit", self.commit, refill)]
 
     # ------------------------------------------------------------------ state
+    # what programs sharing one decoding state have in common (the noise rows are cut to each tree)
+    SHARED = ("n", "bonus", "out", "out_len", "taus", "round_idx", "ctx_hidden", "ctx_pos", "ctx_count", "choose")
+
+    def state_scalars(self) -> list[torch.Tensor]:
+        """The counters a warm-up or a timing run advances; saved and put back around them."""
+        out = [self.n, self.bonus, self.out_len, self.round_idx]
+        if self.drafter is not None and self.method != "ar":
+            out += [self.drafter.ctx_len, self.ctx_count]
+        return out + (self.auto.tensors() if self.auto is not None else [])
+
     def reset(self, n: int, bonus: torch.Tensor) -> None:
         self.n.fill_(n)
         self.bonus.copy_(bonus.view(1))
@@ -161,7 +181,8 @@ class RoundProgram:
 
     def commit(self) -> None:
         # Walk: a node is accepted iff every node on its root path carries its parent's target choice.
-        choice = self.choose(self.logits, self.choose.noise)                      # [T]
+        noise = None if self.choose.noise is None else self.choose.noise[:self.logits.shape[0]]
+        choice = self.choose(self.logits, noise)                                  # [T]
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path, self.a)
@@ -174,6 +195,9 @@ class RoundProgram:
                           self.taus, self.round_idx, self.ctx_pos, self.ctx_count, self.L)
         else:
             self.advance_reference(choice)
+        if self.auto is not None:  # credit this round, propose the next budget (auto_budget.py)
+            self.auto.update(self.path, self.a, self.tree.scores, self.auto_index, self.round_idx,
+                             use_triton(self.device))
 
     def advance_reference(self, choice: torch.Tensor) -> None:
         """Emit the matched chain, then the next bonus (the target's choice at the deepest accepted
@@ -194,13 +218,21 @@ class RoundProgram:
         tree = DraftTree(*(getattr(self.tree, f).to("cpu") for f in DraftTree.__dataclass_fields__))
         accepted_tokens = self.tokens[self.path[1:a]].tolist()
         return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus),
-                          experts_touched=self.target.experts_touched())
+                          experts_touched=self.target.experts_touched(), budget=self.budget)
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
-    check_budget(budget, topk)
+    if isinstance(budget, AutoBudget):
+        if method != "ddtree":
+            raise ValueError(f"budget='auto' chooses among DDTree budgets; method={method!r} has no budget to choose")
+        for b in budget.budgets:
+            check_budget(b, topk)
+    elif isinstance(budget, str):
+        raise ValueError(f"budget={budget!r}: give an integer in 1..{MAX_BUDGET} or 'auto'")
+    else:
+        check_budget(budget, topk)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
@@ -234,6 +266,29 @@ def _program_for(pair: Pair, method, budget, topk, temperature, draft_window, ca
                  lambda entry: entry[1] is not None and entry[1].release())
 
 
+def _auto_programs_for(pair: Pair, auto: AutoBudget, topk, temperature, draft_window, cache_len, out_capacity,
+                       max_rounds, graphs: bool):
+    """One program per candidate budget over one shared state (the largest owns it), with the choice's
+    state; kept like single programs, the learned table with them."""
+    def make():
+        L = pair.drafter.cfg.block_size - 1
+        state = AutoState(auto, L, max_rounds, pair.device)
+        programs = [None] * len(auto.budgets)
+        for j in reversed(range(len(auto.budgets))):
+            programs[j] = RoundProgram(pair, "ddtree", auto.budgets[j], topk, temperature, out_capacity, max_rounds,
+                                       share=programs[-1], auto=state, auto_index=j)
+        return programs, [GraphRunner(p) for p in programs] if graphs else [None] * len(programs), state
+
+    def release(entry):
+        for runner in entry[1]:
+            if runner is not None:
+                runner.release()
+
+    key = ("auto", auto.key(), topk, float(temperature), draft_window, cache_len, out_capacity, max_rounds, graphs,
+           pair.target.attention)
+    return kept(pair, "_programs", key, True, make, release)
+
+
 @torch.inference_mode()
 def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk: int | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, trace: bool = True,
@@ -241,11 +296,15 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
              cuda_graphs: bool | None = None, sync_every: int = 1) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens from `prompt` (text, chat messages or token ids).
 
+    budget: DDTree's node budget, or "auto" / an AutoBudget: each round's budget chosen on the device among
+    captured ones (auto_budget.py).
     cuda_graphs: replay each round's stages as CUDA graphs (default: on for CUDA devices).
     sync_every: rounds run between host reads of the new tokens (more = fewer syncs, later EOS stop).
     """
     prompt_ids = encode_prompt(pair, prompt)
+    budget = resolve_budget(budget)
     _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids), seed)
+    auto = budget if isinstance(budget, AutoBudget) and method == "ddtree" else None
     target, drafter, device = pair.target, pair.drafter, pair.device
     graphs = (device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
     if graphs and device.type != "cuda":
@@ -258,7 +317,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     if method == "dflash":
         budget, topk = L, 1
     span = L + 1 if method != "ar" else 1
-    max_tree = budget + 1 if method == "ddtree" else span
+    max_tree = (auto.budgets[-1] if auto else budget) + 1 if method == "ddtree" else span
     # Room for the rounds queued past the last host read (up to (lag + 1) · sync_every rounds of up to
     # L+1 tokens) and a tree.
     ahead = (lag + 1) * sync_every
@@ -270,8 +329,14 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     if drafter is not None:
         drafter.setup_cache(cache_len)
         drafter.window = draft_window
-    program, runner = _program_for(pair, method, budget, topk, temperature, draft_window, cache_len,
-                                   out_capacity, max_rounds, graphs)
+    if auto is not None:
+        programs, runners, auto_state = _auto_programs_for(pair, auto, topk, temperature, draft_window, cache_len,
+                                                           out_capacity, max_rounds, graphs)
+    else:
+        program, runner = _program_for(pair, method, budget, topk, temperature, draft_window, cache_len,
+                                       out_capacity, max_rounds, graphs)
+        programs, runners, auto_state = [program], [runner], None
+    program = programs[-1]  # owns the decoding state (every program when there is one)
     program.choose.generator.manual_seed(seed)
     n = len(prompt_ids)
     prefill = prefill_for(pair, n, program.layers, method != "ar") if padded_prefill(graphs, target) else None
@@ -299,43 +364,58 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     clock.mark("other")
     prefill_seconds = time.perf_counter() - start
     round_capture_seconds = 0.0
-    if runner is not None and not runner.graphs:  # first call of this shape: capture (not counted)
-        capture_start = time.perf_counter()
-        runner.capture()
-        torch.cuda.synchronize()
+    capture_start, set_up = time.perf_counter(), False
+    for runner in runners:
+        if runner is not None and not runner.graphs:  # first call of this shape: capture (not counted)
+            runner.capture()
+            torch.cuda.synchronize()
+            set_up = True
+    stage_sets = [runner.stages() if runner is not None else
+                  [(name, then(pre, fn)) for name, fn, pre in p.stages] for p, runner in zip(programs, runners)]
+    if auto_state is not None and not auto_state.measured:  # each candidate's round cost, once (not counted)
+        _measure_auto_costs(program, auto_state, stage_sets)
+        set_up = True
+    if set_up:
         round_capture_seconds = time.perf_counter() - capture_start
         capture_seconds += round_capture_seconds
         clock.mark("capture")
-    stages = runner.stages() if runner is not None else [(name, then(pre, fn)) for name, fn, pre in program.stages]
 
     tokens: list[int] = [int(program.out[0])]
+    # budget="auto": the host runs the candidate the device proposed after round source_round(r), read with
+    # the tokens; before any read, the call's first proposal. A fixed budget has one candidate.
+    first_choice = auto_state.start(lag, sync_every) if auto_state is not None else 0
+    proposals: list[int] = []
+    chosen: list[int] = []
     rounds: list[RoundTrace] = []
     n_rounds = 0
     reads: list = []  # host reads in flight, oldest first, each `sync_every` rounds after the last
     while len(tokens) < max_new_tokens and not stop_ids.intersection(tokens):
         if reads and len(tokens) + len(reads) * sync_every >= max_new_tokens:
             # every queued round adds a token at least, so these reach the limit: wait, queue no more
-            tokens = _finish_read(reads[-1])
+            tokens, proposals = _finish_read(reads[-1])
             reads.clear()
             continue
         for _ in range(sync_every):
             clock.round = n_rounds
+            source = source_round(n_rounds, lag, sync_every)
+            j = first_choice if source < 0 or not proposals else proposals[min(source, len(proposals) - 1)]
+            chosen.append(j)
             position, root = (int(program.n), int(program.bonus)) if trace else (0, 0)
-            for name, fn in stages:
+            for name, fn in stage_sets[j]:
                 with torch.profiler.record_function(name):  # stage spans in profiler timelines
                     fn()
                 clock.mark(name)
             if trace:
-                rounds.append(program.trace_round(n_rounds, position, root) if method != "ar" else
+                rounds.append(programs[j].trace_round(n_rounds, position, root) if method != "ar" else
                               RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
                                          experts_touched=target.experts_touched()))
             n_rounds += 1
-        reads.append(_start_read(program))
+        reads.append(_start_read(program, auto_state, n_rounds))
         if len(reads) > lag:  # the host waits for the oldest read: one sync per `sync_every` rounds
-            tokens = _finish_read(reads.pop(0))
+            tokens, proposals = _finish_read(reads.pop(0))
         clock.mark("other")
     if reads:  # rounds queued past a stop token: their tokens are trimmed below, their rounds not counted
-        tokens = _finish_read(reads[-1])
+        tokens, proposals = _finish_read(reads[-1])
 
     wall = time.perf_counter() - start - round_capture_seconds
     out, stop_reason = _trim(tokens, max_new_tokens, stop_ids)
@@ -355,32 +435,62 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         method=method, prompt_tokens=prompt_ids, tokens=out, text=pair.decode(out),
         acceptance_lengths=acceptance, stage_seconds={s: totals.get(s, 0.0) for s in STAGES},
         wall_seconds=wall, trimmed=1 + sum(acceptance) - len(out), stop_reason=stop_reason,
-        settings={"method": method, "budget": budget if method != "ar" else None,
+        settings={"method": method, "budget": ("auto" if auto else budget) if method != "ar" else None,
+                  **({"auto": _auto_settings(auto, auto_state)} if auto else {}),
                   "topk": topk, "max_new_tokens": max_new_tokens, "temperature": temperature,
                   "seed": seed, "draft_window": draft_window, "attention": target.attention,
                   "device": str(device), "dtype": str(pair.dtype).replace("torch.", ""),
                   "cuda_graphs": graphs, "sync_every": sync_every, "capture_seconds": capture_seconds},
         rounds=rounds, prefill_seconds=prefill_seconds,
+        round_budgets=[programs[j].budget for j in chosen[:len(acceptance)]] if method != "ar" else [],
     )
 
 
-def _start_read(program: RoundProgram):
-    """Start copying [out_len, out …] to the host; on a GPU asynchronously, into pinned memory."""
+def _measure_auto_costs(program: RoundProgram, state: AutoState, stage_sets) -> None:
+    """Each candidate's round cost (median of replays from the same state), into the choice's cost table."""
+    gen = program.choose.generator
+
+    def save():
+        return [t.clone() for t in program.state_scalars()], gen.get_state()
+
+    def restore(saved):
+        for t, v in zip(program.state_scalars(), saved[0]):
+            t.copy_(v)
+        gen.set_state(saved[1])
+
+    costs = measure_costs(stage_sets, save, restore, program.device)
+    state.costs.copy_(torch.tensor(costs))
+    state.measured = True
+
+
+def _auto_settings(auto: AutoBudget, state: AutoState) -> dict:
+    return {"budgets": list(auto.budgets), "costs": state.costs.tolist(),
+            "costs_measured": auto.costs is None, "edges": list(auto.edges), "explore": auto.explore,
+            "weight": auto.weight, "memory": auto.memory}
+
+
+def _start_read(program: RoundProgram, auto: AutoState | None = None, rounds: int = 0):
+    """Start copying [out_len, out …] (and budget="auto"'s proposals for the first `rounds` rounds) to the
+    host; on a GPU asynchronously, into pinned memory."""
+    parts = [program.out_len, program.out] + ([auto.choice_ring[:rounds]] if auto is not None else [])
     if program.device.type != "cuda":
-        return torch.cat([program.out_len, program.out]), None
-    host = torch.empty(1 + program.out.shape[0], dtype=torch.long, pin_memory=True)
-    host[:1].copy_(program.out_len, non_blocking=True)
-    host[1:].copy_(program.out, non_blocking=True)
+        return torch.cat(parts), None, program.out.shape[0]
+    host = torch.empty(sum(p.shape[0] for p in parts), dtype=torch.long, pin_memory=True)
+    at = 0
+    for p in parts:
+        host[at:at + p.shape[0]].copy_(p, non_blocking=True)
+        at += p.shape[0]
     done = torch.cuda.Event()
     done.record()
-    return host, done
+    return host, done, program.out.shape[0]
 
 
-def _finish_read(read) -> list[int]:
-    host, done = read
+def _finish_read(read) -> tuple[list[int], list[int]]:
+    """-> (the tokens so far, the proposals read)."""
+    host, done, capacity = read
     if done is not None:
         done.synchronize()
-    return host[1:1 + int(host[0])].tolist()
+    return host[1:1 + int(host[0])].tolist(), host[1 + capacity:].tolist()
 
 
 def _rounds_needed(taus: list[int], n_tokens: int) -> list[int]:

@@ -71,11 +71,7 @@ class GraphRunner:
         p.choose.generator.set_state(rng)
 
     def _scalars(self):
-        p = self.program
-        out = [p.n, p.bonus, p.out_len, p.round_idx]
-        if p.drafter is not None and p.method != "ar":
-            out += [p.drafter.ctx_len, p.ctx_count]
-        return out
+        return self.program.state_scalars()
 
     def _restore(self, saved) -> None:
         for t, s in zip(self._scalars(), saved):

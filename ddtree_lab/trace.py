@@ -25,6 +25,7 @@ class RoundTrace:
     # MoE targets: per MoE layer, the distinct experts the round's target forward (the verify, or the AR
     # step) routed a token to; None for dense targets
     experts_touched: list[int] | None = None
+    budget: int | None = None      # the round's tree budget (DDTree; with budget="auto" the one chosen)
 
     @property
     def acceptance_length(self) -> int:
@@ -35,7 +36,7 @@ class RoundTrace:
             "index": self.index, "position": self.position, "root_token": self.root_token,
             "acceptance_length": self.acceptance_length, "accepted": self.accepted,
             "accepted_tokens": self.accepted_tokens, "next_token": self.next_token,
-            "stage_seconds": self.stage_seconds, "experts_touched": self.experts_touched,
+            "stage_seconds": self.stage_seconds, "experts_touched": self.experts_touched, "budget": self.budget,
             "tree": None if self.tree is None else self.tree.to_json(),
         }
 
@@ -45,7 +46,7 @@ class RoundTrace:
                    tree=None if d.get("tree") is None else DraftTree.from_json(d["tree"]),
                    accepted=d["accepted"], accepted_tokens=d["accepted_tokens"],
                    next_token=d["next_token"], stage_seconds=d.get("stage_seconds", {}),
-                   experts_touched=d.get("experts_touched"))
+                   experts_touched=d.get("experts_touched"), budget=d.get("budget"))
 
 
 @dataclass
@@ -66,6 +67,7 @@ class GenerationResult:
     settings: dict
     rounds: list[RoundTrace] = field(default_factory=list)
     prefill_seconds: float = 0.0   # the prompt's forward (counted in stage "other")
+    round_budgets: list[int] = field(default_factory=list)  # each round's tree budget (DFlash, DDTree)
 
     @property
     def mean_acceptance(self) -> float:
@@ -87,7 +89,7 @@ class GenerationResult:
             "mean_acceptance": self.mean_acceptance, "stage_seconds": self.stage_seconds,
             "wall_seconds": self.wall_seconds, "tokens_per_second": self.tokens_per_second,
             "trimmed": self.trimmed, "stop_reason": self.stop_reason,
-            "prefill_seconds": self.prefill_seconds,
+            "prefill_seconds": self.prefill_seconds, "round_budgets": self.round_budgets,
         }
         if with_rounds:
             d["rounds"] = [r.to_json() for r in self.rounds]

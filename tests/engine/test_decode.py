@@ -110,7 +110,8 @@ def chi2_pvalue(counts, expected_probs):
     return chisquare(counts.double().numpy(), (expected_probs * n).numpy()).pvalue
 
 
-@pytest.mark.parametrize("method,budget", [("ddtree", 12), ("ddtree", 200), ("dflash", 1), ("ar", 1)])
+@pytest.mark.parametrize("method,budget", [("ddtree", 12), ("ddtree", 200), ("dflash", 1), ("ar", 1),
+                                           ("ddtree", dl.AutoBudget((2, 12, 200), costs=(1.0, 1.05, 1.1)))])
 def test_sampling_matches_target_distribution(small_vocab_pair, method, budget):
     torch.manual_seed(0)
     prompt = [1, 5, 2]

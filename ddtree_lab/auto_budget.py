@@ -1,0 +1,137 @@
+"""budget="auto": each round's budget chosen on the device among captured budgets, losslessly.
+
+Every candidate budget has its own captured round; all of them share one decoding state, so any may run
+next. After each round the device credits the round's τ to a table (per confidence bin and candidate) and
+proposes the next budget: the highest expected τ(B) − λ·cost(B), where λ is the tokens per second achieved
+so far (maximising that per round maximises tokens/s overall at λ's fixed point) and cost(B) the measured
+round cost. The confidence is the draft's own: its expected accepted nodes, Σ exp(score) over the
+smallest candidate's tree. The host reads proposals with the tokens it reads anyway, so a round runs at
+the budget proposed after round `source_round(r)` (one or two rounds earlier): nothing waits inside a
+round, and the choice only selects which captured round runs next, so the output is the target's own
+(lossless as any budget is). The table lives with the captured programs and keeps learning across calls.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .names import MAX_BUDGET
+
+AUTO_CANDIDATES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """budget="auto" and its settings; `AutoBudget()` is what "auto" means."""
+
+    budgets: tuple[int, ...] = AUTO_CANDIDATES  # the captured budgets it chooses among (at most 8)
+    costs: tuple[float, ...] | None = None      # seconds per round of each; None: measured when captured
+    edges: tuple[float, ...] = (1.5, 3.0)       # confidence bins: expected accepted nodes by the draft
+    explore: float = 0.5     # tokens an untried budget is assumed to add over the next smaller candidate
+    weight: float = 2.0      # rounds' worth of that assumption in each table cell
+    memory: int = 2048       # rounds: older outcomes fade by 1 - 1/memory per round
+
+    def __post_init__(self):
+        budgets = tuple(self.budgets)
+        if not 1 <= len(budgets) <= 8 or len(set(budgets)) != len(budgets) or any(
+                isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BUDGET for b in budgets):
+            raise ValueError(f"auto budgets={self.budgets!r}: give 1 to 8 distinct integers in 1..{MAX_BUDGET}")
+        object.__setattr__(self, "budgets", tuple(sorted(budgets)))
+        if self.costs is not None:
+            costs = tuple(float(c) for c in self.costs)
+            if len(costs) != len(budgets) or not all(c > 0 and c < float("inf") for c in costs):
+                raise ValueError(f"auto costs={self.costs!r}: give one positive number of seconds per budget")
+            order = sorted(range(len(budgets)), key=lambda i: budgets[i])
+            object.__setattr__(self, "costs", tuple(costs[i] for i in order))
+        if len(self.edges) > 7 or list(self.edges) != sorted(self.edges):
+            raise ValueError(f"auto edges={self.edges!r}: at most 7, ascending")
+        if self.memory < 1 or self.weight <= 0 or self.explore < 0:
+            raise ValueError("auto memory must be ≥ 1, weight > 0 and explore ≥ 0")
+
+    def key(self) -> tuple:
+        return (self.budgets, self.costs, tuple(self.edges), self.explore, self.weight, self.memory)
+
+
+def resolve_budget(budget):
+    """An int stays; "auto" -> AutoBudget(); an AutoBudget stays. Anything else is refused."""
+    if isinstance(budget, AutoBudget):
+        return budget
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        return AutoBudget()
+    return budget
+
+
+def source_round(r: int, lag: int, every: int) -> int:
+    """The round whose proposal the host has read when it queues round r (host reads every `every` rounds,
+    `lag` reads in flight); -1: none yet, the call's first proposal is used. The kernel uses the same rule."""
+    return (r // every - lag) * every - 1
+
+
+class AutoState:
+    """The device tensors of the choice: the learned table, the running totals and per-round rings."""
+
+    def __init__(self, auto: AutoBudget, L: int, max_rounds: int, device):
+        self.auto, self.device = auto, device
+        J, rows = len(auto.budgets), len(auto.edges) + 2   # bin 0: no proposal read yet
+        f32 = dict(dtype=torch.float32, device=device)
+        self.budgets = torch.tensor(auto.budgets, dtype=torch.long, device=device)
+        self.costs = torch.tensor(auto.costs or [1.0] * J, **f32)
+        self.measured = auto.costs is not None
+        self.edges = torch.tensor(list(auto.edges), **f32)
+        self.table_sum = torch.zeros(rows, J, **f32)
+        self.table_count = torch.zeros(rows, J, **f32)
+        self.totals = torch.zeros(2, **f32)
+        self.bin_ring = torch.zeros(max_rounds, dtype=torch.long, device=device)
+        self.choice_ring = torch.zeros(max_rounds, dtype=torch.long, device=device)
+        self.schedule = torch.tensor([0, 1], dtype=torch.long, device=device)  # host read lag, rounds per read
+        self.max_tau = float(L + 1)
+        self.decay = 1.0 - 1.0 / auto.memory
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.table_sum, self.table_count, self.totals, self.bin_ring, self.choice_ring]
+
+    def start(self, lag: int, every: int) -> int:
+        """Before a call's first round: its read schedule, and the proposal for rounds before any read
+        (bin 0's best; one host read, made with the prefill's)."""
+        from .kernels.auto_budget import propose_reference
+
+        self.schedule.copy_(torch.tensor([lag, every]))
+        lam = self.totals[0] / self.totals[1] if float(self.totals[1]) > 0 else torch.zeros((), device=self.device)
+        return int(propose_reference(self.table_sum[0], self.table_count[0], self.costs, lam, self.auto.explore,
+                                     self.auto.weight, self.max_tau))
+
+    def update(self, path, a, scores, j: int, round_idx, use_kernel: bool) -> None:
+        """After round j's commit: credit and propose (kernels/auto_budget.py)."""
+        from .kernels import auto_budget as k
+
+        fn = k.auto_update if use_kernel else k.auto_update_reference
+        n_conf = min(self.auto.budgets[0], scores.shape[0])
+        fn(path, a, scores, j, self.budgets, self.costs, self.edges, self.table_sum, self.table_count, self.totals,
+           self.bin_ring, self.choice_ring, round_idx, self.schedule, n_conf, self.auto.explore,
+           self.auto.weight, self.decay, self.max_tau)
+
+
+def measure_costs(stage_sets, save, restore, device, repeats: int = 5) -> list[float]:
+    """Seconds per round of each candidate: the median of `repeats` runs of its stages (replayed graphs on a
+    GPU) from the same saved state, which is put back after each, so nothing a caller sees changes."""
+    cuda = torch.device(device).type == "cuda"
+    saved = save()
+    costs = []
+    for stages in stage_sets:
+        times = []
+        for _ in range(repeats + 1):  # the first run is a warm-up
+            restore(saved)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _, fn in stages:
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        costs.append(statistics.median(times[1:]))
+    restore(saved)
+    return costs

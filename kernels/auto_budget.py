@@ -1,0 +1,132 @@
+"""budget="auto" bookkeeping in one launch: credit a round's outcome, propose the next budget.
+
+Contract: after round r ran at candidate j, add τ_i = 1 + #(accepted nodes with index ≤ budget_i) for
+every candidate i ≤ j to the table row of the confidence bin the host's choice for round r came from,
+then propose a budget for rounds chosen from round r: argmax_i m_i − λ·cost_i over this round's bin, with
+λ the achieved tokens per second. Why τ_i is known for i ≤ j: a tree of budget b is the first b nodes of
+any larger one (tree.py's order), and node indices grow along a path. An untried budget's mean is the next
+smaller one's plus `explore` tokens, so it is tried only while it could pay. In torch this is ~40 small
+kernels (a few % of a small pair's round on a GPU); here it is one program. Reference: `auto_update_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_CANDIDATES = 8
+_FAR = 2 ** 30  # a node index beyond every budget (masked path slots)
+
+
+@triton.jit
+def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, ChoiceRing, RoundIdx, Schedule,
+                 j, n_conf, explore, weight, decay, max_tau,
+                 J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    r = tl.load(RoundIdx) - 1                       # this round (advance_round has counted it)
+    lag = tl.load(Schedule)
+    every = tl.load(Schedule + 1)
+    src = (r // every - lag) * every - 1            # the round whose proposal the host used for round r
+    src_bin = tl.where(src >= 0, tl.load(BinRing + tl.maximum(src, 0)), 0)
+    a = tl.load(A)
+    k = tl.arange(0, BLOCK_P)
+    node = tl.load(Path + k, mask=(k >= 1) & (k < a), other=_FAR)          # accepted nodes past the root
+    jj = tl.arange(0, BLOCK_J)
+    live_j = jj < J
+    budget = tl.load(Budgets + jj, mask=live_j, other=0)
+    tau = 1.0 + tl.sum((node[None, :] <= budget[:, None]).to(tl.float32), axis=1)   # [BLOCK_J]
+    rows = tl.arange(0, BLOCK_R)[:, None]
+    cell = rows * J + jj[None, :]
+    live = (rows < NB + 1) & live_j[None, :]
+    s = tl.load(S + cell, mask=live, other=0.0) * decay
+    n = tl.load(N + cell, mask=live, other=0.0) * decay
+    credit = (rows == src_bin) & (jj[None, :] <= j)
+    s += tl.where(credit, tau[None, :], 0.0)
+    n += tl.where(credit, 1.0, 0.0)
+    tot_tau = tl.load(Totals) * decay + a.to(tl.float32)
+    tot_cost = tl.load(Totals + 1) * decay + tl.load(Costs + j)
+    # this round's confidence: the draft's expected accepted nodes among the smallest candidate's tree
+    c = tl.arange(0, BLOCK_C)
+    conf = tl.sum(tl.where(c < n_conf, tl.exp(tl.load(Scores + c, mask=c < n_conf, other=0.0)), 0.0))
+    e = tl.arange(0, BLOCK_J)
+    edge = tl.load(Edges + e, mask=e < NB - 1, other=float("inf"))
+    bin_ = 1 + tl.sum((conf >= edge).to(tl.int64))
+    lam = tl.where(tot_cost > 0, tot_tau / tot_cost, 0.0)
+    s_row = tl.sum(tl.where(rows == bin_, s, 0.0), axis=0)                  # [BLOCK_J]
+    n_row = tl.sum(tl.where(rows == bin_, n, 0.0), axis=0)
+    cost = tl.load(Costs + jj, mask=live_j, other=0.0)
+    prev = tl.full((), 1.0, tl.float32)
+    best = tl.full((), -float("inf"), tl.float32)
+    pick = tl.full((), 0, tl.int64)
+    for i in tl.static_range(J):
+        si = tl.sum(tl.where(jj == i, s_row, 0.0))
+        ni = tl.sum(tl.where(jj == i, n_row, 0.0))
+        ci = tl.sum(tl.where(jj == i, cost, 0.0))
+        m = tl.minimum((si + weight * (prev + explore)) / (ni + weight), max_tau)
+        score = m - lam * ci
+        take = score > best                                                  # ties keep the smaller budget
+        best = tl.where(take, score, best)
+        pick = tl.where(take, i, pick)
+        prev = m
+    tl.debug_barrier()
+    tl.store(S + cell, s, mask=live)
+    tl.store(N + cell, n, mask=live)
+    tl.store(Totals, tot_tau)
+    tl.store(Totals + 1, tot_cost)
+    tl.store(BinRing + r, bin_)
+    tl.store(ChoiceRing + r, pick)
+
+
+def auto_update(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
+                choice_ring, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
+                max_tau: float) -> None:
+    """All tensors on one device; table_sum/table_count [bins + 1, J], totals [2] and the rings are updated."""
+    J, NB = budgets.shape[0], edges.shape[0] + 1
+    _auto_kernel[(1,)](path, a, scores, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
+                       choice_ring, round_idx, schedule, j, n_conf, explore, weight, decay, max_tau,
+                       J=J, NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
+                       BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
+                       BLOCK_R=max(2, triton.next_power_of_2(NB + 1)), num_warps=1)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, max_tau: float) -> torch.Tensor:
+    """The proposal for one bin: argmax_i m_i − λ·cost_i, m_i shrunk towards m_{i-1} + explore; -> [] long."""
+    prev = torch.ones((), device=costs.device)
+    best, pick = None, torch.zeros((), dtype=torch.long, device=costs.device)
+    for i in range(costs.shape[0]):
+        m = ((s_row[i] + weight * (prev + explore)) / (n_row[i] + weight)).clamp(max=max_tau)
+        score = m - lam * costs[i]
+        if best is None:
+            best = score
+        else:
+            take = score > best
+            best = torch.where(take, score, best)
+            pick = torch.where(take, torch.full_like(pick, i), pick)
+        prev = m
+    return pick
+
+
+def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
+                          choice_ring, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
+                          max_tau: float) -> None:
+    """The same update in tensor ops (no host reads, so it also runs inside a captured graph)."""
+    r = round_idx - 1                                                          # [1]
+    lag, every = schedule[0], schedule[1]
+    src = (torch.div(r, every, rounding_mode="floor") - lag) * every - 1
+    src_bin = torch.where(src >= 0, bin_ring.index_select(0, src.clamp(min=0)), torch.zeros_like(src))
+    k = torch.arange(path.shape[0], device=path.device)
+    nodes = torch.where((k >= 1) & (k < a), path, torch.full_like(path, _FAR))
+    tau = 1.0 + (nodes[None, :] <= budgets[:, None]).sum(1).float()            # [J]
+    rows = torch.arange(table_sum.shape[0], device=path.device)[:, None]
+    credit = (rows == src_bin) & (torch.arange(budgets.shape[0], device=path.device)[None, :] <= j)
+    table_sum.mul_(decay).add_(torch.where(credit, tau[None, :], 0.0))
+    table_count.mul_(decay).add_(credit.float())
+    totals.mul_(decay).add_(torch.stack([a[0].float(), costs[j]]))
+    conf = scores[:n_conf].float().exp().sum()
+    bin_ = 1 + (conf >= edges).sum()
+    lam = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1e-30), torch.zeros_like(totals[0]))
+    pick = propose_reference(table_sum[bin_], table_count[bin_], costs, lam, explore, weight, max_tau)
+    bin_ring.index_copy_(0, r, bin_.view(1))
+    choice_ring.index_copy_(0, r, pick.view(1))

@@ -1,0 +1,84 @@
+"""budget="auto" in the engine: lossless, the tree of each chosen budget, the device's choice followed, the
+kernel path equal to the torch path, and its input refused where it cannot run."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ddtree_lab as dl  # noqa: E402
+from ddtree_lab.auto_budget import source_round  # noqa: E402
+
+PROMPT = [3, 9, 27, 81, 243]
+CHEAP = dl.AutoBudget(budgets=(1, 7, 64), costs=(1e-3, 1.1e-3, 1.3e-3))
+
+
+@pytest.mark.parametrize("trace,sync_every", [(True, 1), (False, 1), (False, 3)])
+def test_auto_equals_ar_and_runs_the_proposed_budgets(tiny_pair, trace, sync_every):
+    ar = dl.generate(tiny_pair, PROMPT, method="ar", max_new_tokens=48, stop=[])
+    for budget in ("auto", CHEAP):
+        res = dl.generate(tiny_pair, PROMPT, budget=budget, max_new_tokens=48, stop=[], trace=trace,
+                          sync_every=sync_every)
+        assert res.tokens == ar.tokens
+        assert len(res.round_budgets) == len(res.acceptance_lengths)
+        allowed = dl.AutoBudget().budgets if budget == "auto" else CHEAP.budgets
+        assert set(res.round_budgets) <= set(allowed)
+        assert res.settings["budget"] == "auto" and res.settings["auto"]["budgets"] == list(allowed)
+        if trace:
+            assert [r.budget for r in res.rounds] == res.round_budgets
+            assert all(len(r.tree) <= r.budget for r in res.rounds)
+
+
+def test_each_round_runs_the_proposal_read_before_it(tiny_pair):
+    """The host runs, at round r, the device's proposal after round source_round(r) (the first proposal before
+    any read); the proposals are read back from the device's ring."""
+    res = dl.generate(tiny_pair, PROMPT, budget=CHEAP, max_new_tokens=40, stop=[], trace=True)
+    programs, _, state = next(v for k, v in tiny_pair._programs.items() if k[0] == "auto" and k[1] == CHEAP.key())
+    ring = state.choice_ring.tolist()
+    for r, budget in enumerate(res.round_budgets):
+        src = source_round(r, 0, 1)  # traced: every round read before the next
+        if src >= 0:
+            assert budget == CHEAP.budgets[ring[src]]
+
+
+def test_cost_steers_the_choice(tiny_pair):
+    """Budgets the cost table prices out are left once tried; when they cost the same as the smallest, the
+    largest budget (which accepts at least as much) takes over."""
+    pricey = dl.AutoBudget(budgets=(1, 64), costs=(1e-3, 1.0))
+    flat = dl.AutoBudget(budgets=(1, 64), costs=(1e-3, 1e-3))
+    for _ in range(3):
+        a = dl.generate(tiny_pair, PROMPT, budget=pricey, max_new_tokens=40, stop=[], trace=False)
+        b = dl.generate(tiny_pair, PROMPT, budget=flat, max_new_tokens=40, stop=[], trace=False)
+    assert a.round_budgets.count(1) >= len(a.round_budgets) - 1
+    assert b.round_budgets.count(64) >= len(b.round_budgets) - 2
+
+
+def test_kernel_path_equals_torch_path(tiny_pair, use_options):
+    runs = {}
+    for kernels in ("torch", "triton"):
+        use_options(tree_kernels=kernels)
+        # the options are part of the programs' key: each path starts from its own fresh table
+        res = [dl.generate(tiny_pair, PROMPT, budget=CHEAP, max_new_tokens=32, stop=[], trace=False) for _ in range(3)]
+        runs[kernels] = [(r.tokens, r.round_budgets) for r in res]
+    assert runs["torch"] == runs["triton"]
+
+
+def test_measured_costs_grow_with_the_budget(tiny_pair):
+    res = dl.generate(tiny_pair, PROMPT, budget=dl.AutoBudget(budgets=(1, 1024)), max_new_tokens=8, stop=[])
+    costs = res.settings["auto"]["costs"]
+    assert res.settings["auto"]["costs_measured"] and 0 < costs[0] < costs[1]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(method="ar", budget="auto"), "DDTree budgets"),
+    (dict(method="dflash", budget="auto"), "DDTree budgets"),
+    (dict(budget="best"), "'auto'"),
+])
+def test_auto_refused_where_it_cannot_run(tiny_pair, kwargs, needle):
+    kwargs = dict(kwargs)
+    with pytest.raises(ValueError) as err:
+        budget = kwargs.pop("budget")
+        dl.generate(tiny_pair, PROMPT, budget=budget, max_new_tokens=4, **kwargs)
+    assert needle is None or needle in str(err.value)
