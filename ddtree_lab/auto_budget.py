@@ -18,9 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .names import MAX_BUDGET
-
-AUTO_CANDIDATES = (16, 32, 64, 128, 256)
+from .names import AUTO_CANDIDATES, MAX_BUDGET
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ class AutoState:
         f32 = dict(dtype=torch.float32, device=device)
         self.budgets = torch.tensor(auto.budgets, dtype=torch.long, device=device)
         self.costs = torch.tensor(auto.costs or [1.0] * J, **f32)
-        self.measured = auto.costs is not None
+        self._measured = [auto.costs is not None]
         self.edges = torch.tensor(list(auto.edges), **f32)
         self.table_sum = torch.zeros(rows, J, **f32)
         self.table_count = torch.zeros(rows, J, **f32)
@@ -89,6 +87,25 @@ class AutoState:
         self.schedule = torch.tensor([0, 1], dtype=torch.long, device=device)  # host read lag, rounds per read
         self.max_tau = float(L + 1)
         self.decay = 1.0 - 1.0 / auto.memory
+
+    LEARNED = ("table_sum", "table_count", "totals", "costs")
+
+    def learned(self) -> dict:
+        """What later programs of the same setting take over: the table, the totals, the measured costs."""
+        return {"tensors": {name: getattr(self, name) for name in self.LEARNED}, "measured": [self.measured]}
+
+    def adopt(self, learned: dict) -> None:
+        for name, t in learned["tensors"].items():
+            setattr(self, name, t)
+        self._measured = learned["measured"]
+
+    @property
+    def measured(self) -> bool:
+        return self._measured[0]
+
+    @measured.setter
+    def measured(self, value: bool) -> None:
+        self._measured[0] = value
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.table_sum, self.table_count, self.totals, self.bin_ring, self.choice_ring]

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .names import METHODS
+from .names import AUTO_CANDIDATES, METHODS, parse_budget
 
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--method", default="ddtree", choices=METHODS, help="decoding method")
-    p.add_argument("--budget", type=int, default=64, help="DDTree: draft-tree nodes verified per round")
+    p.add_argument("--budget", type=parse_budget, default=64,
+                   help="DDTree: draft-tree nodes verified per round, or 'auto' (chosen each round among "
+                        f"{', '.join(map(str, AUTO_CANDIDATES))})")
     p.add_argument("--topk", type=int, default=None, help="DDTree: candidates per depth; None means K = the budget")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (equals AR token for token)")

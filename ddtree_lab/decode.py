@@ -273,6 +273,9 @@ def _auto_programs_for(pair: Pair, auto: AutoBudget, topk, temperature, draft_wi
     def make():
         L = pair.drafter.cfg.block_size - 1
         state = AutoState(auto, L, max_rounds, pair.device)
+        # the learned table outlives the programs (a new prompt length re-captures them): one per pair and setting
+        learned = pair.__dict__.setdefault("_auto_learned", {})
+        state.adopt(learned.setdefault((auto.key(), topk, float(temperature), options.key()), state.learned()))
         programs = [None] * len(auto.budgets)
         for j in reversed(range(len(auto.budgets))):
             programs[j] = RoundProgram(pair, "ddtree", auto.budgets[j], topk, temperature, out_capacity, max_rounds,
@@ -286,7 +289,7 @@ def _auto_programs_for(pair: Pair, auto: AutoBudget, topk, temperature, draft_wi
 
     key = ("auto", auto.key(), topk, float(temperature), draft_window, cache_len, out_capacity, max_rounds, graphs,
            pair.target.attention)
-    return kept(pair, "_programs", key, True, make, release)
+    return kept(pair, "_auto_programs", key, True, make, release)
 
 
 @torch.inference_mode()

@@ -6,6 +6,8 @@ METHODS = ("ar", "dflash", "ddtree")                            # AR, single-pat
 STAGES = ("draft", "tree_build", "verify", "commit", "other")  # a round's stages, then everything else
 ATTENTION_BACKENDS = ("sdpa", "triton", "flex")                 # verify attention: dense reference, kernel, flex
 MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
+AUTO = "auto"                                                    # budget="auto": chosen per round (auto_budget.py)
+AUTO_CANDIDATES = (16, 32, 64, 128, 256)                         # what "auto" chooses among unless told
 
 # dtype spellings a user may write -> the canonical name (torch.<name>)
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
@@ -26,3 +28,12 @@ def topk_width(topk: int | None, budget: int, vocab: int) -> int:
     """K, the tokens kept per depth: `topk` when given (0 and None both mean "as many as the budget"),
     never more than the budget or the vocabulary."""
     return min(topk or budget, budget, vocab)
+
+
+def parse_budget(text):
+    """A budget as a user writes it (command line, study file): an integer, or "auto"."""
+    if isinstance(text, str) and text.strip().lower() == AUTO:
+        return AUTO
+    if isinstance(text, bool) or (not isinstance(text, int) and not (isinstance(text, str) and text.strip().isdigit())):
+        raise ValueError(f"{text!r} is neither an integer budget nor {AUTO!r}")
+    return int(text)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 MAX_CANDIDATES = 8
-_FAR = 2 ** 30  # a node index beyond every budget (masked path slots)
+FAR = 2 ** 30  # a node index beyond every budget (masked path slots)
+_FAR = tl.constexpr(FAR)
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_
     src = (torch.div(r, every, rounding_mode="floor") - lag) * every - 1
     src_bin = torch.where(src >= 0, bin_ring.index_select(0, src.clamp(min=0)), torch.zeros_like(src))
     k = torch.arange(path.shape[0], device=path.device)
-    nodes = torch.where((k >= 1) & (k < a), path, torch.full_like(path, _FAR))
+    nodes = torch.where((k >= 1) & (k < a), path, torch.full_like(path, FAR))
     tau = 1.0 + (nodes[None, :] <= budgets[:, None]).sum(1).float()            # [J]
     rows = torch.arange(table_sum.shape[0], device=path.device)[:, None]
     credit = (rows == src_bin) & (torch.arange(budgets.shape[0], device=path.device)[None, :] <= j)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..auto_budget import AutoBudget
 from ..checkpoint import Pair
 from ..decode import generate
 from ..model import Target
@@ -125,13 +126,18 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     import statistics
 
 
-    runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
-    kws = [dict(method=m, budget=b or 16, max_new_tokens=max_new_tokens, trace=False, cuda_graphs=cuda_graphs,
-                stop=[]) for m, b in runs]
+    fixed = [b for b in budgets if b != "auto"]
+    if "auto" in budgets and not fixed:
+        raise ValueError("bench prompts: 'auto' chooses among the fixed budgets given with it; give some")
+    auto = AutoBudget(budgets=tuple(fixed)) if "auto" in budgets else None
+    runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in fixed] + ([("ddtree", "auto")] if auto else [])
+    kws = [dict(method=m, budget=(auto if b == "auto" else b) or 16, max_new_tokens=max_new_tokens, trace=False,
+                cuda_graphs=cuda_graphs, stop=[]) for m, b in runs]
     for prompt in prompts:  # every prompt length once, untimed: a compiled model specialises on shapes
         generate(pair, prompt, method="ar", max_new_tokens=2, trace=False, cuda_graphs=cuda_graphs, stop=[])
-    for kw in kws:
-        generate(pair, prompts[0], **kw)  # warm-up: kernels compiled, graphs captured
+    for kw in kws:  # warm-up, untimed: kernels compiled, graphs captured; auto's costs measured and a first
+        for prompt in prompts:  # pass of its learning, as a server's table would be after its first requests
+            generate(pair, prompt, **kw)
     rows = [{"method": m, "budget": b, "seconds_per_repeat": [], "prefill_seconds_per_repeat": [],
              "stage_seconds_per_repeat": []} for m, b in runs]
     for rep in range(max(1, repeats)):
@@ -146,10 +152,16 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
                     stages[stage] = stages.get(stage, 0.0) + sec
                 taus += res.acceptance_lengths
                 outputs.append(res.tokens)
+                if kw["budget"] is auto:
+                    for b in res.round_budgets:
+                        row.setdefault("round_budget_counts", {}).setdefault(str(b), 0)
+                        row["round_budget_counts"][str(b)] += 1
+                    row["auto"] = res.settings["auto"]
             row["seconds_per_repeat"].append(seconds)
+            row.setdefault("mean_tau_per_repeat", []).append(sum(taus) / len(taus))
             row["prefill_seconds_per_repeat"].append(prefill)
             row["stage_seconds_per_repeat"].append(stages)
-            if rep == 0:  # tokens and τ are the same every repeat (T = 0)
+            if rep == 0:  # tokens are the same every repeat (T = 0); so is τ but for auto's, which learns
                 row.update(tokens=tokens, mean_tau=sum(taus) / len(taus), outputs=outputs)
     for row in rows:
         per_repeat = [row["tokens"] / s for s in row["seconds_per_repeat"]]
@@ -174,8 +186,19 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
     for r in rows:
         del r["outputs"]
-    best = max(rows[2:], key=lambda r: r["tokens_per_second"]) if len(rows) > 2 else None
-    return {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
+    fixed_rows = [r for r in rows[2:] if r["budget"] != "auto"]
+    best = max(fixed_rows, key=lambda r: r["tokens_per_second"]) if fixed_rows else None
+    out = {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
+    if auto:  # auto against the best fixed budget of the same run, and repeat by repeat
+        row = rows[-1]
+        out["auto_vs_best_fixed"] = row["tokens_per_second"] / best["tokens_per_second"]
+        out["auto_vs_best_fixed_per_repeat"] = [
+            a / b for a, b in zip(row["tokens_per_second_per_repeat"], best["tokens_per_second_per_repeat"])]
+        if progress:
+            print(f"  auto ÷ best fixed (budget {best['budget']}): {out['auto_vs_best_fixed']:.3f} "
+                  f"(repeats {', '.join(f'{x:.3f}' for x in out['auto_vs_best_fixed_per_repeat'])})",
+                  file=sys.stderr, flush=True)
+    return out
 
 
 def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,

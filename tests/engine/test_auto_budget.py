@@ -35,7 +35,9 @@ def test_each_round_runs_the_proposal_read_before_it(tiny_pair):
     """The host runs, at round r, the device's proposal after round source_round(r) (the first proposal before
     any read); the proposals are read back from the device's ring."""
     res = dl.generate(tiny_pair, PROMPT, budget=CHEAP, max_new_tokens=40, stop=[], trace=True)
-    programs, _, state = next(v for k, v in tiny_pair._programs.items() if k[0] == "auto" and k[1] == CHEAP.key())
+    emitted = 1 + sum(res.acceptance_lengths)
+    programs, _, state = next(v for k, v in tiny_pair._auto_programs.items()
+                              if k[1] == CHEAP.key() and int(v[0][-1].out_len) == emitted)
     ring = state.choice_ring.tolist()
     for r, budget in enumerate(res.round_budgets):
         src = source_round(r, 0, 1)  # traced: every round read before the next
@@ -55,6 +57,8 @@ def test_cost_steers_the_choice(tiny_pair):
     assert b.round_budgets.count(64) >= len(b.round_budgets) - 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors reach the kernel only under the interpreter; "
+                    "on a GPU, test_auto_in_cuda_graphs_equals_ar runs the compiled kernel")
 def test_kernel_path_equals_torch_path(tiny_pair, use_options):
     runs = {}
     for kernels in ("torch", "triton"):
@@ -82,3 +86,19 @@ def test_auto_refused_where_it_cannot_run(tiny_pair, kwargs, needle):
         budget = kwargs.pop("budget")
         dl.generate(tiny_pair, PROMPT, budget=budget, max_new_tokens=4, **kwargs)
     assert needle is None or needle in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; the CPU twin is "
+                    "test_kernel_path_equals_torch_path (the same kernel under the interpreter, eager)")
+@pytest.mark.parametrize("trace", [True, False])
+def test_auto_in_cuda_graphs_equals_ar(trace):
+    pair = dl.load_pair("lab", device="cuda", dtype="float32", attention="triton")
+    prompt = "def quicksort(items):"
+    ar = dl.generate(pair, prompt, method="ar", max_new_tokens=64, stop=[])
+    auto = dl.AutoBudget(budgets=(16, 32, 64))
+    for _ in range(3):  # captured once, replayed after
+        res = dl.generate(pair, prompt, budget=auto, max_new_tokens=64, stop=[], trace=trace)
+        assert res.tokens == ar.tokens and res.settings["cuda_graphs"]
+        assert set(res.round_budgets) <= set(auto.budgets)
+    costs = res.settings["auto"]["costs"]
+    assert res.settings["auto"]["costs_measured"] and all(0 < c < 0.1 for c in costs)
