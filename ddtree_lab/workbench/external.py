@@ -14,6 +14,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from ..atomic import atomic_write_text
+from ..names import AUTO
 from .page import Page, esc, fmt_num, html_table
 
 PROBLEMS = ("failed", "truncated", "partial", "garbage", "suspect")
@@ -117,13 +118,14 @@ def thresholds_html(thresholds: dict) -> str:
 
 
 def workbench_taus(rows: list[dict]) -> list[dict]:
-    """The study's own complete DDTree/DFlash runs (rows of `collect_study`): method, budget, topk, τ."""
+    """The study's own complete DDTree/DFlash runs (rows of `collect_study`): method, budget, topk, τ. An
+    `auto` run is left out: a serving stack reports fixed budgets, so it has nothing to stand beside."""
     out = []
     for r in rows:
         res = r.get("results") or {}
         cfg, tau = res.get("config") or {}, (res.get("summary") or {}).get("mean_tau")
         if r.get("kind") == "run" and r.get("status") == "complete" and cfg.get("method") in ("ddtree", "dflash") \
-                and tau is not None:
+                and tau is not None and cfg.get("budget") != AUTO:
             out.append({"run": r["name"], "method": cfg["method"], "budget": cfg.get("budget"),
                         "topk": cfg.get("topk") or None, "tau": tau})
     return out

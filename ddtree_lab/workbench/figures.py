@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 from ..atomic import atomic_write_text
 from ..names import STAGES
 from .results import recommend_budget  # noqa: F401 - the star of the speedup figure; lives in results.py
+from .runs import is_fixed
 from .viz import make_decoder, round_view, show_token
 
 PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
@@ -29,7 +30,7 @@ def stage_color(stage: str) -> str:
 
 def budget_axis(budgets) -> dict:
     """A log2 budget axis with a tick at every budget swept (powers of two or not)."""
-    ticks = sorted({int(b) for b in budgets if b})
+    ticks = sorted({b for b in budgets if is_fixed(b) and b})
     return dict(type="log", tickvals=ticks, ticktext=[str(b) for b in ticks]) if ticks else dict(type="log")
 
 
@@ -42,12 +43,17 @@ def run_summary(row: dict) -> dict:
     return (row.get("results") or {}).get("summary") or {}
 
 
+def _budget_order(budget) -> tuple:
+    return (0, budget) if is_fixed(budget) else (1, 0)  # "auto" after every integer budget
+
+
 def grid_rows(rows: list[dict]) -> list[dict]:
     """The grid runs (not the once-per-study notebooks), in AR / DFlash / DDTree-by-budget order."""
     order = {"ar": 0, "dflash": 1, "ddtree": 2}
     runs = [r for r in rows if r["kind"] == "run"]
     return sorted(runs, key=lambda r: (order.get(run_config(r).get("method"), 3), run_config(r).get("temperature", 0),
-                                       run_config(r).get("topk", 0), run_config(r).get("budget", 0), r["name"]))
+                                       run_config(r).get("topk", 0), _budget_order(run_config(r).get("budget", 0)),
+                                       r["name"]))
 
 
 def _series_key(cfg: dict) -> str:
@@ -74,7 +80,7 @@ def _by_series(rows: list[dict], value) -> dict[str, tuple[list, list, list]]:
     series: dict[str, tuple[list, list, list]] = {}
     for r in grid_rows(rows):
         cfg = run_config(r)
-        if cfg.get("method") != "ddtree" or r.get("results") is None:
+        if cfg.get("method") != "ddtree" or not is_fixed(cfg.get("budget")) or r.get("results") is None:
             continue
         y = value(r)
         if y is None:
@@ -88,12 +94,14 @@ def _by_series(rows: list[dict], value) -> dict[str, tuple[list, list, list]]:
 
 def _baseline_lines(fig: go.Figure, rows: list[dict], value, label_fmt: str) -> None:
     # Each baseline's label at its own corner of the line, so AR and DFlash labels never sit on each other.
+    # An `auto` run has no one budget to sit at on the budget axis: it is a reference line too.
     k = 0
     for r in grid_rows(rows):
         cfg = run_config(r)
-        if cfg.get("method") in ("ar", "dflash") and r.get("results") is not None and value(r) is not None:
-            dash = "dot" if cfg["method"] == "ar" else "dash"
-            fig.add_hline(y=value(r), line=dict(dash=dash, color="#888"),
+        auto = cfg.get("method") == "ddtree" and not is_fixed(cfg.get("budget"))
+        if (cfg.get("method") in ("ar", "dflash") or auto) and r.get("results") is not None and value(r) is not None:
+            dash = "dashdot" if auto else "dot" if cfg["method"] == "ar" else "dash"
+            fig.add_hline(y=value(r), line=dict(dash=dash, color="#8172b3" if auto else "#888"),
                           annotation_text=label_fmt.format(name=r["name"], v=value(r)),
                           annotation_position=BASELINE_LABEL_SPOTS[k % len(BASELINE_LABEL_SPOTS)])
             k += 1
@@ -116,12 +124,13 @@ def sweep_figure(rows: list[dict], metric: str = "mean_tau") -> go.Figure:
     _baseline_lines(fig, rows, get, "{name}: {v:.2f}")
     if metric == "speedup":
         best = recommend_budget(rows)
-        if best:
+        if best and is_fixed(best["budget"]):  # an auto-only study's best is its reference line
             fig.add_scatter(x=[best["budget"]], y=[best["speedup"]], mode="markers+text",
                             marker=dict(symbol="star", size=18, color="#e4572e"), name="recommended",
                             text=[f"best: budget {best['budget']} ({best['speedup']:.2f}×)"],
                             textposition="top left" if best["budget"] == max(
-                                (run_config(r).get("budget") or 0 for r in rows), default=0) else "top center")
+                                (run_config(r).get("budget") for r in rows if is_fixed(run_config(r).get("budget"))),
+                                default=0) else "top center")
     fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
                       margin=dict(l=55, r=20, t=60, b=45),
                       xaxis=dict(title=dict(text="tree budget (nodes)"),
@@ -314,8 +323,9 @@ def accepted_paths_figure(rows: Sequence[dict], tokenizer: Any = None, title: st
 def _verify_points(rows: list[dict]) -> tuple[list, list, list]:
     """DDTree runs with the figures of their verify forward: (budgets, summaries, names), by budget."""
     pts = [(run_config(r).get("budget"), run_summary(r), r["name"]) for r in grid_rows(rows)
-           if run_config(r).get("method") == "ddtree" and run_summary(r).get("rounds")]
-    pts.sort(key=lambda p: p[0] or 0)
+           if run_config(r).get("method") == "ddtree" and is_fixed(run_config(r).get("budget"))
+           and run_summary(r).get("rounds")]
+    pts.sort(key=lambda p: p[0])
     return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
 
 

@@ -26,6 +26,7 @@ from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, exper
                       tau_histogram_figure, timeline_cut_note, timeline_figure, verify_cost_figure)
 from .profile import peak_bandwidth_gbps
 from .results import collect_study, load_traces, recommend, recommendation_text, suspect_reason, tokenizer_for
+from .runs import is_fixed
 
 
 
@@ -35,7 +36,7 @@ def tree_sample_figures(rows: list[dict], max_runs: int = 3, max_rounds: int = 1
     DDTree budget (DFlash when there is no DDTree run)."""
     runs = [r for r in grid_rows(rows) if run_config(r).get("method") in ("ddtree", "dflash")
             and r["status"] == "complete"]
-    ddt = [r for r in runs if run_config(r)["method"] == "ddtree"]
+    ddt = [r for r in runs if run_config(r)["method"] == "ddtree" and is_fixed(run_config(r).get("budget"))]
     best = recommend_budget(rows)
     if len(ddt) > max_runs:
         chosen = [ddt[0], next((r for r in ddt if best and r["name"] == best["run"]), ddt[len(ddt) // 2]), ddt[-1]]
@@ -132,8 +133,17 @@ def sweep_table(rows: list[dict]) -> list[dict]:
         out.append({"run": r["name"], "status": r["status"], "method": cfg.get("method"),
                     "budget": cfg.get("budget"), "topk": cfg.get("topk"), "temperature": cfg.get("temperature"),
                     "mean_tau": sm.get("mean_tau"), "tokens_per_second": sm.get("tokens_per_second"),
-                    "speedup": cmp.get("speedup"), "verdict": cmp.get("verdict")})
+                    "speedup": cmp.get("speedup"), "verdict": cmp.get("verdict"),
+                    **({"budget_share": sm["auto"].get("budget_share")} if sm.get("auto") else {})})
     return out
+
+
+def budget_cell(cfg: dict, sm: dict) -> str:
+    """A run's budget as the run table shows it; an `auto` run's with the share of rounds at each budget."""
+    share = (sm.get("auto") or {}).get("budget_share")
+    if not share:
+        return str(cfg.get("budget") or "–")
+    return f"{cfg.get('budget')} ({', '.join(f'{b}: {100 * v:.0f}%' for b, v in share.items() if v)})"
 
 
 def runs_table_html(rows: list[dict]) -> str:
@@ -141,7 +151,7 @@ def runs_table_html(rows: list[dict]) -> str:
     for r in grid_rows(rows):
         cfg, sm, cmp = run_config(r), run_summary(r), r.get("comparison") or {}
         spt = sm.get("seconds_per_token")
-        body.append([f"<b>{esc(r['name'])}</b>", esc(cfg.get("method")), esc(cfg.get("budget") or "–"),
+        body.append([f"<b>{esc(r['name'])}</b>", esc(cfg.get("method")), esc(budget_cell(cfg, sm)),
                      esc(cfg.get("topk") or "–"), esc(cfg.get("temperature")),
                      f'<span class="{"bad" if r["status"] in ("failed", "damaged") else "ok"}">{esc(r["status"])}</span>',
                      f'<td class="num">{fmt_num(sm.get("mean_tau"))}</td>',
@@ -294,6 +304,9 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     if ok:  # on a CPU, whichever way the speedup went
         page.add(_cpu_note(rows))
     page.add(_tau_note(study, rows))
+    if any(run_config(r).get("method") == "ddtree" and not is_fixed(run_config(r).get("budget")) for r in ok):
+        page.add("<p class='sub'>A budget=auto run chooses each round's budget, so it has no place on the budget "
+                 "axis: it is the dash-dot line; the run table gives the share of its rounds at each budget.</p>")
     if ok:
         page.figure(sweep_figure(rows, "mean_tau"))
         page.figure(sweep_figure(rows, "speedup"))

@@ -19,14 +19,15 @@ from typing import Any
 import torch
 
 from ..atomic import atomic_write_json, atomic_write_jsonl, changed_files, read_jsonl
+from ..auto_budget import AutoBudget
 from ..bench.e2e import weight_bytes_per_step
 from ..decode import generate
 from ..environment import device_info, git_commit, versions
 from ..metrics import summarize_taus
-from ..names import RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
+from ..names import AUTO, RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
-from .runs import RunParams, input_digests, read_run_status, run_name
+from .runs import RunParams, auto_candidates, input_digests, is_fixed, read_run_status, run_name
 
 SCHEMA = "ddtree_lab.results/1"
 
@@ -117,6 +118,8 @@ def prompt_record(prompt: dict, res: Any, n_prompt_tokens: int | None = None) ->
         "prefill_seconds": getattr(res, "prefill_seconds", None),
         "tokens_per_second": getattr(res, "tokens_per_second", None),
         "stage_seconds": {k: float(v) for k, v in (getattr(res, "stage_seconds", None) or {}).items()},
+        **({"round_budgets": [int(b) for b in getattr(res, "round_budgets", None) or []]}
+           if (getattr(res, "settings", None) or {}).get("budget") == AUTO else {}),
     }
 
 
@@ -185,8 +188,23 @@ def gen_kwargs(params: RunParams) -> dict:
     kw = dict(method=params.method, max_new_tokens=params.max_new_tokens,
               temperature=params.temperature)
     if params.method == "ddtree":
-        kw.update(budget=params.budget, topk=params.topk or None)
+        budget = AutoBudget(budgets=auto_candidates(params)) if params.budget == AUTO else params.budget
+        kw.update(budget=budget, topk=params.topk or None)
     return kw
+
+
+def auto_summary(gen_results: list[Any]) -> dict | None:
+    """An `auto` run's choice: its candidates, the share of rounds (over all prompts) run at each, and the
+    settings it ran with (costs per round, ...); None for any other run."""
+    settings = next((getattr(r, "settings", None) or {} for r in gen_results), {})
+    if settings.get("budget") != AUTO:
+        return None
+    auto = dict(settings.get("auto") or {})
+    candidates = [int(b) for b in auto.pop("budgets", [])]
+    chosen = [int(b) for r in gen_results for b in getattr(r, "round_budgets", None) or []]
+    counts = {str(b): chosen.count(b) for b in sorted(set(candidates) | set(chosen))}
+    share = {b: n / len(chosen) for b, n in counts.items()} if chosen else {}
+    return {"candidates": candidates, "rounds_per_budget": counts, "budget_share": share, **auto}
 
 
 def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> tuple[dict, list[dict]]:
@@ -227,6 +245,9 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
     timing += f"; median of {len(pass_seconds)} pass(es) over the prompts"
     out = build_results(params, pair, prompts, results, ntok, extra={"timing": timing}, pass_seconds=pass_seconds)
     out["summary"].update(verify_reads(pair, rows))
+    auto = auto_summary(results)
+    if auto is not None:
+        out["summary"]["auto"] = auto
     return out, rows
 
 
@@ -344,8 +365,9 @@ def overview(results: dict) -> str:
 
 
 def tree_rounds(params: RunParams, budgets: list[int] | None = None, pair: Any = None) -> dict[int, list[dict]]:
-    """{budget: trace rows} for the tree explorer. For each budget: this run's own traces, else the
-    traces of the study's run at that budget, else rounds generated live (same prompts/settings).
+    """{budget: trace rows} for the tree explorer. For each budget: this run's own traces (an `auto` run's
+    under "auto"), else the traces of the study's run at that budget, else rounds generated live (same
+    prompts/settings).
     As a once-per-study notebook every budget comes from the study's runs: nothing is generated."""
 
     out: dict[int, list[dict]] = {}
@@ -552,8 +574,11 @@ def _grid_config(row: dict) -> dict:
 def recommend(rows: list[dict]) -> list[dict]:
     """Per temperature: the DDTree run with the highest speedup among complete runs not found lossy,
     its speedup spread (timed passes), the runner-up, and whether its margin over AR (when it beats
-    AR) or over the runner-up is within the spread of the passes (`within_noise`, `noise_against`)."""
+    AR) or over the runner-up is within the spread of the passes (`within_noise`, `noise_against`).
+    The best is a fixed budget's run; an `auto` run is set against it (`auto`, see `versus_auto`), and
+    is the best itself only where no fixed budget ran."""
     by_t: dict[float, list[dict]] = {}
+    autos: dict[float, list[dict]] = {}
     ar: dict[float, dict] = {}
     for r in rows:
         cfg, cmp = _grid_config(r), r.get("comparison") or {}
@@ -566,10 +591,10 @@ def recommend(rows: list[dict]) -> list[dict]:
             continue
         if cmp.get("verdict") in ("mismatch", "no tokens"):
             continue
-        by_t.setdefault(t, []).append(r)
+        (by_t if is_fixed(cfg.get("budget")) else autos).setdefault(t, []).append(r)
     out = []
-    for t in sorted(by_t):
-        ranked = sorted(by_t[t], key=lambda r: -r["comparison"]["speedup"])
+    for t in sorted(set(by_t) | set(autos)):
+        ranked = sorted(by_t.get(t) or autos[t], key=lambda r: -r["comparison"]["speedup"])
         best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
         cfg, cmp, sm = _grid_config(best), best["comparison"], (best["results"].get("summary") or {})
         mine = _spread(sm)
@@ -587,8 +612,26 @@ def recommend(rows: list[dict]) -> list[dict]:
             other = _spread(second["results"].get("summary") or {})
             if other and other[1] >= mine[0]:
                 rec.update(within_noise=True, noise_against=second["name"])
+        rec["auto"] = versus_auto(best, autos.get(t, [])) if t in by_t else None
         out.append(rec)
     return out
+
+
+def versus_auto(best: dict, autos: list[dict]) -> dict | None:
+    """The study's `auto` run (the one of the best's topk where there are several) against the best fixed
+    budget's run: its tokens/s over the best's (`vs_best_fixed`), whether it won, and whether their timed
+    passes overlap (`within_noise`); None without an auto run."""
+    if not autos:
+        return None
+    topk = _grid_config(best).get("topk")
+    a = max(autos, key=lambda r: (_grid_config(r).get("topk") == topk, r["comparison"]["speedup"]))
+    sm, best_sm = a["results"].get("summary") or {}, best["results"].get("summary") or {}
+    ratio = a["comparison"]["speedup"] / best["comparison"]["speedup"]  # the same AR: the tokens/s ratio
+    mine, theirs = _spread(sm), _spread(best_sm)
+    return {"run": a["name"], "speedup": a["comparison"]["speedup"], "vs_best_fixed": ratio, "won": ratio > 1,
+            "within_noise": bool(mine and theirs and mine[1] >= theirs[0] and theirs[1] >= mine[0]),
+            "candidates": (sm.get("auto") or {}).get("candidates"),
+            "budget_share": (sm.get("auto") or {}).get("budget_share")}
 
 
 def recommend_budget(rows: list[dict]) -> dict | None:
@@ -616,4 +659,11 @@ def recommendation_text(rec: dict) -> str:
     elif rec.get("noise_against"):
         text += (f" Budget {rec['runner_up_budget']} ({rec['runner_up_speedup']:.2f}×) is within noise of it: "
                  "their timed passes overlap, so either will do.")
+    auto = rec.get("auto")
+    if auto:
+        among = ", ".join(map(str, auto.get("candidates") or [])) or "its candidates"
+        won = "auto won" if auto["won"] else f"the fixed budget {rec['budget']} won"
+        text += (f" Budget auto ({auto['run']}, choosing among {among}) ran at {auto['vs_best_fixed']:.2f}× the "
+                 f"tokens/s of budget {rec['budget']}: {won}"
+                 + (", within noise (their timed passes overlap)." if auto["within_noise"] else "."))
     return text

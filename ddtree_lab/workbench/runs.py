@@ -2,7 +2,7 @@
 
 Every notebook receives a RunParams as flat papermill parameters and rebuilds it with
 `RunParams.from_namespace(globals())`; a run's name says its point of the grid (`ar-t0`,
-`dflash-t0`, `ddtree-b64-k0-t0`).
+`dflash-t0`, `ddtree-b64-k0-t0`, `ddtree-auto-k0-t0`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import pairs
 from ..environment import REPO_DIR
-from ..names import METHODS, RUN_FILE
+from ..names import AUTO, AUTO_CANDIDATES, METHODS, RUN_FILE
 from ..prompts import resolve_prompt_set
 from .spec import Study
 
@@ -36,14 +36,14 @@ class RunParams:
     prompt_set: str = "lab:code"
     n_prompts: int = 2
     method: str = "ddtree"
-    budget: int = 32              # ddtree only; 0 for ar/dflash
+    budget: int | str = 32        # ddtree only; 0 for ar/dflash; "auto": chosen per round (auto_candidates)
     topk: int = 0                 # 0 -> K = budget
     temperature: float = 0.0
     max_new_tokens: int = 32
     seed: int = 0
     warmup: bool = True
     repeats: int = 3              # timed passes over the prompt set (median and spread recorded)
-    budgets: list = field(default_factory=list)  # the study's ddtree budgets (per-study notebooks)
+    budgets: list = field(default_factory=list)  # the study's integer ddtree budgets (per-study notebooks)
 
     @classmethod
     def from_namespace(cls, ns: dict) -> "RunParams":
@@ -131,11 +131,28 @@ def changed_inputs(old: dict | None, new: dict[str, str]) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
+def is_fixed(budget) -> bool:
+    """An integer budget, as figures and fits need; "auto" (chosen per round) is not one."""
+    return isinstance(budget, int) and not isinstance(budget, bool)
+
+
+def fixed_budgets(budgets) -> list[int]:
+    """The integer budgets of a grid's list, sorted and distinct."""
+    return sorted({b for b in budgets if is_fixed(b)})
+
+
+def auto_candidates(params: "RunParams") -> tuple[int, ...]:
+    """What an `auto` run chooses among: the study's integer budgets, or AUTO_CANDIDATES without any."""
+    return tuple(fixed_budgets(params.budgets)) or AUTO_CANDIDATES
+
+
 def _fmt_t(t: float) -> str:
     return f"{t:g}"
 
 
-def run_name(method: str, budget: int | None = None, topk: int | None = None, temperature: float = 0.0) -> str:
+def run_name(method: str, budget: int | str | None = None, topk: int | None = None, temperature: float = 0.0) -> str:
+    if method == "ddtree" and budget == AUTO:
+        return f"ddtree-auto-k{topk or 0}-t{_fmt_t(temperature)}"
     if method == "ddtree":
         return f"ddtree-b{budget}-k{topk or 0}-t{_fmt_t(temperature)}"
     return f"{method}-t{_fmt_t(temperature)}"
@@ -147,11 +164,12 @@ def base_params(study: Study, study_dir: Path) -> dict:
                 target_dir=m.target or "", drafter_dir=m.drafter or "", device=m.device,
                 dtype=m.dtype, attention=m.attention, compile=m.compile, prompt_set=study.prompts.set,
                 n_prompts=study.prompts.n_prompts, max_new_tokens=study.grid.max_new_tokens,
-                seed=study.grid.seed, warmup=study.warmup, repeats=study.grid.repeats, budgets=sorted(set(study.grid.budget)))
+                seed=study.grid.seed, warmup=study.warmup, repeats=study.grid.repeats,
+                budgets=fixed_budgets(study.grid.budget))
 
 
 def expand_grid(study: Study, study_dir: Path | str = ".") -> list[RunParams]:
-    """All runs in execution order: AR first (the reference), then DFlash, then DDTree by budget."""
+    """All runs in execution order: AR first (the reference), then DFlash, then DDTree by budget, `auto` last."""
     base = base_params(study, Path(study_dir))
     runs: list[RunParams] = []
     seen: set = set()
@@ -159,9 +177,11 @@ def expand_grid(study: Study, study_dir: Path | str = ".") -> list[RunParams]:
         for t in study.grid.temperature:
             points = [(0, 0)]
             if meth == "ddtree":
-                points = [(b, k or 0) for b in sorted(set(study.grid.budget)) for k in study.grid.topk]
+                budgets = fixed_budgets(study.grid.budget) + [AUTO] * (AUTO in study.grid.budget)
+                points = [(b, k or 0) for b in budgets for k in study.grid.topk]
             for b, k in points:
-                k_eff = 0 if (k == 0 or k >= b) else k  # topk >= budget is the same tree as K = budget
+                widest = max(base["budgets"] or AUTO_CANDIDATES) if b == AUTO else b
+                k_eff = 0 if (k == 0 or k >= widest) else k  # topk >= budget is the same tree as K = budget
                 key = (meth, b, k_eff, t)
                 if key in seen:
                     continue

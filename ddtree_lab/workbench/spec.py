@@ -18,12 +18,13 @@ from typing import Any
 
 from .. import pairs
 from ..environment import PACKAGE_DIR, REPO_DIR
-from ..names import ATTENTION_BACKENDS, MAX_BUDGET, METHODS, STUDY_DTYPES
+from ..names import ATTENTION_BACKENDS, AUTO, MAX_BUDGET, METHODS, STUDY_DTYPES
 from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
 
 DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
 PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+AUTO_MAX_CANDIDATES = 8  # AutoBudget's limit: one captured round per candidate (auto_budget.py)
 
 
 class StudyError(ValueError):
@@ -55,7 +56,7 @@ class PromptsSpec:
 
 @dataclass
 class GridSpec:
-    budget: list[int] = field(default_factory=lambda: [16, 32, 64])
+    budget: list[int | str] = field(default_factory=lambda: [16, 32, 64])  # and at most one "auto"
     topk: list[int | None] = field(default_factory=lambda: [None])  # None/0 -> K = budget
     temperature: list[float] = field(default_factory=lambda: [0.0])
     max_new_tokens: int = 64
@@ -160,6 +161,33 @@ def _resolve_path(p: str, base: Path | None) -> Path:
     if not path.is_absolute() and base is not None and (base / path).exists():
         return (base / path).resolve()
     return path.resolve()
+
+
+def _grid_budgets(value, src: str | None) -> list:
+    """grid.budget: integers in 1..MAX_BUDGET, and `auto` at most once. The `auto` run chooses each round's
+    budget on the device among the grid's integer budgets (`AutoBudget(budgets=tuple(sorted(ints)))`), or
+    among AUTO_CANDIDATES when the grid has no integer budget."""
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise StudyError("grid.budget", "must not be empty", src)
+    out: list = []
+    for i, b in enumerate(items):
+        where = f"grid.budget[{i}]"
+        if isinstance(b, str) and b.strip().lower() == AUTO:
+            if AUTO in out:
+                raise StudyError(where, f"{AUTO!r} is listed twice (one auto run chooses among all the budgets)", src)
+            out.append(AUTO)
+        elif not _is(b, int):
+            raise StudyError(where, f"must be an integer or {AUTO!r}, got {b!r}", src)
+        elif not 1 <= b <= MAX_BUDGET:
+            raise StudyError(where, f"{b} is out of range 1..{MAX_BUDGET}", src)
+        else:
+            out.append(b)
+    fixed = sorted({b for b in out if b != AUTO})
+    if AUTO in out and len(fixed) > AUTO_MAX_CANDIDATES:
+        raise StudyError(f"grid.budget[{out.index(AUTO)}]", f"{AUTO!r} chooses among at most {AUTO_MAX_CANDIDATES} "
+                                                          f"budgets; the grid has {len(fixed)} integer budgets", src)
+    return out
 
 
 # ----------------------------------------------------------------------------- lookups
@@ -271,12 +299,9 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
     g = _check_keys("grid", data["grid"], src)
     grid = GridSpec()
     if "budget" in g:
-        grid.budget = _as_list("grid.budget", g["budget"], int, src)
+        grid.budget = _grid_budgets(g["budget"], src)
     elif "ddtree" in methods:
         raise StudyError("grid.budget", "is required when methods include ddtree", src)
-    for i, b in enumerate(grid.budget):
-        if not 1 <= b <= MAX_BUDGET:
-            raise StudyError(f"grid.budget[{i}]", f"{b} is out of range 1..{MAX_BUDGET}", src)
     if "topk" in g:
         grid.topk = [None if k in (None, 0) else k for k in _as_list("grid.topk", g["topk"], int, src, allow_none=True)]
         for i, k in enumerate(grid.topk):

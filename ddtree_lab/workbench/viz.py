@@ -269,8 +269,8 @@ def _figure_widget(fig: go.Figure):
 class TreeExplorer:
     """Prompt / budget / round pickers over recorded rounds, redrawing one tree figure.
 
-    data: {(prompt_id, budget): [round trace, ...]}. Use `select(...)` from code or tests; the
-    widgets built by `widget()` call the same method."""
+    data: {(prompt_id, budget): [round trace, ...]}, budget an int or "auto". Use `select(...)` from code
+    or tests; the widgets built by `widget()` call the same method."""
 
     def __init__(self, data: dict[tuple[str, int], Sequence[Any]], tokenizer: Any = None,
                  prompt_labels: dict[str, str] | None = None):
@@ -279,7 +279,8 @@ class TreeExplorer:
         self.data = {k: [r if isinstance(r, RoundView) else round_view(r) for r in v] for k, v in data.items()}
         self.decode = make_decoder(tokenizer)
         self.prompts = list(dict.fromkeys(k[0] for k in self.data))
-        self.budgets = sorted({k[1] for k in self.data})
+        # integer budgets in order, then an `auto` run's rounds (each at the budget it chose)
+        self.budgets = sorted({k[1] for k in self.data}, key=lambda b: (0, b) if isinstance(b, int) else (1, 0))
         self.prompt_labels = prompt_labels or {p: p for p in self.prompts}
         self.prompt, self.budget, self.round = self.prompts[0], self.budgets[0], 0
         base = go.Figure([go.Scatter(**{k: v for k, v in t.items() if k != "type"})

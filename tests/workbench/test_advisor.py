@@ -10,7 +10,7 @@ import pytest
 
 from ddtree_lab.cli import main
 from ddtree_lab.workbench import advisor as A
-from ddtree_lab.workbench.advisor.study import advise, best_budget
+from ddtree_lab.workbench.advisor.study import advice_table, advise, best_budget
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "docs" / "bench"
@@ -279,3 +279,27 @@ def test_the_moe_random_shape_reads_its_experts_from_the_config():
     ar = A.round_cost(s, h200, "ar")
     assert costs[0].seconds > 3 * ar.seconds and all(c.dominant == "weights" for c in costs)
     assert costs[2].seconds / costs[1].seconds < costs[1].seconds / costs[0].seconds * 2  # the union saturates
+
+
+def test_an_auto_run_is_a_measured_reference_not_a_budget(tmp_path):
+    d = make_study(tmp_path)
+    _run(d, "ddtree-auto-k0-t0", "ddtree", "auto", {"p0": [3] * 5, "p1": [3] * 5, "p2": [4] * 5})
+    res = json.loads((d / "ddtree-auto-k0-t0" / "results.json").read_text())
+    res["summary"]["auto"] = {"candidates": [4, 16, 64], "budget_share": {"4": 0.2, "16": 0.8, "64": 0.0}}
+    (d / "ddtree-auto-k0-t0" / "results.json").write_text(json.dumps(res))
+    adv = advise(d, machines=["h200"], model="random:qwen3-8b", n_boot=50)
+    assert adv["budgets"] == [4, 16, 64] and "auto" not in adv["tau"]
+    assert adv["tau_auto"]["run"] == "ddtree-auto-k0-t0" and adv["tau_auto"]["tau"] == pytest.approx(10 / 3)
+    assert "auto (measured, ddtree-auto-k0-t0): τ 3.33; budgets chosen 4: 20%, 16: 80%" in advice_table(adv)
+    from ddtree_lab.workbench.advisor.figures import tau_figure
+    assert tau_figure(adv).layout.annotations[0].text.startswith("auto (ddtree-auto-k0-t0)")
+
+
+def test_bench_rows_at_budget_auto_are_not_priced(tmp_path):
+    b = json.loads(H200_8B.read_text())
+    b["rows"].append({**b["rows"][-1], "budget": "auto"})
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(b))
+    chk = A.check_bench([path])
+    assert chk["checked"] and "auto" not in [r["budget"] for r in chk["checked"][0]["rows"]]
+    assert "auto" not in A.bench_points(b)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from ddtree_lab import atomic, pairs
+from ddtree_lab.names import AUTO_CANDIDATES
 from ddtree_lab import prompts as P
 from ddtree_lab.workbench import runner
 from ddtree_lab.workbench import runs as study_runs
@@ -66,6 +67,9 @@ def test_shipped_study_files_validate():
     (lambda d: d["grid"].update(budget=[4, 2048]), "grid.budget[1]", "out of range 1..1024"),
     (lambda d: d["grid"].update(budget=[0]), "grid.budget[0]", "out of range"),
     (lambda d: d["grid"].update(budget=["big"]), "grid.budget[0]", "must be an integer"),
+    (lambda d: d["grid"].update(budget=[8, "best"]), "grid.budget[1]", "must be an integer or 'auto'"),
+    (lambda d: d["grid"].update(budget=["auto", "auto"]), "grid.budget[1]", "'auto' is listed twice"),
+    (lambda d: d["grid"].update(budget=[*range(1, 10), "auto"]), "grid.budget[9]", "at most 8 budgets"),
     (lambda d: d["grid"].update(max_new_tokens="many"), "grid.max_new_tokens", "must be an integer"),
     (lambda d: d["grid"].update(temperature=[True]), "grid.temperature[0]", "must be a number"),
     (lambda d: d["prompts"].update(n_prompts=True), "prompts.n_prompts", "must be an integer"),
@@ -192,6 +196,23 @@ def test_grid_expansion_names_and_order(env):
     r = runs[-1]
     assert r.fingerprint() == study_runs.RunParams(**{**r.to_json(), "run_dir": "/elsewhere"}).fingerprint()
     assert r.fingerprint() != study_runs.RunParams(**{**r.to_json(), "max_new_tokens": 9}).fingerprint()
+
+
+def test_grid_with_auto_expands_to_one_auto_run_per_topk(env):
+    """`auto` runs after the integer budgets and chooses among them (AUTO_CANDIDATES without any)."""
+    tmp, base = env
+    base["grid"].update(budget=[16, "Auto", 4], topk=[0, 8, 32])
+    st = study_spec.load_study(write(tmp, base))
+    assert st.grid.budget == [16, "auto", 4]
+    runs = [r for r in study_runs.expand_grid(st, tmp / "out") if r.method == "ddtree"]
+    # topk 32 is K = budget for every candidate (the widest is 16): the same run as topk 0
+    assert [r.run_name for r in runs] == ["ddtree-b4-k0-t0", "ddtree-b16-k0-t0", "ddtree-b16-k8-t0",
+                                          "ddtree-auto-k0-t0", "ddtree-auto-k8-t0"]
+    auto = runs[-2]
+    assert auto.budget == "auto" and auto.budgets == [4, 16] and study_runs.auto_candidates(auto) == (4, 16)
+    base["grid"]["budget"] = ["auto"]
+    only = [r for r in study_runs.expand_grid(study_spec.load_study(write(tmp, base))) if r.method == "ddtree"]
+    assert study_runs.auto_candidates(only[0]) == AUTO_CANDIDATES
 
 
 def test_run_params_from_namespace_and_resolved(tmp_path):

@@ -15,6 +15,11 @@ CHECK_TOLERANCE = 0.15
 CHECK_BUDGETS = (16, 1024)  # the budget range the first-principles check covers
 
 
+def _modelled(row: dict) -> bool:
+    """A bench row the model can price: a budget="auto" row has no one tree size (its rounds vary)."""
+    return row["method"] != "ddtree" or isinstance(row.get("budget"), int)
+
+
 def _matches(bench: dict, settings: Mapping) -> list[str]:
     return [f"{k}={bench.get(k)!r} (calibrated: {v!r})" for k, v in settings.items() if bench.get(k) != v]
 
@@ -42,7 +47,7 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
         m, ctx = get_machine(mname), int(b.get("prompt_len") or 512)
         union = measured_union(b, shape)  # an MoE bench's own expert counts, else None (uniform routing)
         rows = []
-        for r in b["rows"]:
+        for r in filter(_modelled, b["rows"]):
             pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal, union)
             meas = float(r["round_seconds"])
             rows.append({"method": r["method"], "budget": r.get("budget"), "measured_seconds": meas,
@@ -66,7 +71,7 @@ def measured_union(bench: dict, shape) -> dict[int, float] | None:
     """tokens per forward -> mean distinct experts per MoE layer, from a bench e2e JSON's rows (verify
     forwards of 1, block_size and budget + 1 tokens), or None when it has no counts."""
     curve = {}
-    for r in bench.get("rows", []):
+    for r in filter(_modelled, bench.get("rows", [])):
         touched = r.get("experts_touched_mean")
         if touched is None:
             continue
@@ -118,7 +123,7 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
     obs = []  # (terms, measured seconds)
     for b, s in zip(benches, shapes):
         ctx = int(b.get("prompt_len") or 512)
-        for r in b["rows"]:
+        for r in filter(_modelled, b["rows"]):
             st = r["stage_seconds_per_round"]
             if r["method"] == "ar":
                 obs.append((verify_terms(s, 1, ctx, base, "ar"), st["verify"]))
@@ -137,7 +142,7 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
     for stage, extra in (("tree_build", 0), ("commit", 1)):
         xs, ys = [], []
         for b, s in zip(benches, shapes):
-            for r in b["rows"]:
+            for r in filter(_modelled, b["rows"]):
                 if r["method"] == "ar":
                     continue
                 nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])

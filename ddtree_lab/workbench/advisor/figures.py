@@ -25,6 +25,10 @@ def _layout(fig: go.Figure, title: str, x: str, y: str, log_x: bool = True) -> g
 def tau_figure(advice: dict) -> go.Figure:
     b = advice["budgets"]
     fig = go.Figure(go.Scatter(x=b, y=[advice["tau"][x] for x in b], mode="lines+markers", name="measured τ"))
+    auto = advice.get("tau_auto")
+    if auto:  # chosen per round: a reference line, not a budget on the axis
+        fig.add_hline(y=auto["tau"], line=dict(dash="dashdot", color="#8172b3"),
+                      annotation_text=f"auto ({auto['run']}): {auto['tau']:.2f}")
     return _layout(fig, f"Measured τ(B) on {advice['study_pair'] or 'the study pair'}", "budget B",
                    "mean τ per round")
 

@@ -24,9 +24,9 @@ def read_bench(path: str | Path) -> dict:
 
 
 def bench_points(bench: dict) -> dict[int, dict[str, float]]:
-    """{budget: stage seconds per round} of a bench JSON's DDTree rows."""
-    return {int(r["budget"]): dict(r["stage_seconds_per_round"]) for r in bench["rows"]
-            if r.get("method") == "ddtree" and r.get("budget")}
+    """{budget: stage seconds per round} of a bench JSON's DDTree rows at a fixed budget (not "auto")."""
+    return {r["budget"]: dict(r["stage_seconds_per_round"]) for r in bench["rows"]
+            if r.get("method") == "ddtree" and isinstance(r.get("budget"), int) and r["budget"]}
 
 
 

@@ -20,6 +20,7 @@ from ...atomic import atomic_write_json
 from .. import advisor as A
 from ..figures import grid_rows, run_config
 from ..results import collect_study, load_traces
+from ..runs import is_fixed
 
 ADVICE_FILE = "advice.json"
 SCHEMA = "ddtree_lab.advice/1"
@@ -36,7 +37,8 @@ def _prompt_taus(res: dict) -> dict[str, tuple[int, int]]:
 
 def study_taus(study_dir: str | os.PathLike) -> dict:
     """The study's measured τ per prompt, per budget (the first DDTree series with most budgets), plus
-    AR and DFlash; refused with what is missing."""
+    AR, DFlash and the series' `auto` run (a measured reference, never a point of the fits); refused with
+    what is missing."""
     study_dir = Path(study_dir)
     if not study_dir.is_dir():
         raise A.AdvisorError(f"no study directory {study_dir}")
@@ -46,10 +48,14 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
         raise A.AdvisorError(f"{study_dir}: no complete AR run (add 'ar' to methods): the advisor needs the "
                              "AR step as the reference")
     series: dict[tuple, dict[int, dict]] = {}
+    autos: dict[tuple, dict] = {}
     for r in rows:
         cfg = run_config(r)
-        if cfg.get("method") == "ddtree" and cfg.get("budget"):
-            series.setdefault((cfg.get("topk") or 0, cfg.get("temperature", 0.0)), {})[int(cfg["budget"])] = r
+        key = (cfg.get("topk") or 0, cfg.get("temperature", 0.0))
+        if cfg.get("method") == "ddtree" and is_fixed(cfg.get("budget")) and cfg["budget"]:
+            series.setdefault(key, {})[cfg["budget"]] = r
+        elif cfg.get("method") == "ddtree" and cfg.get("budget"):
+            autos[key] = r
     if not series:
         raise A.AdvisorError(f"{study_dir}: no complete DDTree run (add 'ddtree' to methods and budgets "
                              "to grid.budget)")
@@ -70,10 +76,19 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
             "device": (res.get("device") or {}), "topk": key[0], "temperature": key[1], "context_tokens": ctx,
             "budgets": {b: _prompt_taus(r["results"]) for b, r in sorted(runs.items())},
             "dflash": _prompt_taus(dflash["results"]) if dflash else None,
+            "auto": _auto_taus(autos.get(key)),
             "traces": {b: load_traces(r["dir"]) for b, r in sorted(runs.items())},
             "stage_points": {b: {k: v / max(1, r["results"]["summary"].get("rounds") or 1)
                                  for k, v in (r["results"]["summary"].get("stage_seconds") or {}).items()}
                              for b, r in sorted(runs.items())}}
+
+
+def _auto_taus(row: dict | None) -> dict | None:
+    """An `auto` run's τ per prompt and the share of its rounds at each budget."""
+    if row is None:
+        return None
+    auto = (row["results"].get("summary") or {}).get("auto") or {}
+    return {"run": row["name"], "taus": _prompt_taus(row["results"]), "budget_share": auto.get("budget_share")}
 
 
 def _tau(per_prompt: dict[str, tuple[int, int]], ids: list[str]) -> float:
@@ -136,6 +151,8 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
            "projection": True, "context_tokens": ctx, "topk": st["topk"], "temperature": st["temperature"],
            "budgets": budgets, "tau": {b: _tau(t, all_ids) for b, t in st["budgets"].items()},
            "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
+           "tau_auto": ({"run": st["auto"]["run"], "tau": _tau(st["auto"]["taus"], all_ids),
+                         "budget_share": st["auto"]["budget_share"]} if st["auto"] else None),
            "calibration": dataclasses.asdict(cal), "machines": {}}
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
@@ -198,6 +215,10 @@ def advice_table(advice: dict) -> str:
         lines.append(f"  {name:<13} B={best['budget']:<5} {best['tokens_per_second']:8.1f} tok/s "
                      f"[{best['band'][0]:.1f}, {best['band'][1]:.1f}]  {best['speedup']:.2f}× AR  "
                      f"{A.PART_TITLES[best['dominant']]}")
+    auto = advice.get("tau_auto")
+    if auto:
+        share = ", ".join(f"{b}: {100 * v:.0f}%" for b, v in (auto.get("budget_share") or {}).items() if v)
+        lines.append(f"auto (measured, {auto['run']}): τ {auto['tau']:.2f}; budgets chosen {share or '?'}")
     for name, mach in advice["machines"].items():
         rep = mach.get("auto_replay")
         if rep:
