@@ -28,7 +28,7 @@ class AutoBudget:
     budgets: tuple[int, ...] = AUTO_CANDIDATES  # the captured budgets it chooses among (at most 8)
     costs: tuple[float, ...] | None = None      # seconds per round of each; None: measured when captured
     edges: tuple[float, ...] = (1.5, 3.0)       # confidence bins: expected accepted nodes by the draft
-    explore: float = 0.5     # tokens an untried budget is assumed to add over the next smaller candidate
+    explore: float = 1.0     # tokens an untried budget is assumed to add over the next smaller candidate
     weight: float = 2.0      # rounds' worth of that assumption in each table cell
     memory: int = 2048       # rounds: older outcomes fade by 1 - 1/memory per round
 
@@ -77,7 +77,6 @@ class AutoState:
         f32 = dict(dtype=torch.float32, device=device)
         self.budgets = torch.tensor(auto.budgets, dtype=torch.long, device=device)
         self.costs = torch.tensor(auto.costs or [1.0] * J, **f32)
-        self._measured = [auto.costs is not None]
         self.edges = torch.tensor(list(auto.edges), **f32)
         self.table_sum = torch.zeros(rows, J, **f32)
         self.table_count = torch.zeros(rows, J, **f32)
@@ -87,25 +86,45 @@ class AutoState:
         self.schedule = torch.tensor([0, 1], dtype=torch.long, device=device)  # host read lag, rounds per read
         self.max_tau = float(L + 1)
         self.decay = 1.0 - 1.0 / auto.memory
+        self.timing = self.learned()["timing"]
 
     LEARNED = ("table_sum", "table_count", "totals", "costs")
+    PRIOR_ROUNDS = 4.0  # rounds' worth of the capture-time timing in a candidate's cost
 
     def learned(self) -> dict:
-        """What later programs of the same setting take over: the table, the totals, the measured costs."""
-        return {"tensors": {name: getattr(self, name) for name in self.LEARNED}, "measured": [self.measured]}
+        """What later programs of the same setting take over: the table, the totals, the costs and the
+        timings they come from."""
+        J = len(self.auto.budgets)
+        return {"tensors": {name: getattr(self, name) for name in self.LEARNED},
+                "timing": {"given": self.auto.costs is not None, "capture": None, "sums": [0.0] * J,
+                           "counts": [0.0] * J}}
 
     def adopt(self, learned: dict) -> None:
         for name, t in learned["tensors"].items():
             setattr(self, name, t)
-        self._measured = learned["measured"]
+        self.timing = learned["timing"]
 
     @property
     def measured(self) -> bool:
-        return self._measured[0]
+        """Whether the costs are known: given, or timed at capture."""
+        return self.timing["given"] or self.timing["capture"] is not None
 
-    @measured.setter
-    def measured(self, value: bool) -> None:
-        self._measured[0] = value
+    def set_capture_costs(self, seconds: list[float]) -> None:
+        self.timing["capture"] = list(seconds)
+        self.costs.copy_(torch.tensor(seconds))
+
+    def observe(self, picks: list[int], seconds: list[float]) -> None:
+        """A call's rounds, timed by the events between its stages (nothing waits for them inside the call):
+        each candidate's cost becomes the running mean of its rounds, starting from the capture timing. Given
+        costs stay as given."""
+        if self.timing["given"] or self.timing["capture"] is None:
+            return
+        t = self.timing
+        for j, sec in zip(picks, seconds):
+            t["sums"][j] = t["sums"][j] * self.decay + sec
+            t["counts"][j] = t["counts"][j] * self.decay + 1.0
+        w = self.PRIOR_ROUNDS
+        self.costs.copy_(torch.tensor([(w * c + s) / (w + n) for c, s, n in zip(t["capture"], t["sums"], t["counts"])]))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.table_sum, self.table_count, self.totals, self.bin_ring, self.choice_ring]

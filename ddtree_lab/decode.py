@@ -425,6 +425,10 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     acceptance = _rounds_needed(program.taus[:n_rounds].tolist(), len(out))
     totals, per_round = clock.resolve()
     totals.pop("capture", None)
+    if auto_state is not None:  # each counted round's time (stages and the host's read) for the next call's
+        # costs; the first round's also holds the host's start-up reads, so it is left out
+        counted = range(1, len(acceptance))
+        auto_state.observe([chosen[i] for i in counted], [sum(per_round.get(i, {}).values()) for i in counted])
     for r in rounds:
         r.stage_seconds = per_round.get(r.index, {})
     for index, spent in per_round.items():  # rounds past the stop: overhead, not round time
@@ -461,14 +465,13 @@ def _measure_auto_costs(program: RoundProgram, state: AutoState, stage_sets) -> 
             t.copy_(v)
         gen.set_state(saved[1])
 
-    costs = measure_costs(stage_sets, save, restore, program.device)
-    state.costs.copy_(torch.tensor(costs))
-    state.measured = True
+    state.set_capture_costs(measure_costs(stage_sets, save, restore, program.device))
 
 
 def _auto_settings(auto: AutoBudget, state: AutoState) -> dict:
     return {"budgets": list(auto.budgets), "costs": state.costs.tolist(),
-            "costs_measured": auto.costs is None, "edges": list(auto.edges), "explore": auto.explore,
+            "costs_measured": auto.costs is None, "cost_rounds": [round(n, 1) for n in state.timing["counts"]],
+            "edges": list(auto.edges), "explore": auto.explore,
             "weight": auto.weight, "memory": auto.memory}
 
 

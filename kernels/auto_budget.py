@@ -1,11 +1,12 @@
 """budget="auto" bookkeeping in one launch: credit a round's outcome, propose the next budget.
 
-Contract: after round r ran at candidate j, add τ_i = 1 + #(accepted nodes with index ≤ budget_i) for
-every candidate i ≤ j to the table row of the confidence bin the host's choice for round r came from,
-then propose a budget for rounds chosen from round r: argmax_i m_i − λ·cost_i over this round's bin, with
-λ the achieved tokens per second. Why τ_i is known for i ≤ j: a tree of budget b is the first b nodes of
-any larger one (tree.py's order), and node indices grow along a path. An untried budget's mean is the next
-smaller one's plus `explore` tokens, so it is tried only while it could pay. In torch this is ~40 small
+Contract: after round r ran at candidate j, with τ_i = 1 + #(accepted nodes with index ≤ budget_i), add τ_0
+and each gain τ_i − τ_{i-1} (0 < i ≤ j) to the table row of the confidence bin the host's choice for round r
+came from; then propose a budget for the rounds chosen from round r: argmax_i m_i − λ·cost_i over this round's
+bin, m_i = mean τ_0 + the mean gains up to i, λ the achieved tokens per second. τ_i is known for i ≤ j because
+a tree of budget b is the first b nodes of any larger one (tree.py's order) and node indices grow along a path;
+gains are measured on the same rounds, so m_i never falls below m_{i-1}. An untried gain counts as `explore`
+tokens, so a larger budget is tried only while it could pay. In torch this is ~40 small
 kernels (a few % of a small pair's round on a GPU); here it is one program. Reference: `auto_update_reference`.
 """
 from __future__ import annotations
@@ -35,14 +36,16 @@ def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, 
     jj = tl.arange(0, BLOCK_J)
     live_j = jj < J
     budget = tl.load(Budgets + jj, mask=live_j, other=0)
-    tau = 1.0 + tl.sum((node[None, :] <= budget[:, None]).to(tl.float32), axis=1)   # [BLOCK_J]
+    below = tl.load(Budgets + jj - 1, mask=live_j & (jj >= 1), other=0)     # the next smaller candidate
+    inside = (node[None, :] > below[:, None]) & (node[None, :] <= budget[:, None])
+    gain = tl.sum(inside.to(tl.float32), axis=1) + tl.where(jj == 0, 1.0, 0.0)   # [BLOCK_J]: τ_0, then τ_i − τ_{i-1}
     rows = tl.arange(0, BLOCK_R)[:, None]
     cell = rows * J + jj[None, :]
     live = (rows < NB + 1) & live_j[None, :]
     s = tl.load(S + cell, mask=live, other=0.0) * decay
     n = tl.load(N + cell, mask=live, other=0.0) * decay
     credit = (rows == src_bin) & (jj[None, :] <= j)
-    s += tl.where(credit, tau[None, :], 0.0)
+    s += tl.where(credit, gain[None, :], 0.0)
     n += tl.where(credit, 1.0, 0.0)
     tot_tau = tl.load(Totals) * decay + a.to(tl.float32)
     tot_cost = tl.load(Totals + 1) * decay + tl.load(Costs + j)
@@ -56,19 +59,18 @@ def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, 
     s_row = tl.sum(tl.where(rows == bin_, s, 0.0), axis=0)                  # [BLOCK_J]
     n_row = tl.sum(tl.where(rows == bin_, n, 0.0), axis=0)
     cost = tl.load(Costs + jj, mask=live_j, other=0.0)
-    prev = tl.full((), 1.0, tl.float32)
+    m = weight / (tl.sum(tl.where(jj == 0, n_row, 0.0)) + weight)   # τ_0's prior: the bonus token alone
     best = tl.full((), -float("inf"), tl.float32)
     pick = tl.full((), 0, tl.int64)
     for i in tl.static_range(J):
         si = tl.sum(tl.where(jj == i, s_row, 0.0))
         ni = tl.sum(tl.where(jj == i, n_row, 0.0))
         ci = tl.sum(tl.where(jj == i, cost, 0.0))
-        m = tl.minimum((si + weight * (prev + explore)) / (ni + weight), max_tau)
+        m = tl.minimum(m + (si + weight * explore) / (ni + weight), max_tau)
         score = m - lam * ci
         take = score > best                                                  # ties keep the smaller budget
         best = tl.where(take, score, best)
         pick = tl.where(take, i, pick)
-        prev = m
     tl.debug_barrier()
     tl.store(S + cell, s, mask=live)
     tl.store(N + cell, n, mask=live)
@@ -93,11 +95,12 @@ def auto_update(path, a, scores, j: int, budgets, costs, edges, table_sum, table
 # ----------------------------------------------------------------------------- reference
 
 def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, max_tau: float) -> torch.Tensor:
-    """The proposal for one bin: argmax_i m_i − λ·cost_i, m_i shrunk towards m_{i-1} + explore; -> [] long."""
-    prev = torch.ones((), device=costs.device)
+    """The proposal for one bin: argmax_i m_i − λ·cost_i, where m_0 is the smallest budget's mean τ and each
+    m_i adds the mean gain of budget i over the one below it, each shrunk towards `explore`; -> [] long."""
+    m = weight / (n_row[0] + weight)   # τ_0's prior: the bonus token alone
     best, pick = None, torch.zeros((), dtype=torch.long, device=costs.device)
     for i in range(costs.shape[0]):
-        m = ((s_row[i] + weight * (prev + explore)) / (n_row[i] + weight)).clamp(max=max_tau)
+        m = (m + (s_row[i] + weight * explore) / (n_row[i] + weight)).clamp(max=max_tau)
         score = m - lam * costs[i]
         if best is None:
             best = score
@@ -105,7 +108,6 @@ def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, m
             take = score > best
             best = torch.where(take, score, best)
             pick = torch.where(take, torch.full_like(pick, i), pick)
-        prev = m
     return pick
 
 
@@ -119,10 +121,12 @@ def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_
     src_bin = torch.where(src >= 0, bin_ring.index_select(0, src.clamp(min=0)), torch.zeros_like(src))
     k = torch.arange(path.shape[0], device=path.device)
     nodes = torch.where((k >= 1) & (k < a), path, torch.full_like(path, FAR))
-    tau = 1.0 + (nodes[None, :] <= budgets[:, None]).sum(1).float()            # [J]
+    below = torch.cat([budgets.new_zeros(1), budgets[:-1]])                    # the next smaller candidate
+    gain = ((nodes[None, :] > below[:, None]) & (nodes[None, :] <= budgets[:, None])).sum(1).float()
+    gain[0] += 1.0                                                             # [J]: τ_0, then τ_i − τ_{i-1}
     rows = torch.arange(table_sum.shape[0], device=path.device)[:, None]
     credit = (rows == src_bin) & (torch.arange(budgets.shape[0], device=path.device)[None, :] <= j)
-    table_sum.mul_(decay).add_(torch.where(credit, tau[None, :], 0.0))
+    table_sum.mul_(decay).add_(torch.where(credit, gain[None, :], 0.0))
     table_count.mul_(decay).add_(credit.float())
     totals.mul_(decay).add_(torch.stack([a[0].float(), costs[j]]))
     conf = scores[:n_conf].float().exp().sum()

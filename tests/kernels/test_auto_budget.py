@@ -69,7 +69,7 @@ def test_credit_goes_to_the_source_rounds_bin_and_every_smaller_budget():
                 state.table_sum, state.table_count, state.totals, state.bin_ring, state.choice_ring, round_idx,
                 state.schedule, 4, 0.5, 2.0, state.decay, 16.0)
     assert source_round(2, 1, 1) == 0
-    assert state.table_sum[2].tolist() == [2.0, 3.0, 0.0]   # budget 64 was not run: no credit
+    assert state.table_sum[2].tolist() == [2.0, 1.0, 0.0]   # τ at 4, the gain at 16; 64 was not run: no credit
     assert state.table_count[2].tolist() == [1.0, 1.0, 0.0]
     assert state.table_sum[0].sum() == 0 and state.table_sum[1].sum() == 0
     assert int(state.bin_ring[2]) == 1
