@@ -82,7 +82,8 @@ class AutoState:
         self.table_count = torch.zeros(rows, J, **f32)
         self.totals = torch.zeros(2, **f32)
         self.bin_ring = torch.zeros(max_rounds, dtype=torch.long, device=device)
-        self.choice_ring = torch.zeros(max_rounds, dtype=torch.long, device=device)
+        # [bin 0's proposal (for a call's rounds before any read), then round r's at 1 + r]: one copy reads both
+        self.proposals = torch.zeros(1 + max_rounds, dtype=torch.long, device=device)
         self.schedule = torch.tensor([0, 1], dtype=torch.long, device=device)  # host read lag, rounds per read
         self.max_tau = float(L + 1)
         self.decay = 1.0 - 1.0 / auto.memory
@@ -97,7 +98,7 @@ class AutoState:
         J = len(self.auto.budgets)
         return {"tensors": {name: getattr(self, name) for name in self.LEARNED},
                 "timing": {"given": self.auto.costs is not None, "capture": None, "sums": [0.0] * J,
-                           "counts": [0.0] * J}}
+                           "counts": [0.0] * J, "first": J - 1, "schedule": None}}
 
     def adopt(self, learned: dict) -> None:
         for name, t in learned["tensors"].items():
@@ -127,17 +128,21 @@ class AutoState:
         self.costs.copy_(torch.tensor([(w * c + s) / (w + n) for c, s, n in zip(t["capture"], t["sums"], t["counts"])]))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.table_sum, self.table_count, self.totals, self.bin_ring, self.choice_ring]
+        return [self.table_sum, self.table_count, self.totals, self.bin_ring, self.proposals]
 
     def start(self, lag: int, every: int) -> int:
-        """Before a call's first round: its read schedule, and the proposal for rounds before any read
-        (bin 0's best; one host read, made with the prefill's)."""
-        from .kernels.auto_budget import propose_reference
+        """Before a call's first round: its read schedule (copied only when it changes), and the proposal for
+        its rounds before any read, as the last call read it (before anything is learned: the largest budget,
+        which every untried gain favours). Nothing here waits for the device."""
+        if self.timing["schedule"] != (lag, every):
+            self.schedule.copy_(torch.tensor([lag, every]))
+            self.timing["schedule"] = (lag, every)
+        return self.timing["first"]
 
-        self.schedule.copy_(torch.tensor([lag, every]))
-        lam = self.totals[0] / self.totals[1] if float(self.totals[1]) > 0 else torch.zeros((), device=self.device)
-        return int(propose_reference(self.table_sum[0], self.table_count[0], self.costs, lam, self.auto.explore,
-                                     self.auto.weight, self.max_tau))
+    def finish(self, first: int | None) -> None:
+        """After a call: bin 0's proposal as its last read saw it."""
+        if first is not None:
+            self.timing["first"] = first
 
     def update(self, path, a, scores, j: int, round_idx, use_kernel: bool) -> None:
         """After round j's commit: credit and propose (kernels/auto_budget.py)."""
@@ -146,7 +151,7 @@ class AutoState:
         fn = k.auto_update if use_kernel else k.auto_update_reference
         n_conf = min(self.auto.budgets[0], scores.shape[0])
         fn(path, a, scores, j, self.budgets, self.costs, self.edges, self.table_sum, self.table_count, self.totals,
-           self.bin_ring, self.choice_ring, round_idx, self.schedule, n_conf, self.auto.explore,
+           self.bin_ring, self.proposals, round_idx, self.schedule, n_conf, self.auto.explore,
            self.auto.weight, self.decay, self.max_tau)
 
 

@@ -385,7 +385,8 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
 
     tokens: list[int] = [int(program.out[0])]
     # budget="auto": the host runs the candidate the device proposed after round source_round(r), read with
-    # the tokens; before any read, the call's first proposal. A fixed budget has one candidate.
+    # the tokens (proposals = [bin 0's, round 0's, …]); before any read, the last call's bin-0 proposal. A fixed
+    # budget has one candidate.
     first_choice = auto_state.start(lag, sync_every) if auto_state is not None else 0
     proposals: list[int] = []
     chosen: list[int] = []
@@ -401,7 +402,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         for _ in range(sync_every):
             clock.round = n_rounds
             source = source_round(n_rounds, lag, sync_every)
-            j = first_choice if source < 0 or not proposals else proposals[min(source, len(proposals) - 1)]
+            j = first_choice if source < 0 or len(proposals) < 2 else proposals[1 + min(source, len(proposals) - 2)]
             chosen.append(j)
             position, root = (int(program.n), int(program.bonus)) if trace else (0, 0)
             for name, fn in stage_sets[j]:
@@ -421,6 +422,8 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         tokens, proposals = _finish_read(reads[-1])
 
     wall = time.perf_counter() - start - round_capture_seconds
+    if auto_state is not None:
+        auto_state.finish(proposals[0] if proposals else None)
     out, stop_reason = _trim(tokens, max_new_tokens, stop_ids)
     acceptance = _rounds_needed(program.taus[:n_rounds].tolist(), len(out))
     totals, per_round = clock.resolve()
@@ -478,7 +481,7 @@ def _auto_settings(auto: AutoBudget, state: AutoState) -> dict:
 def _start_read(program: RoundProgram, auto: AutoState | None = None, rounds: int = 0):
     """Start copying [out_len, out …] (and budget="auto"'s proposals for the first `rounds` rounds) to the
     host; on a GPU asynchronously, into pinned memory."""
-    parts = [program.out_len, program.out] + ([auto.choice_ring[:rounds]] if auto is not None else [])
+    parts = [program.out_len, program.out] + ([auto.proposals[:1 + rounds]] if auto is not None else [])
     if program.device.type != "cuda":
         return torch.cat(parts), None, program.out.shape[0]
     host = torch.empty(sum(p.shape[0] for p in parts), dtype=torch.long, pin_memory=True)

@@ -21,7 +21,27 @@ _FAR = tl.constexpr(FAR)
 
 
 @triton.jit
-def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, ChoiceRing, RoundIdx, Schedule,
+def _propose(s, n, rows, jj, cost, bin_, lam, explore, weight, max_tau, J: tl.constexpr):
+    """argmax_i m_i − λ·cost_i in one bin's row of the table (see propose_reference)."""
+    s_row = tl.sum(tl.where(rows == bin_, s, 0.0), axis=0)                  # [BLOCK_J]
+    n_row = tl.sum(tl.where(rows == bin_, n, 0.0), axis=0)
+    m = weight / (tl.sum(tl.where(jj == 0, n_row, 0.0)) + weight)   # τ_0's prior: the bonus token alone
+    best = tl.full((), -float("inf"), tl.float32)
+    pick = tl.full((), 0, tl.int64)
+    for i in tl.static_range(J):
+        si = tl.sum(tl.where(jj == i, s_row, 0.0))
+        ni = tl.sum(tl.where(jj == i, n_row, 0.0))
+        ci = tl.sum(tl.where(jj == i, cost, 0.0))
+        m = tl.minimum(m + (si + weight * explore) / (ni + weight), max_tau)
+        score = m - lam * ci
+        take = score > best                                                  # ties keep the smaller budget
+        best = tl.where(take, score, best)
+        pick = tl.where(take, i, pick)
+    return pick
+
+
+@triton.jit
+def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, Proposals, RoundIdx, Schedule,
                  j, n_conf, explore, weight, decay, max_tau,
                  J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                  BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -56,37 +76,27 @@ def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, 
     edge = tl.load(Edges + e, mask=e < NB - 1, other=float("inf"))
     bin_ = 1 + tl.sum((conf >= edge).to(tl.int64))
     lam = tl.where(tot_cost > 0, tot_tau / tot_cost, 0.0)
-    s_row = tl.sum(tl.where(rows == bin_, s, 0.0), axis=0)                  # [BLOCK_J]
-    n_row = tl.sum(tl.where(rows == bin_, n, 0.0), axis=0)
     cost = tl.load(Costs + jj, mask=live_j, other=0.0)
-    m = weight / (tl.sum(tl.where(jj == 0, n_row, 0.0)) + weight)   # τ_0's prior: the bonus token alone
-    best = tl.full((), -float("inf"), tl.float32)
-    pick = tl.full((), 0, tl.int64)
-    for i in tl.static_range(J):
-        si = tl.sum(tl.where(jj == i, s_row, 0.0))
-        ni = tl.sum(tl.where(jj == i, n_row, 0.0))
-        ci = tl.sum(tl.where(jj == i, cost, 0.0))
-        m = tl.minimum(m + (si + weight * explore) / (ni + weight), max_tau)
-        score = m - lam * ci
-        take = score > best                                                  # ties keep the smaller budget
-        best = tl.where(take, score, best)
-        pick = tl.where(take, i, pick)
+    pick = _propose(s, n, rows, jj, cost, bin_, lam, explore, weight, max_tau, J)
+    first = _propose(s, n, rows, jj, cost, 0, lam, explore, weight, max_tau, J)   # for the next call's first rounds
     tl.debug_barrier()
     tl.store(S + cell, s, mask=live)
     tl.store(N + cell, n, mask=live)
     tl.store(Totals, tot_tau)
     tl.store(Totals + 1, tot_cost)
     tl.store(BinRing + r, bin_)
-    tl.store(ChoiceRing + r, pick)
+    tl.store(Proposals + 1 + r, pick)
+    tl.store(Proposals, first)
 
 
 def auto_update(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                choice_ring, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
+                proposals, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
                 max_tau: float) -> None:
-    """All tensors on one device; table_sum/table_count [bins + 1, J], totals [2] and the rings are updated."""
+    """All tensors on one device; table_sum/table_count [bins + 1, J], totals [2], bin_ring [R] and proposals
+    [1 + R] (bin 0's proposal, for rounds before any read, then round r's at 1 + r) are updated."""
     J, NB = budgets.shape[0], edges.shape[0] + 1
     _auto_kernel[(1,)](path, a, scores, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                       choice_ring, round_idx, schedule, j, n_conf, explore, weight, decay, max_tau,
+                       proposals, round_idx, schedule, j, n_conf, explore, weight, decay, max_tau,
                        J=J, NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
                        BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
                        BLOCK_R=max(2, triton.next_power_of_2(NB + 1)), num_warps=1)
@@ -112,7 +122,7 @@ def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, m
 
 
 def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                          choice_ring, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
+                          proposals, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
                           max_tau: float) -> None:
     """The same update in tensor ops (no host reads, so it also runs inside a captured graph)."""
     r = round_idx - 1                                                          # [1]
@@ -133,5 +143,7 @@ def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_
     bin_ = 1 + (conf >= edges).sum()
     lam = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1e-30), torch.zeros_like(totals[0]))
     pick = propose_reference(table_sum[bin_], table_count[bin_], costs, lam, explore, weight, max_tau)
+    first = propose_reference(table_sum[0], table_count[0], costs, lam, explore, weight, max_tau)
     bin_ring.index_copy_(0, r, bin_.view(1))
-    choice_ring.index_copy_(0, r, pick.view(1))
+    proposals.index_copy_(0, r + 1, pick.view(1))
+    proposals[:1].copy_(first.view(1))

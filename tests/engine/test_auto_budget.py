@@ -38,7 +38,7 @@ def test_each_round_runs_the_proposal_read_before_it(tiny_pair):
     emitted = 1 + sum(res.acceptance_lengths)
     programs, _, state = next(v for k, v in tiny_pair._auto_programs.items()
                               if k[1] == CHEAP.key() and int(v[0][-1].out_len) == emitted)
-    ring = state.choice_ring.tolist()
+    ring = state.proposals[1:].tolist()
     for r, budget in enumerate(res.round_budgets):
         src = source_round(r, 0, 1)  # traced: every round read before the next
         if src >= 0:
@@ -64,7 +64,7 @@ def test_kernel_path_equals_torch_path(tiny_pair, use_options):
     for kernels in ("torch", "triton"):
         use_options(tree_kernels=kernels)
         # the options are part of the programs' key: each path starts from its own fresh table
-        res = [dl.generate(tiny_pair, PROMPT, budget=CHEAP, max_new_tokens=32, stop=[], trace=False) for _ in range(3)]
+        res = [dl.generate(tiny_pair, PROMPT, budget=CHEAP, max_new_tokens=12, stop=[], trace=False) for _ in range(2)]
         runs[kernels] = [(r.tokens, r.round_budgets) for r in res]
     assert runs["torch"] == runs["triton"]
 

@@ -38,7 +38,7 @@ def _run(fn, budgets, edges, lag, every, rounds, seed):
         path, a, scores = _round(g, budgets[j])
         round_idx += 1
         fn(path, a, scores, j, state.budgets, state.costs, state.edges, state.table_sum, state.table_count,
-           state.totals, state.bin_ring, state.choice_ring, round_idx, state.schedule, min(budgets[0], budgets[j]),
+           state.totals, state.bin_ring, state.proposals, round_idx, state.schedule, min(budgets[0], budgets[j]),
            auto.explore, auto.weight, state.decay, float(L + 1))
     return state
 
@@ -52,8 +52,8 @@ def test_kernel_matches_reference(budgets, edges, lag, every):
     torch.testing.assert_close(got.table_sum, want.table_sum, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.table_count, want.table_count, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.totals, want.totals, rtol=1e-5, atol=1e-9)
-    assert torch.equal(got.bin_ring, want.bin_ring) and torch.equal(got.choice_ring, want.choice_ring)
-    assert int(want.bin_ring.max()) <= len(edges) + 1 and int(want.choice_ring.max()) < len(budgets)
+    assert torch.equal(got.bin_ring, want.bin_ring) and torch.equal(got.proposals, want.proposals)
+    assert int(want.bin_ring.max()) <= len(edges) + 1 and int(want.proposals.max()) < len(budgets)
 
 
 def test_credit_goes_to_the_source_rounds_bin_and_every_smaller_budget():
@@ -66,7 +66,7 @@ def test_credit_goes_to_the_source_rounds_bin_and_every_smaller_budget():
     path[1:4] = torch.tensor([2, 9, 30])          # accepted nodes 2, 9, 30: τ = 2 at budget 4, 3 at 16, 4 at 64
     scores = torch.full((16,), -20.0, device=DEVICE)  # an unconfident draft: bin 1
     auto_update(path, torch.tensor([4], device=DEVICE), scores, 1, state.budgets, state.costs, state.edges,
-                state.table_sum, state.table_count, state.totals, state.bin_ring, state.choice_ring, round_idx,
+                state.table_sum, state.table_count, state.totals, state.bin_ring, state.proposals, round_idx,
                 state.schedule, 4, 0.5, 2.0, state.decay, 16.0)
     assert source_round(2, 1, 1) == 0
     assert state.table_sum[2].tolist() == [2.0, 1.0, 0.0]   # τ at 4, the gain at 16; 64 was not run: no credit
@@ -91,8 +91,8 @@ def test_proposal_follows_the_cost(fn):
             round_idx += 1
             fn(path, torch.tensor([4], device=DEVICE), torch.zeros(budgets[j], device=DEVICE), j, state.budgets,
                state.costs, state.edges, state.table_sum, state.table_count, state.totals, state.bin_ring,
-               state.choice_ring, round_idx, state.schedule, 16, 0.5, 2.0, state.decay, 16.0)
-        assert int(state.choice_ring[63]) == want
+               state.proposals, round_idx, state.schedule, 16, 0.5, 2.0, state.decay, 16.0)
+        assert int(state.proposals[1 + 63]) == want == int(state.proposals[0])  # bin 0 alone: the same
 
 
 def test_auto_budget_refuses_bad_settings():
