@@ -79,6 +79,18 @@ def test_stored_calibration_is_what_calibrate_fits():
     assert 0 < stored["eta_bw"] <= 1 and 0 < stored["eta_flops"] <= 1
 
 
+def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
+    data = A.machines_data()["calibration"]
+    fit = A.calibrate_moe(REPO / data["moe_from"], machine=data["machine"])
+    for k in ("moe_block_seconds", "moe_pair_seconds"):
+        assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
+    cal, m = A.load_calibration(), A.get_machine("h200")
+    moe, dense = A.model_shape("random:qwen3-30b-a3b"), A.model_shape("random:qwen3-8b")
+    small, big = (A.round_cost(moe, m, "ddtree", b, 512, cal) for b in (16, 256))
+    assert 0 < small.parts["moe"] < big.parts["moe"]               # the per-pair part grows with the tree
+    assert A.round_cost(dense, m, "ddtree", 64, 512, cal).parts["moe"] == 0
+
+
 def test_machine_profiles_have_sources_and_refuse_unknown_names():
     names = A.known_machines()
     for n in ("h100", "h200", "b200", "b300", "rtx-pro-6000", "measured"):
@@ -277,7 +289,8 @@ def test_the_moe_random_shape_reads_its_experts_from_the_config():
     h200 = A.get_machine("h200")
     costs = [A.round_cost(s, h200, "ddtree", b) for b in (16, 64, 1024)]
     ar = A.round_cost(s, h200, "ar")
-    assert costs[0].seconds > 3 * ar.seconds and all(c.dominant == "weights" for c in costs)
+    assert costs[0].seconds > 3 * ar.seconds and all(c.dominant == "weights" for c in costs[:2])
+    assert costs[2].dominant == "moe"  # at 1024 tokens the block's per-pair work outweighs its reads (bench fused_moe)
     assert costs[2].seconds / costs[1].seconds < costs[1].seconds / costs[0].seconds * 2  # the union saturates
 
 

@@ -12,7 +12,7 @@ Torch-free below `study`: shapes come from configs, stage times from JSON.
 from __future__ import annotations
 
 from .auto import choose_budget, expected_tau_from_scores, replay_auto, tau_calibration, union_curve
-from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, check_bench, repo_bench_dir
+from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, repo_bench_dir
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, get_machine, known_machines,
@@ -21,7 +21,7 @@ from .shapes import ModelShape, model_shape, shape_from_configs, shape_from_dirs
 
 __all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "FIT_KINDS", "FIT_STAGES", "FittedCost",
            "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
-           "RoundCost", "Terms", "bench_points", "calibrate", "check_bench", "choose_budget", "draft_terms",
+           "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "choose_budget", "draft_terms",
            "expected_tau_from_scores", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
            "load_calibration", "machines_data", "model_shape", "read_bench", "repo_bench_dir", "replay_auto",
            "round_cost", "shape_from_configs", "shape_from_dirs", "tau_calibration", "union_curve", "verify_terms"]

@@ -7,9 +7,9 @@ from typing import Mapping
 from .machines import AdvisorError, Calibration, Machine, load_calibration
 from .shapes import ModelShape
 
-PARTS = ("weights", "kv", "flops", "launches", "other")
+PARTS = ("weights", "kv", "flops", "launches", "moe", "other")
 PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
-               "launches": "kernel launches", "other": "tree build and commit"}
+               "launches": "kernel launches", "moe": "MoE routing and tiles", "other": "tree build and commit"}
 
 
 
@@ -21,6 +21,7 @@ class Terms:
     flops: float = 0.0
     launches: float = 0.0
     fixed_seconds: float = 0.0    # tree build / commit
+    moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
 
     def seconds(self, m: Machine, cal: Calibration) -> dict[str, float]:
         """This stage's time split into PARTS (sums to its total)."""
@@ -32,8 +33,11 @@ class Terms:
         out = {"weights": core * share_m * (tw / mem if mem else 0.0),
                "kv": core * share_m * (tk / mem if mem else 0.0),
                "flops": core * (1 - share_m), "launches": self.launches * cal.launch_seconds,
-               "other": self.fixed_seconds}
+               "moe": self.moe_seconds, "other": self.fixed_seconds}
         return out
+
+
+MLP_KERNELS = 3  # a dense MLP's kernels in a captured layer (gate-up GEMM, activation, down GEMM)
 
 
 def _kernels(cal: Calibration, stage: str, layers: int) -> float:
@@ -57,7 +61,11 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     kv = (s.layers * 2 * s.kv_heads * s.head_dim * (ctx + tokens) * b               # cache read + new rows
           + tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b  # activations
           + tokens * s.vocab * 4)                                                   # fp32 logits
-    return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers))
+    # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs (a fixed part and
+    # one per routed token-expert pair), less the dense MLP's kernels the per-layer launch count already holds.
+    moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds
+                             + cal.moe_pair_seconds * tokens * s.experts_per_tok)
+    return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe)
 
 
 def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:
