@@ -127,6 +127,8 @@ def run_bench_cli(args) -> int:
         result = {"kind": "kernels", "environment": environment(), "copy_gbps": device_copy_gbps(), "rows": rows}
         print(summary_table(rows), file=sys.stderr)
     elif args.bench == "prompts":
+        if "auto" in args.budgets and all(b == "auto" for b in args.budgets):
+            raise ValueError("--budgets auto: give fixed budgets beside it; auto chooses among them")
         pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
                          compile=args.compile)
         prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]

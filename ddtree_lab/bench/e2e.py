@@ -142,7 +142,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
              "stage_seconds_per_repeat": []} for m, b in runs]
     for rep in range(max(1, repeats)):
         for row, kw in zip(rows, kws):
-            tokens, seconds, prefill, stages, taus, outputs = 0, 0.0, 0.0, {}, [], []
+            tokens, seconds, prefill, stages, taus, outputs, per_prompt = 0, 0.0, 0.0, {}, [], [], []
             for prompt in prompts:
                 res = generate(pair, prompt, **kw)
                 tokens += len(res.tokens)
@@ -152,12 +152,14 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
                     stages[stage] = stages.get(stage, 0.0) + sec
                 taus += res.acceptance_lengths
                 outputs.append(res.tokens)
+                per_prompt.append(res.wall_seconds)
                 if kw["budget"] is auto:
                     for b in res.round_budgets:
                         row.setdefault("round_budget_counts", {}).setdefault(str(b), 0)
                         row["round_budget_counts"][str(b)] += 1
                     row["auto"] = res.settings["auto"]
             row["seconds_per_repeat"].append(seconds)
+            row.setdefault("seconds_per_prompt_per_repeat", []).append(per_prompt)
             row.setdefault("mean_tau_per_repeat", []).append(sum(taus) / len(taus))
             row["prefill_seconds_per_repeat"].append(prefill)
             row["stage_seconds_per_repeat"].append(stages)
@@ -184,6 +186,17 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         r["lossless"] = r["outputs"] == ar["outputs"]
         # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
         r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
+    same = None
+    if auto:  # where bf16 numerics send auto and the best fixed budget down different text, their τ differ
+        # for that reason alone: the ratio over the prompts both emitted alike is the like-for-like one
+        best_row = max((r for r in rows[2:] if r["budget"] != "auto"), key=lambda r: r["tokens_per_second"])
+        same = [i for i, (a, b) in enumerate(zip(rows[-1]["outputs"], best_row["outputs"])) if a == b]
+        if same:
+            n_tok = sum(len(best_row["outputs"][i]) for i in same)
+            ratios = [sum(b[i] for i in same) / sum(a[i] for i in same) for a, b in
+                      zip(rows[-1]["seconds_per_prompt_per_repeat"], best_row["seconds_per_prompt_per_repeat"])]
+            same = {"prompts": len(same), "of": len(prompts), "tokens": n_tok, "per_repeat": ratios,
+                    "median": statistics.median(ratios)}
     for r in rows:
         del r["outputs"]
     fixed_rows = [r for r in rows[2:] if r["budget"] != "auto"]
@@ -192,12 +205,14 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     if auto:  # auto against the best fixed budget of the same run, and repeat by repeat
         row = rows[-1]
         out["auto_vs_best_fixed"] = row["tokens_per_second"] / best["tokens_per_second"]
+        out["auto_vs_best_fixed_same_outputs"] = same
         out["auto_vs_best_fixed_per_repeat"] = [
             a / b for a, b in zip(row["tokens_per_second_per_repeat"], best["tokens_per_second_per_repeat"])]
         if progress:
             print(f"  auto ÷ best fixed (budget {best['budget']}): {out['auto_vs_best_fixed']:.3f} "
-                  f"(repeats {', '.join(f'{x:.3f}' for x in out['auto_vs_best_fixed_per_repeat'])})",
-                  file=sys.stderr, flush=True)
+                  f"(repeats {', '.join(f'{x:.3f}' for x in out['auto_vs_best_fixed_per_repeat'])})"
+                  + (f"; over the {same['prompts']} of {same['of']} prompts both emitted alike: {same['median']:.3f}"
+                     if same else "; no prompt emitted alike"), file=sys.stderr, flush=True)
     return out
 
 

@@ -72,6 +72,23 @@ def test_prompts_speedup_and_equality_counts(tmp_path):
     assert rows[("ar", None)]["stage_seconds"]["draft"] == 0 < rows[("dflash", None)]["stage_seconds"]["draft"]
 
 
+def test_prompts_with_auto_against_the_best_fixed_budget(tmp_path):
+    res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "2", "--budgets", "4",
+                "16", "auto", "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa",
+                "--repeats", "2")
+    rows = {(r["method"], r["budget"]): r for r in res["rows"]}
+    auto, best = rows[("ddtree", "auto")], rows[("ddtree", res["best_budget"])]
+    assert res["best_budget"] in (4, 16) and auto["auto"]["budgets"] == [4, 16]
+    assert sum(auto["round_budget_counts"].values()) > 0 and set(auto["round_budget_counts"]) <= {"4", "16"}
+    assert res["auto_vs_best_fixed"] == auto["tokens_per_second"] / best["tokens_per_second"]
+    same = res["auto_vs_best_fixed_same_outputs"]  # float32: both emit AR's tokens on every prompt
+    assert same["prompts"] == same["of"] == 2 and len(same["per_repeat"]) == 2
+    want = [sum(b) / sum(a) for a, b in zip(auto["seconds_per_prompt_per_repeat"], best["seconds_per_prompt_per_repeat"])]
+    assert same["per_repeat"] == pytest.approx(want)
+    with pytest.raises(ValueError, match="fixed budgets beside it"):  # refused before the pair loads
+        bench(tmp_path, "prompts", "--pair", "no-such-pair", "--budgets", "auto", "--device", "cpu")
+
+
 def test_source_digest_is_stable():
     assert source_digest() == source_digest()
 
