@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .names import AUTO_CANDIDATES, METHODS, parse_budget
+from .names import AUTO_CANDIDATES, METHODS, budget_arg
 
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +92,9 @@ def _generate(args) -> int:
           f"({res.tokens_per_second:.1f} tok/s), {s['rounds']} rounds, mean tau {s['mean_tau']:.2f}",
           file=sys.stderr)
     print("--- stage seconds: " + ", ".join(f"{k} {v:.4f}" for k, v in res.stage_seconds.items()), file=sys.stderr)
+    if res.settings.get("budget") == "auto":
+        counts = {b: res.round_budgets.count(b) for b in sorted(set(res.round_budgets))}
+        print("--- rounds per budget (auto): " + ", ".join(f"{b}: {n}" for b, n in counts.items()), file=sys.stderr)
     print(f"--- {TOKS_NOTE}", file=sys.stderr)
     return 0
 
@@ -153,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--method", default="ddtree", choices=METHODS, help="decoding method")
-    p.add_argument("--budget", type=parse_budget, default=64,
+    p.add_argument("--budget", type=budget_arg, default=64,
                    help="DDTree: draft-tree nodes verified per round, or 'auto' (chosen each round among "
                         f"{', '.join(map(str, AUTO_CANDIDATES))})")
     p.add_argument("--topk", type=int, default=None, help="DDTree: candidates per depth; None means K = the budget")

@@ -37,3 +37,13 @@ def parse_budget(text):
     if isinstance(text, bool) or (not isinstance(text, int) and not (isinstance(text, str) and text.strip().isdigit())):
         raise ValueError(f"{text!r} is neither an integer budget nor {AUTO!r}")
     return int(text)
+
+
+def budget_arg(text: str):
+    """parse_budget for a command line's argument: its error becomes argparse's one line."""
+    import argparse
+
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

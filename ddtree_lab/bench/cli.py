@@ -12,7 +12,7 @@ from .. import options
 from ..atomic import atomic_write_text
 from ..decode import host_read_lag
 from ..environment import environment
-from ..names import parse_budget
+from ..names import budget_arg
 from ..pairs import load_pair
 from ..prompts import read_prompt_set
 from .attention import device_copy_gbps
@@ -66,7 +66,7 @@ def add_bench_args(p) -> None:
     r.add_argument("--pair", default="lab")
     r.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
     r.add_argument("--n-prompts", type=int, default=8)
-    r.add_argument("--budgets", type=parse_budget, nargs="+", default=[16, 32, 64, 128, 256],
+    r.add_argument("--budgets", type=budget_arg, nargs="+", default=[16, 32, 64, 128, 256],
                    help="DDTree budgets; 'auto' adds budget='auto' choosing among the others")
     r.add_argument("--max-new-tokens", type=int, default=96)
     r.add_argument("--repeats", type=int, default=3, help="interleaved passes over all methods; tok/s is the median")

@@ -22,6 +22,20 @@ def test_generate_json_and_trace(tiny_dirs, tmp_path):
     assert len(rounds) == len(res["acceptance_lengths"]) and rounds[0]["tree"]["tokens"]
 
 
+def test_generate_with_budget_auto(tiny_dirs):
+    t, d = tiny_dirs
+    out = run_cli("generate", "def add(a, b):", "--target", str(t), "--drafter", str(d), "--budget", "auto",
+                  "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["settings"]["budget"] == "auto" and len(res["round_budgets"]) == len(res["acceptance_lengths"])
+    assert set(res["round_budgets"]) <= set(res["settings"]["auto"]["budgets"])
+    for bad, says in (("best", "neither an integer budget nor 'auto'"), ("auto --method ar", "has no budget to choose")):
+        out = run_cli("generate", "x", "--target", str(t), "--drafter", str(d), "--budget", *bad.split())
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert says in out.stderr
+
+
 def test_bad_budget_is_one_line_without_traceback(tiny_dirs):
     t, d = tiny_dirs
     out = run_cli("generate", "x", "--target", str(t), "--drafter", str(d), "--budget", "5000")

@@ -1,0 +1,70 @@
+"""budget="auto" against fixed budgets on the same text, priced with a GPU's per-round costs.
+
+On the CPU in float32 every budget emits the target's own tokens, so each budget's τ comes from the same
+text (bf16 numerics on a GPU can send budgets down different text, docs/performance.md). Each round is priced
+at its budget's cost per round as measured on the GPU (`bench prompts`: wall seconds / rounds), so
+tokens/s = Σ τ / Σ cost for the fixed budgets and for auto, which is given those costs. A projection of the
+choice's quality on that GPU, not a GPU timing.
+
+    python tools/auto_priced.py --pair lab --prompts lab:code --n-prompts 8 --max-new-tokens 96 \
+        --costs-from docs/bench/prompts_lab_code_auto.json --passes 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import ddtree_lab as dl
+from ddtree_lab.prompts import read_prompt_set
+
+
+def gpu_costs(path: str) -> dict[int, float]:
+    """Seconds per round of each fixed DDTree budget of a `bench prompts` JSON (median repeat)."""
+    out = {}
+    for r in json.load(open(path))["rows"]:
+        if r["method"] == "ddtree" and isinstance(r["budget"], int):
+            out[r["budget"]] = r["seconds"] / (r["tokens"] / r["mean_tau"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="lab")
+    ap.add_argument("--prompts", default="lab:code")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--costs-from", required=True, help="a bench prompts JSON measured on the GPU")
+    ap.add_argument("--passes", type=int, default=3, help="auto's passes over the prompts (it learns across them)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    costs = gpu_costs(args.costs_from)
+    pair = dl.load_pair(args.pair)
+    prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
+    kw = dict(max_new_tokens=args.max_new_tokens, trace=False, stop=[])
+    fixed = {}
+    for b in sorted(costs):
+        taus = [t for p in prompts for t in dl.generate(pair, p, budget=b, **kw).acceptance_lengths]
+        fixed[b] = sum(taus) / (len(taus) * costs[b])
+    best = max(fixed, key=fixed.get)
+    print("fixed, tokens/s at the GPU's costs:", {b: round(v) for b, v in fixed.items()}, "best", best)
+    auto = dl.AutoBudget(budgets=tuple(sorted(costs)), costs=tuple(costs[b] for b in sorted(costs)))
+    passes = []
+    for i in range(args.passes):
+        tau = cost = 0.0
+        share: dict[int, int] = {}
+        for p in prompts:
+            r = dl.generate(pair, p, budget=auto, **kw)
+            tau += sum(r.acceptance_lengths)
+            cost += sum(costs[b] for b in r.round_budgets)
+            for b in r.round_budgets:
+                share[b] = share.get(b, 0) + 1
+        passes.append({"tokens_per_second": tau / cost, "vs_best_fixed": tau / cost / fixed[best], "rounds": share})
+        print(f"auto pass {i}: {tau / cost:.0f} tokens/s, {tau / cost / fixed[best]:.3f} of budget {best}; rounds {share}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from,
+                       "costs": costs, "fixed": fixed, "best": best, "auto": passes}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
