@@ -1,14 +1,15 @@
 """budget="auto": each round's budget chosen on the device among captured budgets, losslessly.
 
 Every candidate budget has its own captured round; all of them share one decoding state, so any may run
-next. After each round the device credits the round's τ to a table (per confidence bin and candidate) and
+next. After each round the device credits the round to a table (per confidence bin: τ at the smallest
+candidate and each larger one's gain over the next smaller, both known from the round's own tree) and
 proposes the next budget: the highest expected τ(B) − λ·cost(B), where λ is the tokens per second achieved
-so far (maximising that per round maximises tokens/s overall at λ's fixed point) and cost(B) the measured
-round cost. The confidence is the draft's own: its expected accepted nodes, Σ exp(score) over the
-smallest candidate's tree. The host reads proposals with the tokens it reads anyway, so a round runs at
+so far (maximising that per round maximises tokens/s overall at λ's fixed point) and cost(B) the round cost,
+timed at capture and then taken from each call's own round timings. The confidence is the draft's own: its
+expected accepted nodes, Σ exp(score) over the smallest candidate's tree. The host reads proposals with the tokens it reads anyway, so a round runs at
 the budget proposed after round `source_round(r)` (one or two rounds earlier): nothing waits inside a
 round, and the choice only selects which captured round runs next, so the output is the target's own
-(lossless as any budget is). The table lives with the captured programs and keeps learning across calls.
+(lossless as any budget is). The table is kept on the pair per setting and keeps learning across calls.
 """
 from __future__ import annotations
 
