@@ -73,7 +73,7 @@ class AutoState:
     """The device tensors of the choice: the learned table, the running totals and per-round rings."""
 
     def __init__(self, auto: AutoBudget, L: int, max_rounds: int, device):
-        self.auto, self.device = auto, device
+        self.auto = auto
         J, rows = len(auto.budgets), len(auto.edges) + 2   # bin 0: no proposal read yet
         f32 = dict(dtype=torch.float32, device=device)
         self.budgets = torch.tensor(auto.budgets, dtype=torch.long, device=device)

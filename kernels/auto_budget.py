@@ -108,16 +108,14 @@ def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, m
     """The proposal for one bin: argmax_i m_i − λ·cost_i, where m_0 is the smallest budget's mean τ and each
     m_i adds the mean gain of budget i over the one below it, each shrunk towards `explore`; -> [] long."""
     m = weight / (n_row[0] + weight)   # τ_0's prior: the bonus token alone
-    best, pick = None, torch.zeros((), dtype=torch.long, device=costs.device)
+    best = torch.full((), -float("inf"), device=costs.device)
+    pick = torch.zeros((), dtype=torch.long, device=costs.device)
     for i in range(costs.shape[0]):
         m = (m + (s_row[i] + weight * explore) / (n_row[i] + weight)).clamp(max=max_tau)
         score = m - lam * costs[i]
-        if best is None:
-            best = score
-        else:
-            take = score > best
-            best = torch.where(take, score, best)
-            pick = torch.where(take, torch.full_like(pick, i), pick)
+        take = score > best                                                    # ties keep the smaller budget
+        best = torch.where(take, score, best)
+        pick = torch.where(take, torch.full_like(pick, i), pick)
     return pick
 
 

@@ -186,21 +186,20 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         r["lossless"] = r["outputs"] == ar["outputs"]
         # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
         r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
+    fixed_rows = [r for r in rows[2:] if r["budget"] != "auto"]
+    best = max(fixed_rows, key=lambda r: r["tokens_per_second"]) if fixed_rows else None
     same = None
     if auto:  # where bf16 numerics send auto and the best fixed budget down different text, their τ differ
         # for that reason alone: the ratio over the prompts both emitted alike is the like-for-like one
-        best_row = max((r for r in rows[2:] if r["budget"] != "auto"), key=lambda r: r["tokens_per_second"])
-        same = [i for i, (a, b) in enumerate(zip(rows[-1]["outputs"], best_row["outputs"])) if a == b]
+        same = [i for i, (a, b) in enumerate(zip(rows[-1]["outputs"], best["outputs"])) if a == b]
         if same:
-            n_tok = sum(len(best_row["outputs"][i]) for i in same)
+            n_tok = sum(len(best["outputs"][i]) for i in same)
             ratios = [sum(b[i] for i in same) / sum(a[i] for i in same) for a, b in
-                      zip(rows[-1]["seconds_per_prompt_per_repeat"], best_row["seconds_per_prompt_per_repeat"])]
+                      zip(rows[-1]["seconds_per_prompt_per_repeat"], best["seconds_per_prompt_per_repeat"])]
             same = {"prompts": len(same), "of": len(prompts), "tokens": n_tok, "per_repeat": ratios,
                     "median": statistics.median(ratios)}
     for r in rows:
         del r["outputs"]
-    fixed_rows = [r for r in rows[2:] if r["budget"] != "auto"]
-    best = max(fixed_rows, key=lambda r: r["tokens_per_second"]) if fixed_rows else None
     out = {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
     if auto:  # auto against the best fixed budget of the same run, and repeat by repeat
         row = rows[-1]
