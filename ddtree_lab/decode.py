@@ -217,8 +217,9 @@ class RoundProgram:
         path = self.path[:a].tolist()
         tree = DraftTree(*(getattr(self.tree, f).to("cpu") for f in DraftTree.__dataclass_fields__))
         accepted_tokens = self.tokens[self.path[1:a]].tolist()
+        touched, busiest = self.target.expert_routing() or (None, None)
         return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus),
-                          experts_touched=self.target.experts_touched(), budget=self.budget)
+                          experts_touched=touched, expert_tokens_max=busiest, budget=self.budget)
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):
@@ -410,9 +411,12 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
                     fn()
                 clock.mark(name)
             if trace:
-                rounds.append(programs[j].trace_round(n_rounds, position, root) if method != "ar" else
-                              RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
-                                         experts_touched=target.experts_touched()))
+                if method != "ar":
+                    rounds.append(programs[j].trace_round(n_rounds, position, root))
+                else:
+                    touched, busiest = target.expert_routing() or (None, None)
+                    rounds.append(RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
+                                             experts_touched=touched, expert_tokens_max=busiest))
             n_rounds += 1
         reads.append(_start_read(program, auto_state, n_rounds))
         if len(reads) > lag:  # the host waits for the oldest read: one sync per `sync_every` rounds

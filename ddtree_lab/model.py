@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
 from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
-from .moe import SparseMoE, experts_touched
+from .moe import SparseMoE, expert_routing
 from .tree import use_triton
 
 
@@ -71,14 +71,14 @@ class Target(nn.Module):
     def set_attention(self, backend: str) -> None:
         self.attention = check_backend(backend)
 
-    def experts_touched(self) -> list[int] | None:
-        """Per MoE layer, the distinct experts the last forward routed tokens to (None for a dense target).
-        Reads the device once: call it only when tracing."""
+    def expert_routing(self) -> tuple[list[int], list[int]] | None:
+        """Per MoE layer, of the last forward: the distinct experts it routed tokens to and the busiest
+        expert's token count (None for a dense target). Reads the device once: call it only when tracing."""
         if not self.cfg.is_moe:
             return None
         if "_moe_blocks" not in self.__dict__:  # found once: walking every module each traced round costs more
             self.__dict__["_moe_blocks"] = [m for m in self.modules() if isinstance(m, SparseMoE)]
-        return experts_touched(self.__dict__["_moe_blocks"])
+        return expert_routing(self.__dict__["_moe_blocks"])
 
     @property
     def cache_len(self) -> int:

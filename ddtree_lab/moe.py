@@ -91,6 +91,10 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return moe_torch(x, moe.router.weight, moe.gate_up, moe.down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 
-def experts_touched(blocks: list[SparseMoE]) -> list[int]:
-    """Distinct experts each MoE block's last forward routed a token to, in order (one host read)."""
-    return torch.stack([m.counts for m in blocks]).gt(0).sum(-1).tolist() if blocks else []
+def expert_routing(blocks: list[SparseMoE]) -> tuple[list[int], list[int]]:
+    """Per MoE block's last forward, in order: the distinct experts it routed a token to, and the most tokens
+    any one expert got (the busiest expert's load: the fused kernel's longest program). One host read."""
+    if not blocks:
+        return [], []
+    counts = torch.stack([m.counts for m in blocks])  # [L, E]
+    return counts.gt(0).sum(-1).tolist(), counts.max(-1).values.tolist()

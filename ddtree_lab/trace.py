@@ -25,6 +25,7 @@ class RoundTrace:
     # MoE targets: per MoE layer, the distinct experts the round's target forward (the verify, or the AR
     # step) routed a token to; None for dense targets
     experts_touched: list[int] | None = None
+    expert_tokens_max: list[int] | None = None  # per MoE layer, the most tokens one expert got (its load)
     budget: int | None = None      # the round's tree budget (DDTree; with budget="auto" the one chosen)
 
     @property
@@ -36,7 +37,8 @@ class RoundTrace:
             "index": self.index, "position": self.position, "root_token": self.root_token,
             "acceptance_length": self.acceptance_length, "accepted": self.accepted,
             "accepted_tokens": self.accepted_tokens, "next_token": self.next_token,
-            "stage_seconds": self.stage_seconds, "experts_touched": self.experts_touched, "budget": self.budget,
+            "stage_seconds": self.stage_seconds, "experts_touched": self.experts_touched,
+            "expert_tokens_max": self.expert_tokens_max, "budget": self.budget,
             "tree": None if self.tree is None else self.tree.to_json(),
         }
 
@@ -46,7 +48,8 @@ class RoundTrace:
                    tree=None if d.get("tree") is None else DraftTree.from_json(d["tree"]),
                    accepted=d["accepted"], accepted_tokens=d["accepted_tokens"],
                    next_token=d["next_token"], stage_seconds=d.get("stage_seconds", {}),
-                   experts_touched=d.get("experts_touched"), budget=d.get("budget"))
+                   experts_touched=d.get("experts_touched"), expert_tokens_max=d.get("expert_tokens_max"),
+                   budget=d.get("budget"))
 
 
 @dataclass

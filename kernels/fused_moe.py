@@ -18,17 +18,21 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   3. `_align_kernel`, one program: per-expert counts, the touched experts compacted into S = min(E, T·top_k)
      slots (slot s holds the s-th touched expert in expert order, -1 past the last), each slot's start in the
      pair list, and the (token, j) pairs sorted by expert, stably (pair p = t·top_k + j);
-  4. `_gate_up_kernel`, grid (S, I / BLOCK_N): a slot's tokens times its expert's gate and up rows, SiLU·mul,
-     into h [T·top_k, I] in sorted order;
-  5. `_down_kernel`, grid (S, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
+  4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N): one BLOCK_M block of a slot's tokens times its
+     expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
+     blocks any routing can need; each program finds its slot from the counts);
+  5. `_down_kernel`, grid (row blocks, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
      y [T·top_k, H] fp32 in pair order;
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
      atomics), cast to x's dtype.
 
-Why this shape: decode and verify are bound by the weights' bytes. A program owns one expert's N-tile and
-loops over the slot's tokens, so each touched expert's weights are read once per call however many of the
-T tokens route to it (exactly once while its tokens fit one BLOCK_M tile, i.e. T ≤ BLOCK_M; past that each
-further tile re-reads the weight tile, from L2 in practice). Slots past the touched experts exit at once.
+Why this shape: decode and verify are bound by the weights' bytes, and a tree's tokens route alike (related
+contexts), so a few experts may get most of the T tokens. A program owns one (row block, N-tile) of one
+expert: while an expert's tokens fit one BLOCK_M block (T ≤ BLOCK_M) its weights are read once per call;
+an expert with more tokens gets one program per block, side by side, re-reading its weight tiles from L2,
+so a crowded expert is spread over the GPU instead of looping in a few programs (on the H200, at T = 1025
+with alike tokens, that loop made the block 9 × its floor; docs/performance.md). Blocks past the routing's
+own count exit at once.
 The counts are an intermediate of the sort, so handing them out (for telemetry) costs nothing.
 """
 from __future__ import annotations
@@ -126,12 +130,28 @@ def _align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPai
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, s_xt, s_we, s_wn, s_ht,
-                    TOP_K: tl.constexpr, IEEE: tl.constexpr,
+def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """This program's row block -> (slot, its expert, first row m0 within the slot); slot = -1 past the last
+    block. Blocks are numbered slot by slot (each slot's ceil(count / BLOCK_M) in turn), so the blocks of one
+    expert run side by side and share its weight tiles in L2."""
+    b = tl.program_id(0)
+    slots = tl.arange(0, BLOCK_S)
+    ex = tl.load(SlotExpert + slots, mask=slots < S, other=-1)
+    n = tl.load(Counts + ex, mask=ex >= 0, other=0)
+    ends = tl.cumsum((n + BLOCK_M - 1) // BLOCK_M, 0)                       # [BS] blocks up to each slot
+    slot = tl.sum((ends <= b).to(tl.int32), 0)
+    first = tl.max(tl.where(ends <= b, ends, 0), 0)                          # the slot's first block
+    slot = tl.where(b < tl.max(ends, 0), slot, -1)
+    e = tl.load(SlotExpert + tl.maximum(slot, 0))
+    return slot, e, (b - first) * BLOCK_M
+
+
+@triton.jit
+def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_xt, s_we, s_wn, s_ht,
+                    TOP_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    slot = tl.program_id(0)
-    e = tl.load(SlotExpert + slot)
-    if e < 0:  # past the touched experts
+    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S)
+    if slot < 0:  # past the last row block
         return
     start = tl.load(SlotStart + slot)
     count = tl.load(Counts + e)
@@ -140,37 +160,36 @@ def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I
     ks = tl.arange(0, BLOCK_K)
     w_gate = W + e.to(tl.int64) * s_we + cols[None, :] * s_wn                 # [1, BN] row starts
     w_up = w_gate + I * s_wn
-    for m0 in range(0, count, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        rmask = rows < count
-        pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
-        tok = pair // TOP_K
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            kmask = kk < H
-            a = tl.load(X + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wmask = kmask[:, None] & cmask[None, :]
-            wg = tl.load(w_gate + kk[:, None], mask=wmask, other=0.0)       # [BK, BN]
-            wu = tl.load(w_up + kk[:, None], mask=wmask, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, wg, acc_g)
-                acc_u = tl.dot(a, wu, acc_u)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # silu(gate) * up
-        tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rmask = rows < count
+    pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
+    tok = pair // TOP_K
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        kmask = kk < H
+        a = tl.load(X + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        wg = tl.load(w_gate + kk[:, None], mask=wmask, other=0.0)       # [BK, BN]
+        wu = tl.load(w_up + kk[:, None], mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # silu(gate) * up
+    tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, s_ht, s_we, s_wn, s_yt,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    slot = tl.program_id(0)
-    e = tl.load(SlotExpert + slot)
-    if e < 0:
+def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_ht, s_we, s_wn, s_yt,
+                 IEEE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S)
+    if slot < 0:
         return
     start = tl.load(SlotStart + slot)
     count = tl.load(Counts + e)
@@ -178,23 +197,29 @@ def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs
     cmask = cols < H
     ks = tl.arange(0, BLOCK_K)
     w_down = W + e.to(tl.int64) * s_we + cols[None, :] * s_wn
-    for m0 in range(0, count, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        rmask = rows < count
-        pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + ks
-            kmask = kk < I
-            a = tl.load(Hbuf + (start + rows)[:, None] * s_ht + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                        other=0.0)
-            wd = tl.load(w_down + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
-            if IEEE:
-                acc = tl.dot(a, wd, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, wd, acc)
-        acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
-        tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rmask = rows < count
+    pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + ks
+        kmask = kk < I
+        a = tl.load(Hbuf + (start + rows)[:, None] * s_ht + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+        wd = tl.load(w_down + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
+        if IEEE:
+            acc = tl.dot(a, wd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, wd, acc)
+    acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
+    tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+
+
+def row_blocks(P: int, S: int, block_m: int) -> int:
+    """The most row blocks P routed pairs can need over at most S experts: Σ ceil(n_e / BLOCK_M) ≤
+    (P + S·(BLOCK_M − 1)) / BLOCK_M, and never more than P (a block holds a pair at least). The grid's
+    first axis, fixed by the shape; blocks past the routing's own count exit at once."""
+    return max(1, min(P, (P + S * (block_m - 1)) // block_m))
 
 
 def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
@@ -334,14 +359,16 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _gate_up_kernel[(S, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
-        x, w_gate_up, h, counts, slot_expert, slot_start, sorted_pairs, H, I, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), h.stride(0), TOP_K=top_k, IEEE=ieee, BLOCK_M=cfg["BLOCK_M"],
+    blocks = row_blocks(P, S, cfg["BLOCK_M"])
+    BLOCK_S = _pow2(S, 16)
+    _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
+        x, w_gate_up, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), h.stride(0), TOP_K=top_k, IEEE=ieee, BLOCK_S=BLOCK_S, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
-    _down_kernel[(S, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
-        h, w_down, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, h.stride(0), w_down.stride(0),
-        w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
-        BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
+    _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
+        h, w_down, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, h.stride(0),
+        w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_S=BLOCK_S, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, out, H, y.stride(0), out.stride(0), TOP_K=top_k,

@@ -134,9 +134,9 @@ def _attend(acc, l_i, m_i, q, k_ptr, v_ptr, s_ks, s_vs, lo, hi, n_valid,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["past_val", "T", "mask_words", "num_splits"])
+@triton.jit(do_not_specialize=["past_val", "T", "mask_words", "num_splits", "split_target", "min_chunk"])
 def _tree_attn_fwd(Q, K, V, Out, OPart, LPart, Mask, PastPtr,
-                   past_val, T, mask_words, num_splits,
+                   past_val, T, mask_words, num_splits, split_target, min_chunk,
                    s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot,
                    qk_scale,
                    G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -167,9 +167,12 @@ def _tree_attn_fwd(Q, K, V, Out, OPart, LPart, Mask, PastPtr,
     # finite running-max start: a fully masked block then gives p = 0 and alpha = 1, never NaN
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
 
-    # committed context: this split's chunk [lo, hi); chunks are whole BLOCK_Ns so only the
-    # last non-empty one has a ragged tail
-    chunk = tl.cdiv(tl.cdiv(past, num_splits), BLOCK_N) * BLOCK_N
+    # committed context: this split's chunk [lo, hi). The chunk follows the device past and the split
+    # target only, never the launched split count (which follows the cache's size), so a result does not
+    # depend on how large the cache is; splits past the last chunk are empty. Chunks are whole BLOCK_Ns
+    # (min_chunk is one), so only the last non-empty one has a ragged tail.
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(past, split_target), BLOCK_N) * BLOCK_N, min_chunk)
+    tree_split = tl.maximum(tl.cdiv(past, chunk) - 1, 0)  # the last non-empty chunk's split
     lo = split * chunk
     hi = tl.minimum(lo + chunk, past)
     hi_full = lo + (tl.maximum(hi - lo, 0) // BLOCK_N) * BLOCK_N
@@ -180,10 +183,10 @@ def _tree_attn_fwd(Q, K, V, Out, OPart, LPart, Mask, PastPtr,
                             Mask, mask_words, t_idx, row_ok, qk_scale,
                             1, BLOCK_M, BLOCK_N, HEAD_D, IEEE)
 
-    # tree slots, done by the last split. Ancestors precede descendants, so this row block only
-    # needs tree columns <= its largest query index.
+    # tree slots, done by the split of the last committed chunk (so they always follow the same context
+    # blocks). Ancestors precede descendants, so this row block only needs tree columns <= its largest query index.
     t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, T * G - 1) // G
-    tree_hi = tl.where(split == num_splits - 1, t_last + 1, 0)
+    tree_hi = tl.where(split == tree_split, t_last + 1, 0)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_ptr + past * s_ks, v_ptr + past * s_vs,
                             s_ks, s_vs, 0, tree_hi, T,
                             Mask, mask_words, t_idx, row_ok, qk_scale,
@@ -245,8 +248,15 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
     """Static tile sizes and split count, from an upper bound of past_len (so graph-safe).
 
     Keys: block_m (rows = tree queries x packed heads), block_n (key slots per step; a multiple
-    of 32), num_warps, num_stages, num_splits; and the split heuristic's inputs: waves (aim for
-    this many programs per SM) and min_chunk (fewest past slots worth a split); overrides win.
+    of 32), num_warps, num_stages, num_splits (programs launched on the split axis); and the split
+    heuristic's inputs: waves (aim for this many programs per SM), min_chunk (fewest past slots worth
+    a split; rounded up to whole block_ns) and split_target (the split count the chunk size aims at:
+    from waves and the row tiles, or an overridden num_splits); overrides win.
+
+    Only num_splits depends on past_bound: the kernel sizes each chunk from the device past_len,
+    split_target and min_chunk, so the same past gives the same reduction order, bit for bit,
+    whatever the cache's size (the text of a run does not change with max_new_tokens or budget="auto"'s
+    largest candidate). num_splits covers the chunks of any past up to past_bound; the rest exit empty.
     """
     o = overrides or {}
     M = T * G
@@ -259,7 +269,8 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
         # One query (an AR step) gains from short splits, a tree loses from them (measured in docs/kernels.md).
         cfg = dict(block_m=bm, block_n=64, num_warps=8 if bm == 128 else 4,
                    num_stages=3 if (bm == 128 and D >= 128) else 4, waves=2.0, min_chunk=64 if T == 1 else 512)
-    cfg.update({k: v for k, v in o.items() if k != "num_splits"})
+    cfg.update({k: v for k, v in o.items() if k not in ("num_splits", "split_target")})
+    cfg["min_chunk"] = triton.cdiv(int(cfg["min_chunk"]), cfg["block_n"]) * cfg["block_n"]
     # shared memory: q tile + num_stages buffered K and V tiles (+ mask words); stay under the
     # 227 KiB a Hopper block may use
     elt = 4 if dtype == torch.float32 else 2
@@ -270,11 +281,14 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
     n_m = triton.cdiv(M, cfg["block_m"])
     base = n_m * Hkv  # programs per split
     sm = _sm_count(device)
-    if past_bound <= 0 or base >= sm:
-        splits = 1
-    else:
-        splits = min(math.ceil(cfg["waves"] * sm / base), triton.cdiv(past_bound, cfg["min_chunk"]), 64)
+    target = 1 if base >= sm else min(math.ceil(cfg["waves"] * sm / base), 64)
+    target = max(1, int(o.get("split_target", o.get("num_splits", target))))
+    cfg["split_target"] = target
+    splits = 1 if past_bound <= 0 else min(target, triton.cdiv(past_bound, cfg["min_chunk"]))
     cfg["num_splits"] = max(1, int(o.get("num_splits", splits)))
+    if cfg["num_splits"] < splits:
+        raise ValueError(f"num_splits={cfg['num_splits']} leaves chunks undone: split_target={target} and "
+                         f"min_chunk={cfg['min_chunk']} need {splits} splits for a past of {past_bound}")
     return cfg
 
 
@@ -327,7 +341,7 @@ def tree_attention(q, k_cache, v_cache, past_len, mask_bits, scale=None, *,
     grid = (triton.cdiv(T * G, cfg["block_m"]), Hkv, S)
     _tree_attn_fwd[grid](
         q, k_cache, v_cache, out, o_part, l_part, mask_bits, past_ptr,
-        past_val, T, mask_bits.stride(0), S,
+        past_val, T, mask_bits.stride(0), S, cfg["split_target"], cfg["min_chunk"],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scale * LOG2E,

@@ -24,7 +24,7 @@ for rep in range(3):
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(50):
-        pair.target.experts_touched()
+        pair.target.expert_routing()
     count_s = (time.perf_counter() - t) / 50
     rows.append({"round_ms": round_s * 1e3, "count_ms": count_s * 1e3, "share": count_s / round_s})
 print(json.dumps(rows, indent=1))

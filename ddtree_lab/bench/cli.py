@@ -82,7 +82,8 @@ def add_bench_args(p) -> None:
     f.add_argument("--out", default="outputs/bench/profile.json")
 
 
-ATTN_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "num_splits", "waves", "min_chunk")
+ATTN_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "num_splits", "split_target", "waves",
+                    "min_chunk")
 
 
 def parse_attn_config(items: list[str]) -> dict:

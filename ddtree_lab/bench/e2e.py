@@ -77,6 +77,8 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
             per_layer = [sum(col) / len(col) for col in zip(*(r.experts_touched for r in traced.rounds))]
             row["experts_touched_per_layer"] = per_layer
             row["experts_touched_mean"] = sum(per_layer) / len(per_layer)
+            busiest = [b for r in traced.rounds for b in r.expert_tokens_max]
+            row["expert_tokens_max_mean"] = sum(busiest) / len(busiest)
         rows.append(row)
         if progress:
             print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "

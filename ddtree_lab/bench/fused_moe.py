@@ -4,9 +4,10 @@ bytes the touched experts must move (their weights, the router, the activations)
 bandwidth. Default shape: Qwen3-30B-A3B's MoE block (128 experts, top-8, hidden 2048, expert width 768; 48
 such layers per forward) at T = 1, 8, 16, 65, 129, 1025 tokens (AR, small trees, a tree of 1024 + root).
 
-    bench_fused_moe(tokens, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0)
-        -> list of dicts {T, experts_touched, touched_bytes, floor_us, triton_us, torch_us, …_over_floor,
-                          per_forward_ms (one block's time × layers), max_abs_diff (vs the reference)}
+    bench_fused_moe(tokens, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0, config=None)
+        -> list of dicts {T, experts_touched, expert_tokens_max (the busiest expert's tokens), touched_bytes,
+                          floor_us, triton_us, torch_us, …_over_floor, per_forward_ms (one block's time × layers),
+                          max_abs_diff (vs the reference), launch (the kernel's tile sizes, `config` applied)}
 
 Hidden states are x = √s·base + √(1−s)·noise per token: s = 0 routes tokens independently (about
 E·(1 − (1 − k/E)^T) experts touched), s near 1 makes them route alike, as a tree of related tokens may.
@@ -14,6 +15,7 @@ Time per call: `bench.attention.time_cuda_graph` (calls captured in a CUDA graph
 (`--smoke`: tiny shapes, the interpreter) the wall clock of one call, a check that the path runs, not a timing.
 
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
+                    [--config BLOCK_N_UP=16 BLOCK_N_DOWN=16]   (launch_config overrides, e.g. to try tile widths)
                     python -m ddtree_lab.bench.fused_moe --smoke --out /tmp/fused_moe_smoke.json   (CPU)
 """
 from __future__ import annotations
@@ -58,8 +60,9 @@ def _time(fn, device, reps):
 
 
 def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
-                    dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True) -> list[dict]:
-    from ..kernels.fused_moe import fused_moe, fused_moe_reference
+                    dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True,
+                    config: dict | None = None) -> list[dict]:
+    from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
     from ..moe import _grouped_mm_fits, moe_torch
 
     elsize = torch.empty((), dtype=dtype).element_size()
@@ -67,15 +70,17 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
     for T in tokens:
         x, router, w_gate_up, w_down = block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=T)
         counts = torch.zeros(experts, dtype=torch.int32, device=device)
-        out, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts)
+        out, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts, config=config)
         want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
         nbytes = touched_bytes(counts, T, experts, hidden, width, elsize)
-        row = dict(T=T, experts_touched=int((counts > 0).sum()), touched_bytes=nbytes,
+        launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize), **(config or {})}
+        row = dict(T=T, experts_touched=int((counts > 0).sum()), expert_tokens_max=int(counts.max()),
+                   touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
                    max_abs_diff=float((out.float() - want.float()).abs().max()),
                    floor_us=None if copy_gbps is None else nbytes / (copy_gbps * 1e3))
-        row["triton_us"] = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts),
-                                 device, reps)
+        row["triton_us"] = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts,
+                                                   config=config), device, reps)
         gather = T * top_k * 3 * width * hidden * elsize
         if not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT:
             row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
@@ -100,9 +105,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
+    ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
+                    help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    config = {}
+    for item in a.config:
+        key, _, value = item.partition("=")
+        if not key.startswith("BLOCK_") or not value.isdigit():
+            ap.error(f"--config {item!r}: want BLOCK_…=INT (a launch_config tile size)")
+        config[key] = int(value)
     if a.smoke:
         # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,12 +125,13 @@ def main(argv=None):
 
         shape, tokens, device, dtype = QWEN3_30B_A3B, a.tokens or TOKENS, "cuda", torch.bfloat16
         bw = device_copy_gbps()
-    rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw)
+    rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw,
+                           config=config or None)
     if a.out:
         import triton
 
         meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-                    torch=torch.__version__, triton=triton.__version__, shape=shape, similarity=a.similarity,
+                    torch=torch.__version__, triton=triton.__version__, shape=shape, similarity=a.similarity, config=config,
                     dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
         with open(a.out, "w") as f:
             json.dump(dict(meta, rows=rows), f, indent=1)

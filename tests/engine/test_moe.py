@@ -193,7 +193,9 @@ def test_experts_touched_is_the_verify_forwards(moe_pair):
         depths = torch.cat([torch.zeros(1, dtype=torch.long), r.tree.depths])
         tokens = torch.cat([torch.tensor([r.root_token]), r.tree.tokens])
         target(tokens, 4 + depths, 4, TreeMask(ancestor_matrix(parents, int(depths.max()))))
-    assert target.experts_touched() == r.experts_touched
+    touched, busiest = target.expert_routing()
+    assert touched == r.experts_touched and busiest == r.expert_tokens_max
+    assert all(1 <= b <= len(tokens) for b in busiest)  # one expert gets at most every token of the forward
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 12), ("ddtree", 200)])

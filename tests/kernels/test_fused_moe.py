@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ddtree_lab.kernels.fused_moe import (align_reference, fused_moe, fused_moe_reference, moe_align,  # noqa: E402
-                                          moe_route, route_reference)
+                                          moe_route, route_reference, row_blocks)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -97,12 +97,37 @@ def test_counts_buffer_is_refreshed_each_call():
 
 
 def test_forced_small_tiles_loop_over_tokens_and_columns():
-    """BLOCK_M below an expert's token count: the kernels loop over several token tiles and N-tiles."""
+    """BLOCK_M below an expert's token count: an expert's tokens span several row blocks (one program each)."""
     x, router, w_gate_up, w_down = make_block(40, 4, 48, 40, torch.float32, seed=8, scale=0.1)
     cfg = dict(BLOCK_M=16, BLOCK_N_UP=16, BLOCK_N_DOWN=16, BLOCK_K_UP=16, BLOCK_K_DOWN=16)
     out, counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=cfg)
     want, _ = fused_moe_reference(x, router, w_gate_up, w_down, 2, True)
     assert int(counts.max()) > 16 and torch.allclose(out, want, atol=1e-5)
+
+
+def test_crowded_experts_fill_every_row_block():
+    """Every token routes to the same experts (alike tokens, as in a tree): each expert's tokens span
+    several row blocks, and the grid bound `row_blocks` still covers them."""
+    x, router, w_gate_up, w_down = make_block(40, 4, 48, 40, torch.float32, seed=9, scale=0.1)
+    x = x[:1].expand(40, -1).contiguous() + 1e-3 * x  # near-identical tokens: the same top-2 experts
+    cfg = dict(BLOCK_M=16, BLOCK_N_UP=16, BLOCK_N_DOWN=16, BLOCK_K_UP=16, BLOCK_K_DOWN=16)
+    out, counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=cfg)
+    want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, 2, True)
+    assert sorted(counts.tolist()) == [0, 0, 40, 40] and torch.equal(counts, want_counts)
+    assert torch.allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+def test_row_blocks_bounds_any_routing(block_m):
+    gen = torch.Generator().manual_seed(block_m)
+    for P, E in [(8, 128), (80, 4), (520, 128), (8200, 128), (3, 8)]:
+        S = min(E, P)
+        for _ in range(50):  # random loads, with the crowded extremes among them
+            n = torch.multinomial(torch.rand(E, generator=gen) ** 8, P, replacement=True, generator=gen)
+            load = torch.bincount(n, minlength=E)
+            assert int(((load + block_m - 1) // block_m).sum()) <= row_blocks(P, S, block_m)
+        one = [P] + [0] * (E - 1)  # every pair on one expert (top_k = 1)
+        assert -(-one[0] // block_m) <= row_blocks(P, S, block_m)
 
 
 # ----------------------------------------------------------------------------- GPU only

@@ -137,6 +137,35 @@ def test_gpu_launch_config_splits_one_query_finer(monkeypatch):
     assert ta.launch_config(1, 4, 128, 768, 8, torch.device("cpu"), {"min_chunk": 256})["num_splits"] == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [None, dict(split_target=8)])
+def test_result_does_not_depend_on_cache_size(dtype, config):
+    # The same past and queries in caches of different sizes launch different split counts, yet must
+    # give the same bits: a run's text may not change with max_new_tokens or with budget="auto" sizing
+    # the cache for its largest candidate.
+    gen = torch.Generator().manual_seed(11)
+    Hq, Hkv, D, T, past = 8, 2, 64, 37, 300
+    q, k, v = make_inputs(Hq, Hkv, D, T, past, dtype, gen, slack=0)
+    bits = ta.pack_mask(ancestor_matrix(random_parents(T, gen)).to(DEVICE))
+    past_t = torch.tensor(past, dtype=torch.int32, device=DEVICE)
+    outs, launched = [], set()
+    for extra in (0, 700, 3000):
+        pad = torch.randn(Hkv, extra, D, generator=gen).to(dtype).to(DEVICE)  # slots the kernel must not read
+        kk, vv = torch.cat([k, pad], 1), torch.cat([v, pad], 1)
+        launched.add(ta.launch_config(T, Hq // Hkv, D, kk.shape[1] - T, Hkv, q.device, config, dtype)["num_splits"])
+        outs.append(ta.tree_attention(q, kk, vv, past_t, bits, config=config))
+    if config:
+        assert len(launched) > 1  # the case this test is about: different launches, same result
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    check(outs[0], ta.tree_attention_reference(q, k, v, past, ta.unpack_mask(bits, T)), dtype)
+
+
+def test_too_few_splits_is_refused():
+    with pytest.raises(ValueError, match="num_splits=2 leaves chunks undone"):
+        ta.launch_config(8, 4, 64, 2000, 2, torch.device("cpu"), dict(num_splits=2, split_target=8))
+
+
 @pytest.mark.parametrize("block_m", [16, 128])
 def test_block_m_variants(block_m):
     gen = torch.Generator().manual_seed(block_m)
