@@ -85,17 +85,20 @@ def write_slots(cache: torch.Tensor, slots, new: torch.Tensor) -> None:
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len,
-                   mask: TreeMask, backend: str = "sdpa", window: int | None = None) -> torch.Tensor:
+                   mask: TreeMask, backend: str = "sdpa", window: int | None = None,
+                   max_past: int | None = None) -> torch.Tensor:
     """q [Hq, T, D], k_cache/v_cache [Hkv, S, D] -> [Hq, T, D].
 
     past_len is an int (eager) or a one-element device tensor (fixed shapes, CUDA graphs).
     `window` limits the committed slots seen to the last `window` (the drafter's draft_window).
+    `max_past` bounds a device past_len (default S − T): the kernel's split count follows it, so a bound
+    from the committed context alone costs a wide tree's room in the cache nothing.
     """
     if backend == "triton" and window is None:
         from .kernels.tree_attention import tree_attention as triton_tree_attention
 
         launch = dict(options.current().attention_launch) or None
-        return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits, config=launch)
+        return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits, config=launch, max_past_len=max_past)
     if backend == "flex" and window is None and not isinstance(past_len, torch.Tensor):
         return _flex_attention(q, k_cache, v_cache, past_len, mask.anc)
     return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window)

@@ -322,16 +322,18 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         budget, topk = L, 1
     span = L + 1 if method != "ar" else 1
     max_tree = (auto.budgets[-1] if auto else budget) + 1 if method == "ddtree" else span
-    # Room for the rounds queued past the last host read (up to (lag + 1) · sync_every rounds of up to
-    # L+1 tokens) and a tree.
+    # The committed context's room (the rounds queued past the last host read: up to (lag + 1) · sync_every
+    # rounds of up to L+1 tokens), in 256s so graphs serve nearby prompt lengths; then a tree's room. The
+    # attention kernels are bounded by the context's room alone, so a budget (or auto's largest candidate)
+    # never changes how a smaller tree's verify is launched.
     ahead = (lag + 1) * sync_every
-    slack = ahead * span + max_tree + span + 1
-    cache_len = -(-(len(prompt_ids) + max_new_tokens + slack) // 256) * 256
     out_capacity = max_new_tokens + ahead * span + span
+    context_room = -(-(len(prompt_ids) + out_capacity + 1) // 256) * 256
+    cache_len = context_room + -(-max_tree // 64) * 64
     max_rounds = max_new_tokens + ahead + 1
-    target.setup_cache(cache_len)
+    target.setup_cache(cache_len, max_past=context_room)
     if drafter is not None:
-        drafter.setup_cache(cache_len)
+        drafter.setup_cache(cache_len, max_past=context_room)
         drafter.window = draft_window
     if auto is not None:
         programs, runners, auto_state = _auto_programs_for(pair, auto, topk, temperature, draft_window, cache_len,

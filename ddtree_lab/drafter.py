@@ -53,6 +53,7 @@ class Drafter(nn.Module):
         self._context_kv = DrafterLayer.context_kv
         self._norm = RMSNorm.forward
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
+        self.max_past: int | None = None  # the most committed context slots (None: the cache's size)
         self.attention = "sdpa"  # as the target's (load_pair sets both); a window always uses sdpa
         self._block_masks: dict = {}  # the block's all-to-all mask per (size, device), packed once
 
@@ -76,7 +77,8 @@ class Drafter(nn.Module):
     # ------------------------------------------------------------------ cached decoding
     # ctx_len lives on the device as a one-element tensor, so a round needs no host sync and
     # replays under a CUDA graph; slots at and beyond ctx_len are scratch.
-    def setup_cache(self, max_len: int, device=None, dtype=None) -> None:
+    def setup_cache(self, max_len: int, device=None, dtype=None, max_past: int | None = None) -> None:
+        self.max_past = max_past
         c, p = self.cfg, self.fc.weight
         device = device or p.device
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len + c.block_size, c.head_dim)
@@ -112,7 +114,8 @@ class Drafter(nn.Module):
             # call sees the committed context and the block alike
             h, q, kv = self._attention_inputs(layer, h, delta, cos, sin)
             write_slots(self.kv[li], slots, kv[0])
-            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.attention, self.window)
+            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.attention, self.window,
+                                 max_past=self.max_past)
             h, delta = self._attention_output(layer, h, att[None])
         return self._norm(self.norm, h + delta)[0]
 

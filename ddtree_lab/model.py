@@ -39,6 +39,7 @@ class Target(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
         self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
+        self.max_past: int | None = None    # the most committed slots a forward sees (None: S_max − T)
         self.attention = "sdpa"
         self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
         self._norm = RMSNorm.forward
@@ -61,7 +62,10 @@ class Target(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight)
 
-    def setup_cache(self, max_len: int, device=None, dtype=None) -> None:
+    def setup_cache(self, max_len: int, device=None, dtype=None, max_past: int | None = None) -> None:
+        """A static cache of max_len slots; max_past (if given) bounds the committed context, the rest being
+        room for a tree (the attention kernel's launch follows the bound, not the cache's size)."""
+        self.max_past = max_past
         c = self.cfg
         p = self.embed_tokens.weight
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim)
@@ -107,7 +111,8 @@ class Target(nn.Module):
             if li - 1 in wanted:  # x is now layer li-1's output
                 captured[wanted[li - 1]] = x[0]
             write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D]
-            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], past_len, mask, self.attention)  # [Hq, T, D]
+            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], past_len, mask, self.attention,
+                                 max_past=self.max_past)  # [Hq, T, D]
             x, delta = self._attention_output(blk, x, att[None])
         x = x + delta
         if len(self.layers) - 1 in wanted:

@@ -130,11 +130,15 @@ def _align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPai
 
 
 @triton.jit
-def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """This program's row block -> (slot, its expert, first row m0 within the slot); slot = -1 past the last
     block. Blocks are numbered slot by slot (each slot's ceil(count / BLOCK_M) in turn), so the blocks of one
-    expert run side by side and share its weight tiles in L2."""
+    expert run side by side and share its weight tiles in L2. ONE_BLOCK (T ≤ BLOCK_M: no expert can fill
+    two blocks): block b is slot b, with no search (two dependent loads fewer, which a small tree notices)."""
     b = tl.program_id(0)
+    if ONE_BLOCK:
+        e = tl.load(SlotExpert + b)
+        return tl.where(e >= 0, b, -1), e, 0
     slots = tl.arange(0, BLOCK_S)
     ex = tl.load(SlotExpert + slots, mask=slots < S, other=-1)
     n = tl.load(Counts + ex, mask=ex >= 0, other=0)
@@ -148,9 +152,9 @@ def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constex
 
 @triton.jit
 def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_xt, s_we, s_wn, s_ht,
-                    TOP_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr,
+                    TOP_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S)
+    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0:  # past the last row block
         return
     start = tl.load(SlotStart + slot)
@@ -186,9 +190,9 @@ def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I
 
 @triton.jit
 def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_ht, s_we, s_wn, s_yt,
-                 IEEE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S)
+                 IEEE: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0:
         return
     start = tl.load(SlotStart + slot)
@@ -359,16 +363,17 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    blocks = row_blocks(P, S, cfg["BLOCK_M"])
+    one_block = T <= cfg["BLOCK_M"]
+    blocks = S if one_block else row_blocks(P, S, cfg["BLOCK_M"])
     BLOCK_S = _pow2(S, 16)
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
         x, w_gate_up, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), h.stride(0), TOP_K=top_k, IEEE=ieee, BLOCK_S=BLOCK_S, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
+        w_gate_up.stride(1), h.stride(0), TOP_K=top_k, IEEE=ieee, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, w_down, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, h.stride(0),
-        w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_S=BLOCK_S, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
+        w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, out, H, y.stride(0), out.stride(0), TOP_K=top_k,

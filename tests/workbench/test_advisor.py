@@ -81,7 +81,7 @@ def test_stored_calibration_is_what_calibrate_fits():
 
 def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
     data = A.machines_data()["calibration"]
-    fit = A.calibrate_moe(REPO / data["moe_from"], machine=data["machine"])
+    fit = A.calibrate_moe([REPO / p for p in data["moe_from"]], machine=data["machine"])
     for k in ("moe_block_seconds", "moe_pair_seconds"):
         assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
     cal, m = A.load_calibration(), A.get_machine("h200")

@@ -154,25 +154,28 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
             "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}
 
 
-def calibrate_moe(fused_moe_path: str | Path, cal: Calibration | None = None, machine: str = "h200") -> dict:
-    """The MoE block's time beyond its bytes and FLOPs, from a `bench fused_moe` JSON (the block alone, at
-    several token counts): least squares of measured − modelled = moe_block_seconds + moe_pair_seconds ·
-    T·k. Kernel-level data, so the e2e check of MoE rounds stays a check. -> the two calibration.fit keys."""
+def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None = None,
+                  machine: str = "h200") -> dict:
+    """The MoE block's time beyond its bytes and FLOPs, from `bench fused_moe` JSONs (the block alone, at
+    several token counts; independent and alike routing, so the fit sees few and many experts touched at one
+    T): least squares of measured − modelled = moe_block_seconds + moe_pair_seconds · T·k. Kernel-level
+    data, so the e2e check of MoE rounds stays a check. -> the two calibration.fit keys."""
     import numpy as np
 
     cal = cal or load_calibration()
     m = get_machine(machine)
-    d = json.loads(Path(fused_moe_path).read_text())
-    sh = d["shape"]
-    h, w, k = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"])
     bw, fl = m.bandwidth * cal.eta_bw, m.flops * cal.eta_flops
     xs, ys = [], []
-    for r in d["rows"]:
-        mem, comp = r["touched_bytes"] / bw, 2 * r["T"] * k * 3 * h * w / fl
-        core = (mem ** cal.p + comp ** cal.p) ** (1 / cal.p)
-        xs.append([1.0, float(r["T"] * k)])
-        ys.append(r["triton_us"] * 1e-6 - core)
+    for path in fused_moe_paths:
+        d = json.loads(Path(path).read_text())
+        sh = d["shape"]
+        h, w, k = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"])
+        for r in d["rows"]:
+            mem, comp = r["touched_bytes"] / bw, 2 * r["T"] * k * 3 * h * w / fl
+            core = (mem ** cal.p + comp ** cal.p) ** (1 / cal.p)
+            xs.append([1.0, float(r["T"] * k)])
+            ys.append(r["triton_us"] * 1e-6 - core)
     if len(xs) < 3:
-        raise AdvisorError(f"{fused_moe_path}: {len(xs)} rows; the MoE fit needs at least 3 token counts")
+        raise AdvisorError(f"{', '.join(map(str, fused_moe_paths))}: {len(xs)} rows; the MoE fit needs at least 3")
     block, pair = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
     return {"moe_block_seconds": max(0.0, float(block)), "moe_pair_seconds": max(0.0, float(pair))}
