@@ -241,3 +241,18 @@ def test_reused_pair_follows_the_draft_window(small_vocab_pair, tiny_dirs):
     again = dl.generate(reused, [3, 4, 5], draft_window=None, **kw)
     fresh = dl.generate(dl.load_pair(target=t, drafter=d), [3, 4, 5], draft_window=None, **kw)
     assert again.tokens == fresh.tokens and again.acceptance_lengths == fresh.acceptance_lengths
+
+
+def test_the_cache_keeps_the_tree_room_apart_from_the_attention_bound(tiny_pair):
+    # A larger budget (or auto's largest candidate) widens the cache's tree room only: the committed context's
+    # room, which bounds the attention kernels' split launch, is the same, so a budget-32 verify is launched
+    # alike in both and emits the same tokens (test_result_does_not_depend_on_cache_size covers the bits).
+    prompt, seen = [3, 4, 5, 6, 7], {}
+    for name, budget in (("32", 32), ("auto(32, 256)", dl.AutoBudget(budgets=(32, 256))), ("256", 256)):
+        res = dl.generate(tiny_pair, prompt, budget=budget, max_new_tokens=40, stop=[])
+        seen[name] = (tiny_pair.target.max_past, tiny_pair.target.cache_len, res.tokens)
+    (room, small, tokens), (auto_room, auto_len, auto_tokens) = seen["32"], seen["auto(32, 256)"]
+    assert room == auto_room == seen["256"][0] and room >= len(prompt) + 40
+    assert small < auto_len == seen["256"][1]  # the tree's room follows the largest tree
+    assert tiny_pair.drafter.max_past == room
+    assert auto_tokens == tokens == seen["256"][2]  # greedy: every budget emits the target's own tokens
