@@ -254,7 +254,8 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
 def verify_reads(pair: Any, rows: list[dict]) -> dict:
     """The weight bytes one verify forward (AR: one step) reads — attention, MLP or router and the touched
     experts, one embedding row, LM head — and, for an MoE target, the experts it touched per MoE layer
-    (mean over the traced rounds) and their mean: a tree reads the union of its tokens' experts."""
+    (mean over the traced rounds) and their mean: a tree reads the union of its tokens' experts; and the
+    busiest expert's tokens (mean over layers and rounds): how crowded that union is."""
     target = getattr(pair, "target", None)
     if target is None:
         return {}
@@ -262,8 +263,12 @@ def verify_reads(pair: Any, rows: list[dict]) -> dict:
     if not counts:
         return {"verify_weight_bytes": weight_bytes_per_step(target)}
     per_layer = [sum(col) / len(col) for col in zip(*counts)]
-    return {"experts_touched_per_layer": per_layer, "experts_touched_mean": sum(per_layer) / len(per_layer),
-            "verify_weight_bytes": weight_bytes_per_step(target, per_layer)}
+    out = {"experts_touched_per_layer": per_layer, "experts_touched_mean": sum(per_layer) / len(per_layer),
+           "verify_weight_bytes": weight_bytes_per_step(target, per_layer)}
+    busiest = [b for r in rows for b in (r.get("expert_tokens_max") or [])]
+    if busiest:
+        out["expert_tokens_max_mean"] = sum(busiest) / len(busiest)
+    return out
 
 
 def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:

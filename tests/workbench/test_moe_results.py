@@ -23,6 +23,9 @@ def test_moe_run_records_experts_touched_and_bytes(tmp_path):
     assert s["verify_weight_bytes"] == weight_bytes_per_step(pair.target, s["experts_touched_per_layer"])
     assert s["verify_weight_bytes"] > ar["summary"]["verify_weight_bytes"]
     assert all(r["experts_touched"] for r in rows if r.get("tree"))
+    # the busiest expert gets at least its share of the pairs and at most every token of the forward
+    assert ar["summary"]["expert_tokens_max_mean"] == 1.0
+    assert k * 25 / E <= s["expert_tokens_max_mean"] <= 25
 
 
 def test_dense_run_records_its_bytes_and_no_experts(tiny_pair):
