@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .names import AUTO_CANDIDATES, MAX_BUDGET
+from .names import AUTO, AUTO_CANDIDATES, MAX_BUDGET
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def resolve_budget(budget):
     """An int stays; "auto" -> AutoBudget(); an AutoBudget stays. Anything else is refused."""
     if isinstance(budget, AutoBudget):
         return budget
-    if isinstance(budget, str) and budget.strip().lower() == "auto":
+    if isinstance(budget, str) and budget.strip().lower() == AUTO:
         return AutoBudget()
     return budget
 

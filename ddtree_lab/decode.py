@@ -135,6 +135,17 @@ class RoundProgram:
             out += [self.drafter.ctx_len, self.ctx_count]
         return out + (self.auto.tensors() if self.auto is not None else [])
 
+    def save_state(self):
+        """What a warm-up or a timing run changes: the state's counters and the sampler's generator (its draws
+        must not shift a call's samples). restore_state puts them back."""
+        return [t.clone() for t in self.state_scalars()], self.choose.generator.get_state()
+
+    def restore_state(self, saved) -> None:
+        scalars, rng = saved
+        for t, v in zip(self.state_scalars(), scalars):
+            t.copy_(v)
+        self.choose.generator.set_state(rng)
+
     def reset(self, n: int, bonus: torch.Tensor) -> None:
         self.n.fill_(n)
         self.bonus.copy_(bonus.view(1))
@@ -217,9 +228,14 @@ class RoundProgram:
         path = self.path[:a].tolist()
         tree = DraftTree(*(getattr(self.tree, f).to("cpu") for f in DraftTree.__dataclass_fields__))
         accepted_tokens = self.tokens[self.path[1:a]].tolist()
-        touched, busiest = self.target.expert_routing() or (None, None)
         return RoundTrace(index, position, root, tree, path, accepted_tokens, int(self.bonus),
-                          experts_touched=touched, expert_tokens_max=busiest, budget=self.budget)
+                          **routing_fields(self.target), budget=self.budget)
+
+
+def routing_fields(target) -> dict:
+    """A traced round's MoE routing (RoundTrace.experts_touched, expert_tokens_max); None for a dense target."""
+    touched, busiest = target.expert_routing() or (None, None)
+    return {"experts_touched": touched, "expert_tokens_max": busiest}
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):
@@ -379,7 +395,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     stage_sets = [runner.stages() if runner is not None else
                   [(name, then(pre, fn)) for name, fn, pre in p.stages] for p, runner in zip(programs, runners)]
     if auto_state is not None and not auto_state.measured:  # each candidate's round cost, once (not counted)
-        _measure_auto_costs(program, auto_state, stage_sets)
+        auto_state.set_capture_costs(measure_costs(stage_sets, program.save_state, program.restore_state, device))
         set_up = True
     if set_up:
         round_capture_seconds = time.perf_counter() - capture_start
@@ -413,12 +429,9 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
                     fn()
                 clock.mark(name)
             if trace:
-                if method != "ar":
-                    rounds.append(programs[j].trace_round(n_rounds, position, root))
-                else:
-                    touched, busiest = target.expert_routing() or (None, None)
-                    rounds.append(RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
-                                             experts_touched=touched, expert_tokens_max=busiest))
+                rounds.append(programs[j].trace_round(n_rounds, position, root) if method != "ar" else
+                              RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
+                                         **routing_fields(target)))
             n_rounds += 1
         reads.append(_start_read(program, auto_state, n_rounds))
         if len(reads) > lag:  # the host waits for the oldest read: one sync per `sync_every` rounds
@@ -460,21 +473,6 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
         rounds=rounds, prefill_seconds=prefill_seconds,
         round_budgets=[programs[j].budget for j in chosen[:len(acceptance)]] if method != "ar" else [],
     )
-
-
-def _measure_auto_costs(program: RoundProgram, state: AutoState, stage_sets) -> None:
-    """Each candidate's round cost (median of replays from the same state), into the choice's cost table."""
-    gen = program.choose.generator
-
-    def save():
-        return [t.clone() for t in program.state_scalars()], gen.get_state()
-
-    def restore(saved):
-        for t, v in zip(program.state_scalars(), saved[0]):
-            t.copy_(v)
-        gen.set_state(saved[1])
-
-    state.set_capture_costs(measure_costs(stage_sets, save, restore, program.device))
 
 
 def _auto_settings(auto: AutoBudget, state: AutoState) -> dict:

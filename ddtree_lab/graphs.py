@@ -51,15 +51,14 @@ class GraphRunner:
 
     def capture(self) -> None:
         p = self.program
-        saved = [t.clone() for t in self._scalars()]
-        rng = p.choose.generator.get_state()  # warm-up draws must not shift this call's samples
+        saved = p.save_state()
 
         def one_round():
             for _, fn, pre in p.stages:
                 then(pre, fn)()
 
         warm_up(one_round)
-        self._restore(saved)
+        p.restore_state(saved)
         with capturing():
             for name, fn, pre in p.stages:
                 g = torch.cuda.CUDAGraph()
@@ -67,15 +66,7 @@ class GraphRunner:
                     fn()
                 self.pool = self.pool or g.pool()
                 self.graphs.append((name, g, pre))
-        self._restore(saved)
-        p.choose.generator.set_state(rng)
-
-    def _scalars(self):
-        return self.program.state_scalars()
-
-    def _restore(self, saved) -> None:
-        for t, s in zip(self._scalars(), saved):
-            t.copy_(s)
+        p.restore_state(saved)
 
     def stages(self):
         return [(name, then(pre, g.replay)) for name, g, pre in self.graphs]
