@@ -93,7 +93,10 @@ def parse_attn_config(items: list[str]) -> dict:
         key, _, value = item.partition("=")
         if key not in ATTN_CONFIG_KEYS or not value:
             raise ValueError(f"--attn-config {item!r}: expected KEY=VALUE with KEY one of {', '.join(ATTN_CONFIG_KEYS)}")
-        out[key] = float(value) if key == "waves" else int(value)
+        try:
+            out[key] = float(value) if key == "waves" else int(value)
+        except ValueError:
+            raise ValueError(f"--attn-config {item!r}: {key} takes {'a number' if key == 'waves' else 'an integer'}") from None
     return out
 
 

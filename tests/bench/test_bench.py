@@ -153,6 +153,8 @@ def test_attention_launch_choices_for_a_whole_run(tmp_path, tiny_dir, monkeypatc
     assert parse_attn_config(["min_chunk=128", "waves=4"]) == {"min_chunk": 128, "waves": 4.0}
     with pytest.raises(ValueError, match="min_chunks=1"):
         parse_attn_config(["min_chunks=1"])
+    with pytest.raises(ValueError, match="'split_target=x': split_target takes an integer"):
+        parse_attn_config(["split_target=x"])
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
                 "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--attn-config", "num_splits=3",
                 "--host-read-lag", "1")
