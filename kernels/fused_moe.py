@@ -13,11 +13,14 @@ leaves the order of ties unspecified; on the CPU it does not take the lower inde
 Launches, none of them reading anything back to the host, every shape fixed by (T, E, top_k, H, I), so a
 round that calls it can be captured once as a CUDA graph for each tree size:
   1. router logits: F.linear in x's dtype (as the reference models compute them);
-  2. `_route_kernel`, one program per BLOCK_T tokens: softmax, top-k by repeated argmax, renormalisation
-     (up to ROUTE_IN_ALIGN_MAX_T tokens the align program does this itself: a launch fewer for AR and small trees);
-  3. `_align_kernel`, one program: per-expert counts, the touched experts compacted into S = min(E, T·top_k)
-     slots (slot s holds the s-th touched expert in expert order, -1 past the last), each slot's start in the
-     pair list, and the (token, j) pairs sorted by expert, stably (pair p = t·top_k + j);
+  2. `_route_kernel`, one program per chunk of BLOCK_T tokens: softmax, top-k by repeated argmax,
+     renormalisation, and the chunk's count of pairs per expert;
+  3. the sort of the (token, j) pairs by expert, stably (pair p = t·top_k + j): `_scan_kernel`, one program,
+     sums the chunks' counts per expert, compacts the touched experts into S = min(E, T·top_k) slots (slot s
+     holds the s-th touched expert in expert order, -1 past the last, with its start in the pair list) and
+     gives each chunk its first place per expert; then `_place_kernel`, one program per chunk, puts each pair
+     at its chunk's place plus its rank within the chunk. Up to ROUTE_IN_ALIGN_MAX_T tokens (AR's step)
+     `_route_align_kernel` does 2 and 3 in one program: a launch or two fewer, where serial work is small;
   4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N): one BLOCK_M block of a slot's tokens times its
      expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
      blocks any routing can need; each program finds its slot from the counts);
@@ -87,28 +90,9 @@ def _route_block(Logits, Weights, Ids, rows, T, E, s_row, TOP_K: tl.constexpr, R
 
 
 @triton.jit
-def _route_kernel(Logits, Weights, Ids, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    _route_block(Logits, Weights, Ids, rows, T, E, s_row, TOP_K, RENORM, BLOCK_T, BLOCK_E, BLOCK_K)
-
-
-@triton.jit
-def _align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPairs, T, P, E, S, s_row,
-                  ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+def _slots(counts, Counts, SlotExpert, SlotStart, E, S, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Per-expert counts [BLOCK_E] -> stored counts and slots; returns each expert's first place [BLOCK_E]."""
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    if ROUTE:  # few tokens: route them here too (one launch less), then read the ids back
-        for t0 in range(0, T, BLOCK_T):
-            counts += _route_block(Logits, Weights, Ids, t0 + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
-                                   BLOCK_T, BLOCK_E, BLOCK_K)
-        tl.debug_barrier()  # the ids written above are read by other threads of this program below
-    else:
-        for p0 in range(0, P, BLOCK_P):  # pass 1: tokens per expert
-            offs = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(Ids + offs, mask=offs < P, other=-1)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
     tl.store(Counts + experts, counts, mask=experts < E)
     starts = tl.cumsum(counts, 0) - counts                                  # exclusive: each expert's first pair
     touched = counts > 0
@@ -118,15 +102,82 @@ def _align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPai
     tl.store(SlotExpert + slots, tl.full([BLOCK_S], -1, tl.int32), mask=(slots >= n_touched) & (slots < S))
     tl.store(SlotExpert + slot_of, experts, mask=touched)
     tl.store(SlotStart + slot_of, starts, mask=touched)
-    running = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):  # pass 2: each pair's place, stably (earlier pairs first within an expert)
-        offs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(Ids + offs, mask=offs < P, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)             # [BP, BE]
-        rank = tl.cumsum(onehot, 0) - onehot + running[None, :] + starts[None, :]
-        pos = tl.sum(onehot * rank, 1)                                      # [BP]
-        tl.store(SortedPairs + pos, offs, mask=offs < P)
-        running += tl.sum(onehot, 0)
+    return starts
+
+
+@triton.jit
+def _place_chunk(Ids, SortedPairs, p0, p1, base, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs p0 ≤ p < p1 to their sorted places: base[e] (where this chunk's first pair of expert e goes) plus
+    the pair's rank among the chunk's pairs of e, so earlier pairs come first (a stable sort)."""
+    experts = tl.arange(0, BLOCK_E)
+    offs = p0 + tl.arange(0, BLOCK_P)
+    ids = tl.load(Ids + offs, mask=offs < p1, other=-1)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)                 # [BP, BE]
+    rank = tl.cumsum(onehot, 0) - onehot + base[None, :]
+    tl.store(SortedPairs + tl.sum(onehot * rank, 1), offs, mask=offs < p1)
+    return tl.sum(onehot, 0)
+
+
+@triton.jit
+def _route_kernel(Logits, Weights, Ids, ChunkCounts, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # chunk c = tokens [c·BLOCK_T, (c+1)·BLOCK_T): route them and keep how many chose each expert
+    c = tl.program_id(0)
+    counts = _route_block(Logits, Weights, Ids, c * BLOCK_T + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
+                          BLOCK_T, BLOCK_E, BLOCK_K)
+    tl.store(ChunkCounts + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit
+def _count_kernel(Ids, ChunkCounts, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    # ids routed elsewhere (moe_align): chunk c = pairs [c·CHUNK, (c+1)·CHUNK), counted per expert
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    offs = c * CHUNK + tl.arange(0, BLOCK_P)
+    ids = tl.load(Ids + offs, mask=(offs < P) & (offs < (c + 1) * CHUNK), other=-1)
+    tl.store(ChunkCounts + c * BLOCK_E + experts, tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0))
+
+
+@triton.jit
+def _scan_kernel(ChunkCounts, ChunkBase, Counts, SlotExpert, SlotStart, C, E, S, BLOCK_C: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    # one program over the [C, E] chunk counts: the experts' totals and slots, then where each chunk's first
+    # pair of each expert goes (the expert's start plus the earlier chunks' pairs of it)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        rows = c0 + tl.arange(0, BLOCK_C)
+        counts += tl.sum(tl.load(ChunkCounts + rows[:, None] * BLOCK_E + experts[None, :],
+                                 mask=rows[:, None] < C, other=0), 0)
+    running = _slots(counts, Counts, SlotExpert, SlotStart, E, S, BLOCK_E, BLOCK_S)
+    for c0 in range(0, C, BLOCK_C):
+        rows = c0 + tl.arange(0, BLOCK_C)
+        at = rows[:, None] * BLOCK_E + experts[None, :]
+        tile = tl.load(ChunkCounts + at, mask=rows[:, None] < C, other=0)    # [BC, BE]
+        tl.store(ChunkBase + at, tl.cumsum(tile, 0) - tile + running[None, :], mask=rows[:, None] < C)
+        running += tl.sum(tile, 0)
+
+
+@triton.jit
+def _place_kernel(Ids, ChunkBase, SortedPairs, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    base = tl.load(ChunkBase + c * BLOCK_E + tl.arange(0, BLOCK_E))
+    _place_chunk(Ids, SortedPairs, c * CHUNK, tl.minimum((c + 1) * CHUNK, P), base, BLOCK_P, BLOCK_E)
+
+
+@triton.jit
+def _route_align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPairs, T, P, E, S, s_row,
+                        TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    # the whole of routing and the sort in one program, serially: one launch instead of three (AR's step)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        counts += _route_block(Logits, Weights, Ids, t0 + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
+                               BLOCK_T, BLOCK_E, BLOCK_K)
+    running = _slots(counts, Counts, SlotExpert, SlotStart, E, S, BLOCK_E, BLOCK_S)
+    tl.debug_barrier()  # the ids written above are read by other threads of this program below
+    for p0 in range(0, P, BLOCK_P):
+        running += _place_chunk(Ids, SortedPairs, p0, P, running, BLOCK_P, BLOCK_E)
 
 
 @triton.jit
@@ -267,69 +318,93 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
                 num_stages=3 if elsize <= 2 else 2)
 
 
-ROUTE_IN_ALIGN_MAX_T = 32  # up to this many tokens the align program routes them itself: one launch less
+ROUTE_IN_ALIGN_MAX_T = 2  # up to this many tokens one program routes and sorts them (docs/kernels.md: measured)
 
 
 def _route_blocks(T: int, E: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_T): BLOCK_T tokens make a chunk, one program of routing, counting and placing."""
     BLOCK_E = _pow2(E, 16)
     return BLOCK_E, max(1, min(_pow2(T), 4096 // BLOCK_E, 64 if _interpret() else 16))
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32), best first."""
+def _route(logits, top_k, renormalize):
     T, E = logits.shape
     assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
-    _route_kernel[(triton.cdiv(T, BLOCK_T),)](x, weights, ids, T, E, x.stride(0), TOP_K=top_k,
-                                              RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-                                              BLOCK_K=_pow2(top_k), num_warps=4)
-    return weights, ids
+    chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=x.device)
+    _route_kernel[(chunk_counts.shape[0],)](x, weights, ids, chunk_counts, T, E, x.stride(0), TOP_K=top_k,
+                                            RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+                                            BLOCK_K=_pow2(top_k), num_warps=4)
+    return weights, ids, chunk_counts
 
 
-def _align(ids, E, counts, logits=None, weights=None, top_k=1, renormalize=False):
-    T = ids.shape[0]
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32), best first."""
+    return _route(logits, top_k, renormalize)[:2]
+
+
+def _align_outputs(ids, E, counts):
     P = ids.numel()
     S = min(E, P)
-    device = ids.device
-    counts = torch.empty(E, dtype=torch.int32, device=device) if counts is None else counts
+    counts = torch.empty(E, dtype=torch.int32, device=ids.device) if counts is None else counts
     assert counts.shape == (E,) and counts.dtype == torch.int32 and counts.is_contiguous()
-    slot_expert = torch.empty(S, dtype=torch.int32, device=device)
-    slot_start = torch.empty(S, dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty(P, dtype=torch.int32, device=device)
-    BLOCK_E, BLOCK_T = _route_blocks(T, E)
-    BLOCK_P = max(16, min(_pow2(P), 8192 // BLOCK_E))
-    route = logits is not None
-    _align_kernel[(1,)](logits if route else ids, weights if route else ids, ids, counts, slot_expert, slot_start,
-                        sorted_pairs, T, P, E, S, logits.stride(0) if route else 0, ROUTE=route, TOP_K=top_k,
-                        RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_K=_pow2(top_k), BLOCK_P=BLOCK_P,
-                        BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
-    return counts, slot_expert, slot_start, sorted_pairs
+    return (counts, torch.empty(S, dtype=torch.int32, device=ids.device),
+            torch.empty(S, dtype=torch.int32, device=ids.device), torch.empty(P, dtype=torch.int32, device=ids.device))
+
+
+def _align_chunks(ids, E, counts, chunk_counts, chunk_tokens):
+    """The sort from per-chunk counts (chunk = `chunk_tokens` tokens' pairs): a scan, then the chunks placed
+    side by side."""
+    T, top_k = ids.shape
+    counts, slot_expert, slot_start, sorted_pairs = out = _align_outputs(ids, E, counts)
+    C, BLOCK_E = chunk_counts.shape
+    chunk_base = torch.empty_like(chunk_counts)
+    _scan_kernel[(1,)](chunk_counts, chunk_base, counts, slot_expert, slot_start, C, E, slot_expert.numel(),
+                       BLOCK_C=_pow2(C, 1, max(1, 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
+    chunk = chunk_tokens * top_k
+    _place_kernel[(C,)](ids, chunk_base, sorted_pairs, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
+                        BLOCK_E=BLOCK_E, num_warps=4)
+    return out
 
 
 def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
     """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
     slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k)."""
-    return _align(ids, E, counts)
+    T, top_k = ids.shape
+    BLOCK_E, BLOCK_T = _route_blocks(T, E)
+    chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=ids.device)
+    chunk = BLOCK_T * top_k
+    _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
+                                            BLOCK_E=BLOCK_E, num_warps=4)
+    return _align_chunks(ids, E, counts, chunk_counts, BLOCK_T)
 
 
 def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
                     fuse: bool | None = None):
-    """moe_route then moe_align: -> (weights, ids, counts, slot_expert, slot_start, sorted_pairs). With
-    `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T) the align program routes the tokens itself, in one launch."""
+    """moe_route then moe_align: -> (weights, ids, counts, slot_expert, slot_start, sorted_pairs). The routing
+    programs count their chunk's pairs as they go, so the sort needs no pass over the ids of its own. With
+    `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T) one program does it all, serially, in one launch."""
     T, E = logits.shape
     if fuse is None:
         fuse = T <= ROUTE_IN_ALIGN_MAX_T
     if not fuse:
-        weights, ids = moe_route(logits, top_k, renormalize)
-        return (weights, ids, *moe_align(ids, E, counts))
+        weights, ids, chunk_counts = _route(logits, top_k, renormalize)
+        return (weights, ids, *_align_chunks(ids, E, counts, chunk_counts, _route_blocks(T, E)[1]))
     assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    return (weights, ids, *_align(ids, E, counts, x, weights, top_k, renormalize))
+    counts, slot_expert, slot_start, sorted_pairs = out = _align_outputs(ids, E, counts)
+    P, S = ids.numel(), slot_expert.numel()
+    BLOCK_E, BLOCK_T = _route_blocks(T, E)
+    _route_align_kernel[(1,)](x, weights, ids, counts, slot_expert, slot_start, sorted_pairs, T, P, E, S,
+                              x.stride(0), TOP_K=top_k, RENORM=bool(renormalize), BLOCK_T=BLOCK_T,
+                              BLOCK_K=_pow2(top_k), BLOCK_P=max(16, min(_pow2(P), 8192 // BLOCK_E)),
+                              BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
+    return (weights, ids, *out)
 
 
 @triton.jit

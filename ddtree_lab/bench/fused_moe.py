@@ -15,7 +15,7 @@ Time per call: `bench.attention.time_cuda_graph` (calls captured in a CUDA graph
 (`--smoke`: tiny shapes, the interpreter) the wall clock of one call, a check that the path runs, not a timing.
 
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
-                    [--config BLOCK_N_UP=16 BLOCK_N_DOWN=16]   (launch_config overrides, e.g. to try tile widths)
+                    [--config BLOCK_N_UP=16 BLOCK_N_DOWN=16 fuse_route=0]   (launch_config overrides)
                     python -m ddtree_lab.bench.fused_moe --smoke --out /tmp/fused_moe_smoke.json   (CPU)
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768, layers=48)
 TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
+CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route")  # --config keys besides the BLOCK_… tile sizes
 GATHER_LIMIT = 4 << 30  # bytes: beyond this the torch path's per-token gather (no grouped matmul) is skipped
 
 
@@ -106,16 +107,17 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
-                    help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32")
+                    help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32, num_warps=8, "
+                         "fuse_route=0 (route in its own launch)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     config = {}
     for item in a.config:
         key, _, value = item.partition("=")
-        if not key.startswith("BLOCK_") or not value.isdigit():
-            ap.error(f"--config {item!r}: want BLOCK_…=INT (a launch_config tile size)")
-        config[key] = int(value)
+        if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
+            ap.error(f"--config {item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
+        config[key] = bool(int(value)) if key == "fuse_route" else int(value)
     if a.smoke:
         # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
         device = "cuda" if torch.cuda.is_available() else "cpu"

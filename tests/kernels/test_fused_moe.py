@@ -87,6 +87,15 @@ def test_align_skewed_routing_and_counts_buffer():
     assert slot_expert[:4].tolist() == [0, 5, 9, -1] and bool((slot_expert[3:] == -1).all())
 
 
+@pytest.mark.parametrize("T,k,E", [(1, 1, 4), (200, 3, 40), (257, 8, 128)])
+def test_align_over_many_chunks(T, k, E):
+    """Pairs counted and placed chunk by chunk (each chunk offset by the earlier chunks' pairs of each
+    expert) give the one stable sort of the reference, whatever the chunk count and a top_k not a power of 2."""
+    g = torch.Generator().manual_seed(T + k)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int().to(DEVICE)
+    check_align(ids, E)
+
+
 def test_counts_buffer_is_refreshed_each_call():
     x, router, w_gate_up, w_down = make_block(5, 8, 32, 16, torch.float32, seed=3)
     buf = torch.zeros(8, dtype=torch.int32, device=DEVICE)
@@ -190,7 +199,7 @@ def test_bench_smoke_runs_the_logic_path(tmp_path):
         assert 2 <= r["experts_touched"] <= min(8, 2 * r["T"]) and r["floor_us"] is None
 
 
-@pytest.mark.parametrize("T", [1, 17, 65])
+@pytest.mark.parametrize("T", [1, 2, 17, 65, 300])  # 300: several chunks of routing, counting and placing
 def test_routing_inside_the_align_program_equals_its_own_launch(T):
     from ddtree_lab.kernels.fused_moe import moe_route_align
 
