@@ -27,16 +27,21 @@ def gpu_costs(path: str) -> dict[int, float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def priced_args(description: str, passes: int) -> argparse.ArgumentParser:
+    """The options of a tool that prices auto's rounds at a GPU's costs (this one and auto_replay.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--pair", default="lab")
     ap.add_argument("--prompts", default="lab:code")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--costs-from", required=True, help="a bench prompts JSON measured on the GPU")
-    ap.add_argument("--passes", type=int, default=3, help="auto's passes over the prompts (it learns across them)")
+    ap.add_argument("--passes", type=int, default=passes, help="auto's passes over the prompts (it learns across them)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = priced_args(__doc__.splitlines()[0], passes=3).parse_args()
     costs = gpu_costs(args.costs_from)
     pair = dl.load_pair(args.pair)
     prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]

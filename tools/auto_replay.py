@@ -14,7 +14,6 @@ per-round estimate of tokens/s (a smaller tree would have taken more, shorter ro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from ddtree_lab.kernels.auto_budget import auto_update_reference
 from ddtree_lab.prompts import read_prompt_set
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: the sibling tool's reader
-from auto_priced import gpu_costs  # noqa: E402
+from auto_priced import gpu_costs, priced_args  # noqa: E402
 
 
 def traced_rounds(pair, prompts, budget: int, max_new_tokens: int) -> list[list[tuple]]:
@@ -75,15 +74,8 @@ def replay(calls, auto: dl.AutoBudget, L: int, lag: int, passes: int) -> list[di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="lab")
-    ap.add_argument("--prompts", default="lab:code")
-    ap.add_argument("--n-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--costs-from", required=True, help="a bench prompts JSON measured on the GPU")
-    ap.add_argument("--passes", type=int, default=6, help="passes of the rule over the prompts (it learns across them)")
+    ap = priced_args(__doc__.splitlines()[0], passes=6)
     ap.add_argument("--lag", type=int, default=1, help="host reads in flight (the GPU's default: 1)")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     costs = gpu_costs(args.costs_from)
     budgets = tuple(sorted(costs))
