@@ -290,7 +290,11 @@ def test_the_moe_random_shape_reads_its_experts_from_the_config():
     costs = [A.round_cost(s, h200, "ddtree", b) for b in (16, 64, 1024)]
     ar = A.round_cost(s, h200, "ar")
     assert costs[0].seconds > 3 * ar.seconds and all(c.dominant == "weights" for c in costs[:2])
-    assert costs[2].dominant == "moe"  # at 1024 tokens the block's per-pair work outweighs its reads (bench fused_moe)
+    # the MoE block's per-pair time (bench fused_moe) grows with the tree, and at 1024 tokens it is second only
+    # to the weights read, which the union caps at all 128 experts
+    moe = [c.parts["moe"] for c in costs]
+    assert moe[0] < moe[1] < moe[2] and moe[2] > 5 * moe[1]
+    assert sorted(costs[2].parts, key=costs[2].parts.get)[-2:] == ["moe", "weights"]
     assert costs[2].seconds / costs[1].seconds < costs[1].seconds / costs[0].seconds * 2  # the union saturates
 
 
