@@ -1,23 +1,9 @@
-"""tools/auto_replay.py: the engine's auto rule replayed over one traced text (lab pair, CPU, float32).
-
-tools/ is not installed, so the module is loaded from its path."""
-import importlib.util
-from pathlib import Path
-
+"""tools/auto_replay.py: the engine's auto rule replayed over one traced text (lab pair, CPU, float32)."""
 import ddtree_lab as dl
 
-REPLAY = Path(__file__).resolve().parents[2] / "tools" / "auto_replay.py"
 
-
-def _replay():
-    spec = importlib.util.spec_from_file_location("auto_replay", REPLAY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_replay_learns_the_cheap_budget_and_counts_the_traced_tau():
-    tool = _replay()
+def test_replay_learns_the_cheap_budget_and_counts_the_traced_tau(load_tool):
+    tool = load_tool("auto_replay")
     pair = dl.load_pair("lab")
     prompts = ["def add(a, b):", "The quick brown fox"]
     calls = tool.traced_rounds(pair, prompts, 32, 24)

@@ -1,26 +1,12 @@
-"""tools/smollm2_ship.py: the SmolLM2 target carried to another machine in few files, bit for bit.
-
-tools/ is not installed, so the module is loaded from its path."""
-import importlib.util
-from pathlib import Path
-
+"""tools/smollm2_ship.py: the SmolLM2 target carried to another machine in few files, bit for bit."""
 import pytest
 import torch
 
-SHIP = Path(__file__).resolve().parents[2] / "tools" / "smollm2_ship.py"
 
-
-def _ship():
-    spec = importlib.util.spec_from_file_location("smollm2_ship", SHIP)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_ship_target_bit_exact(tmp_path):
+def test_ship_target_bit_exact(tmp_path, load_tool):
     """pack stores Q4_1 / Q8_0-born tensors as their block codes; unpack rebuilds them bit for bit."""
     from safetensors.torch import load_file, save_file
-    ship = _ship()
+    ship = load_tool("smollm2_ship")
     g = torch.Generator().manual_seed(0)
     q4 = torch.randint(0, 16, (256, 32), generator=g).float()  # 4 KiB of codes: more than a part holds
     d4, m4 = (torch.rand(256, generator=g) * 0.01).half(), (-torch.rand(256, generator=g) * 0.05).half()
