@@ -7,7 +7,8 @@ bin, m_i = mean τ_0 + the mean gains up to i, λ the achieved tokens per second
 a tree of budget b is the first b nodes of any larger one (tree.py's order) and node indices grow along a path;
 gains are measured on the same rounds, so m_i never falls below m_{i-1}. An untried gain counts as `explore`
 tokens, so a larger budget is tried only while it could pay. In torch this is ~40 small
-kernels (a few % of a small pair's round on a GPU); here it is one program. Reference: `auto_update_reference`.
+kernels (a few % of a small pair's round on a GPU); here it is one program. Reference: the rule itself,
+`ddtree_lab.auto_budget.auto_update_reference` (torch only, so budget="auto" runs where Triton is absent).
 """
 from __future__ import annotations
 
@@ -100,48 +101,3 @@ def auto_update(path, a, scores, j: int, budgets, costs, edges, table_sum, table
                        J=J, NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
                        BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
                        BLOCK_R=max(2, triton.next_power_of_2(NB + 1)), num_warps=1)
-
-
-# ----------------------------------------------------------------------------- reference
-
-def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, max_tau: float) -> torch.Tensor:
-    """The proposal for one bin: argmax_i m_i − λ·cost_i, where m_0 is the smallest budget's mean τ and each
-    m_i adds the mean gain of budget i over the one below it, each shrunk towards `explore`; -> [] long."""
-    m = weight / (n_row[0] + weight)   # τ_0's prior: the bonus token alone
-    best = torch.full((), -float("inf"), device=costs.device)
-    pick = torch.zeros((), dtype=torch.long, device=costs.device)
-    for i in range(costs.shape[0]):
-        m = (m + (s_row[i] + weight * explore) / (n_row[i] + weight)).clamp(max=max_tau)
-        score = m - lam * costs[i]
-        take = score > best                                                    # ties keep the smaller budget
-        best = torch.where(take, score, best)
-        pick = torch.where(take, torch.full_like(pick, i), pick)
-    return pick
-
-
-def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                          proposals, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
-                          max_tau: float) -> None:
-    """The same update in tensor ops (no host reads, so it also runs inside a captured graph)."""
-    r = round_idx - 1                                                          # [1]
-    lag, every = schedule[0], schedule[1]
-    src = (torch.div(r, every, rounding_mode="floor") - lag) * every - 1
-    src_bin = torch.where(src >= 0, bin_ring.index_select(0, src.clamp(min=0)), torch.zeros_like(src))
-    k = torch.arange(path.shape[0], device=path.device)
-    nodes = torch.where((k >= 1) & (k < a), path, torch.full_like(path, FAR))
-    below = torch.cat([budgets.new_zeros(1), budgets[:-1]])                    # the next smaller candidate
-    gain = ((nodes[None, :] > below[:, None]) & (nodes[None, :] <= budgets[:, None])).sum(1).float()
-    gain[0] += 1.0                                                             # [J]: τ_0, then τ_i − τ_{i-1}
-    rows = torch.arange(table_sum.shape[0], device=path.device)[:, None]
-    credit = (rows == src_bin) & (torch.arange(budgets.shape[0], device=path.device)[None, :] <= j)
-    table_sum.mul_(decay).add_(torch.where(credit, gain[None, :], 0.0))
-    table_count.mul_(decay).add_(credit.float())
-    totals.mul_(decay).add_(torch.stack([a[0].float(), costs[j]]))
-    conf = scores[:n_conf].float().exp().sum()
-    bin_ = 1 + (conf >= edges).sum()
-    lam = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1e-30), torch.zeros_like(totals[0]))
-    pick = propose_reference(table_sum[bin_], table_count[bin_], costs, lam, explore, weight, max_tau)
-    first = propose_reference(table_sum[0], table_count[0], costs, lam, explore, weight, max_tau)
-    bin_ring.index_copy_(0, r, bin_.view(1))
-    proposals.index_copy_(0, r + 1, pick.view(1))
-    proposals[:1].copy_(first.view(1))

@@ -2,7 +2,7 @@
 
 Each prompt is traced once on the CPU in float32 at the largest candidate. A tree of budget b is the first b
 nodes of any larger tree (tree.py's order), so every round's τ at every candidate is known from that one trace.
-The engine's update (`kernels/auto_budget.auto_update_reference`: the credit, the confidence bins, the host's
+The engine's update (`ddtree_lab.auto_budget.auto_update_reference`: the credit, the confidence bins, the host's
 read lag, the decay) then runs over those rounds pass after pass, each round priced at its candidate's GPU cost
 per round. The text stays the same whatever the rule picks, so the gap to the best fixed budget is the rule's
 own. The rounds are the traced ones, each credited with what its chosen candidate would have accepted: a
@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 import ddtree_lab as dl
-from ddtree_lab.auto_budget import AutoState, source_round
-from ddtree_lab.kernels.auto_budget import auto_update_reference
+from ddtree_lab.auto_budget import AutoState, auto_update_reference, source_round
 from ddtree_lab.prompts import read_prompt_set
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: the sibling tool's reader

@@ -102,3 +102,22 @@ def test_auto_in_cuda_graphs_equals_ar(trace):
         assert set(res.round_budgets) <= set(auto.budgets)
     costs = res.settings["auto"]["costs"]
     assert res.settings["auto"]["costs_measured"] and all(0 < c < 0.1 for c in costs)
+
+
+def test_auto_runs_without_triton():
+    """budget="auto" on a machine without Triton (`pip install -e .` alone): the torch rule, no import of the
+    kernel module. A fresh process, so that Triton can be made unimportable before anything loads it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import ddtree_lab as dl\n"
+            "pair = dl.load_pair('lab')\n"
+            "auto = dl.generate(pair, 'def add(a, b):', budget='auto', max_new_tokens=12)\n"
+            "ar = dl.generate(pair, 'def add(a, b):', method='ar', max_new_tokens=12)\n"
+            "assert auto.tokens == ar.tokens and auto.round_budgets, (auto.tokens, ar.tokens)\n"
+            "assert 'ddtree_lab.kernels.auto_budget' not in sys.modules\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ddtree_lab.auto_budget import AutoBudget, AutoState, source_round  # noqa: E402
-from ddtree_lab.kernels.auto_budget import auto_update, auto_update_reference  # noqa: E402
+from ddtree_lab.auto_budget import AutoBudget, AutoState, auto_update_reference, source_round  # noqa: E402
+from ddtree_lab.kernels.auto_budget import auto_update  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 L = 15
