@@ -1,26 +1,23 @@
 """tools/auto_replay.py: the engine's auto rule replayed over one traced text (lab pair, CPU, float32)."""
-import ddtree_lab as dl
+import json
 
 
-def test_replay_learns_the_cheap_budget_and_counts_the_traced_tau(load_tool):
+def test_replay_tool_traces_every_round_and_reports_each_pass(tmp_path, load_tool, monkeypatch):
     tool = load_tool("auto_replay")
+    import ddtree_lab as dl
+
     pair = dl.load_pair("lab")
-    prompts = ["def add(a, b):", "The quick brown fox"]
-    calls = tool.traced_rounds(pair, prompts, 32, 24)
-    assert calls and all(calls)
-    # at the largest candidate τ is the trace's own acceptance; a smaller tree never accepts more
-    for rounds in calls:
-        for accepted, _ in rounds:
-            assert tool.tau_at(accepted, 32) == len(accepted)
-            assert 1 <= tool.tau_at(accepted, 4) <= tool.tau_at(accepted, 32)
-    # 4 nodes cost a hundredth of 32: once learned, the rule runs 4 and gets its tokens/s
-    auto = dl.AutoBudget(budgets=(4, 32), costs=(0.01, 1.0))
-    passes = tool.replay(calls, auto, pair.drafter.cfg.block_size - 1, lag=1, passes=3)
-    rounds = sum(len(c) for c in calls)
-    assert sum(passes[-1]["rounds"].values()) == rounds
-    assert passes[-1]["rounds"].get(4, 0) >= rounds - 2  # the first rounds of a call may run the prior's pick
-    fixed4 = sum(tool.tau_at(acc, 4) for c in calls for acc, _ in c) / (rounds * 0.01)
-    assert passes[-1]["tokens_per_second"] >= 0.9 * fixed4
-    # a single candidate: the replay is that fixed budget
-    one = tool.replay(calls, dl.AutoBudget(budgets=(32,), costs=(1.0,)), pair.drafter.cfg.block_size - 1, 1, 1)
-    assert abs(one[0]["tokens_per_second"] - sum(len(a) for c in calls for a, _ in c) / rounds) < 1e-9
+    rows = tool.traced_rows(pair, ["def add(a, b):", "The quick brown fox"], 32, 24)
+    assert {r["prompt_id"] for r in rows} == {"p0", "p1"} and [r["index"] for r in rows].count(0) == 2
+    assert all(r["tree"]["scores"] and r["budget"] == 32 for r in rows)
+    costs = tmp_path / "prompts.json"
+    costs.write_text(json.dumps({"rows": [{"method": "ddtree", "budget": b, "seconds": s, "tokens": 40,
+                                           "mean_tau": 4.0} for b, s in ((4, 0.1), (32, 10.0))]}))
+    out = tmp_path / "replay.json"
+    monkeypatch.setattr("sys.argv", ["auto_replay.py", "--n-prompts", "2", "--max-new-tokens", "24", "--costs-from",
+                                     str(costs), "--passes", "2", "--out", str(out)])
+    tool.main()
+    rep = json.loads(out.read_text())
+    # 4 nodes cost a hundredth of 32 per round: the best fixed budget, and what the rule runs once learned
+    assert rep["best_fixed"] == 4 and len(rep["passes_vs_best_fixed"]) == 2
+    assert rep["budget_share"].get("4", 0) > 0.8 and rep["vs_best_fixed"] > 0.9

@@ -134,16 +134,6 @@ def test_moe_expert_union():
     assert wd[0] == wd[1]
 
 
-def test_choose_budget_and_expected_tau_from_scores():
-    probs = [0.9, 0.8, 0.7, 0.5, 0.3, 0.1, 0.05, 0.05]
-    tau = A.expected_tau_from_scores(probs, [2, 4, 8])
-    assert tau == pytest.approx({2: 2.7, 4: 3.9, 8: 4.4})
-    assert A.choose_budget({2: 1.0, 4: 1.1, 8: 2.0}, tau) == 4        # 3.9/1.1 beats 2.7 and 2.2
-    assert A.choose_budget({2: 1.0, 4: 4.0}, {2: 2.0, 4: 8.0}) == 2   # a tie goes to the smaller budget
-    with pytest.raises(A.AdvisorError):
-        A.choose_budget({2: 1.0}, {4: 2.0})
-
-
 # ----------------------------------------------------------------------------- a synthetic study
 def _run(d: Path, name: str, method: str, budget: int | None, taus: dict[str, list[int]], **config):
     (d / name).mkdir(parents=True)
@@ -253,15 +243,23 @@ def test_union_curve_and_confidence_calibration_from_trace_rows():
     assert A.union_curve([{"tree": {"tokens": [1]}}]) == {} and A.tau_calibration([{}]) is None
 
 
-def test_replay_auto_picks_per_round_and_scores_against_fixed_budgets():
-    rows = [{"tree": {"scores": [0.0] * 4}, "accepted": [0, 1, 2, 3, 4]},              # confident: deep
-            {"tree": {"scores": [math.log(0.1)] * 2 + [math.log(0.01)] * 2}, "accepted": [0]},
-            {"tree": {"tokens": [1]}}]                                                 # unscored: skipped
-    rep = A.replay_auto(rows, {2: 1.0, 4: 1.5})
-    assert rep["rounds"] == 2 and rep["budget_share"] == {2: 0.5, 4: 0.5}
-    assert rep["fixed_tokens_per_second"] == pytest.approx({2: 2.0, 4: 2.0}) and rep["best_fixed"] == 2
-    assert rep["tokens_per_second"] == pytest.approx(6 / 2.5) and rep["vs_best_fixed"] == pytest.approx(1.2)
+def test_replay_auto_runs_the_engine_rule_on_traced_rounds():
+    """Two calls of traced rounds at budget 4: deep acceptances, so once learned the rule runs the cheap
+    budget that still holds them; fixed budgets are priced on the same rounds; unscored rows are skipped."""
+    deep = {"tree": {"scores": [-0.1] * 4, "depths": [1, 2, 3, 4]}, "accepted": [0, 1, 2]}
+    rows = [dict(deep, prompt_id=p, index=i) for p in ("a", "b") for i in range(6)] + [{"tree": {"tokens": [1]}}]
+    assert A.tau_at([0, 1, 2], 2) == 3 and A.tau_at([0, 1, 3], 2) == 2 and A.tau_at([0], 4) == 1
+    rep = A.replay_auto(rows, {2: 1.0, 4: 3.0}, passes=3)
+    assert rep["rounds"] == 12 and rep["best_fixed"] == 2
+    assert rep["fixed_tokens_per_second"] == pytest.approx({2: 3.0, 4: 1.0})
+    assert rep["budget_share"] == {2: 1.0} and rep["vs_best_fixed"] == pytest.approx(1.0)
+    assert len(rep["passes_vs_best_fixed"]) == 3 and rep["passes_vs_best_fixed"][0] <= 1.0
+    # the same rounds where the larger budget pays: the rule learns to run it
+    wide = [dict(r, accepted=[0, 1, 3, 4]) for r in rows[:12]]
+    rep = A.replay_auto(wide, {2: 1.0, 4: 1.1}, passes=3)
+    assert rep["best_fixed"] == 4 and rep["budget_share"].get(4, 0) >= 0.8
     assert A.replay_auto([{"tree": {}}], {2: 1.0}) is None
+    assert A.replay_auto(rows, {b: 1.0 for b in range(1, 10)}) is None  # more candidates than auto takes
 
 
 def test_check_skips_a_file_without_budgets_in_range(tmp_path):

@@ -5,13 +5,14 @@ stage times (a `bench e2e` JSON or a study's runs) with leave-one-out error; and
 principles for a named machine (weights read, dense or through the expert union of MoE layers; KV and
 activation bytes; FLOPs; kernel launches), with efficiency factors fitted once on H200 data
 (`check.calibrate`, stored in machines.json) and checked against bench measurements (`check.check_bench`).
-`auto.choose_budget` is the pure rule the engine's budget="auto" applies on the device. `study` applies a
+`auto.replay_auto` replays the engine's own budget="auto" rule on a study's traces. `study` applies a
 study's measured τ to the model (`ddtree-lab advise`, advice.json); `figures` is the report's section.
-Torch-free below `study`: shapes come from configs, stage times from JSON.
+Torch-free below `study` (but for `replay_auto`, which runs the engine's rule): shapes come from configs,
+stage times from JSON.
 """
 from __future__ import annotations
 
-from .auto import choose_budget, expected_tau_from_scores, replay_auto, tau_calibration, union_curve
+from .auto import replay_auto, tau_at, tau_calibration, union_curve
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, repo_bench_dir
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
@@ -21,7 +22,7 @@ from .shapes import ModelShape, model_shape, shape_from_configs, shape_from_dirs
 
 __all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "FIT_KINDS", "FIT_STAGES", "FittedCost",
            "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
-           "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "choose_budget", "draft_terms",
-           "expected_tau_from_scores", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
+           "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "draft_terms",
+           "fit_bench", "fit_stage_times", "get_machine", "known_machines",
            "load_calibration", "machines_data", "model_shape", "read_bench", "repo_bench_dir", "replay_auto",
-           "round_cost", "shape_from_configs", "shape_from_dirs", "tau_calibration", "union_curve", "verify_terms"]
+           "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration", "union_curve", "verify_terms"]

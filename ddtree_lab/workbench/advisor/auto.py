@@ -1,29 +1,10 @@
-"""budget="auto": the per-round rule (pure functions the engine mirrors on the device), the draft
-confidence's calibration and the expert-union curve from traces, and a replay of the rule on traces."""
+"""From a study's traces: the draft confidence's calibration, the expert-union curve, and budget="auto"'s own
+rule replayed on the rounds (the engine's torch form of it, imported when called)."""
 from __future__ import annotations
 
 import math
 from typing import Mapping, Sequence
 
-from .machines import AdvisorError
-
-
-def expected_tau_from_scores(node_probs: Sequence[float], budgets: Sequence[int],
-                             calibration: float = 1.0) -> dict[int, float]:
-    """E[τ(B)] of the trees of each candidate budget from the draft's own confidence.
-
-    node_probs: every candidate node's path probability (the product of the draft's probabilities
-    along its path), in the order DDTree adds nodes (best first). A tree accepts the node on the
-    target's path at each depth it covers, so E[accepted nodes] = Σ over its nodes of P(that node's path
-    is the target's) and E[τ(B)] = 1 + calibration · (sum of the first B path probabilities); the 1 is
-    the target's bonus token. calibration < 1 corrects an over-confident drafter (fit it on traces)."""
-    out, acc, n = {}, 0.0, 0
-    for b in sorted(budgets):
-        while n < min(b, len(node_probs)):
-            acc += float(node_probs[n])
-            n += 1
-        out[b] = 1.0 + calibration * acc
-    return out
 
 
 def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
@@ -45,8 +26,8 @@ def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
 
 def tau_calibration(trace_rows: Sequence[Mapping]) -> float | None:
     """How far the draft's confidence predicts acceptance: measured Σ(τ − 1) over the rounds divided by
-    Σ of each round's tree path probabilities (exp of its node scores); the `calibration` of
-    expected_tau_from_scores. None without scored trees."""
+    Σ of each round's tree path probabilities (exp of its node scores): 1 for a calibrated drafter, below 1
+    for an over-confident one. None without scored trees."""
     got = pred = 0.0
     for r in trace_rows:
         scores = (r.get("tree") or {}).get("scores")
@@ -57,49 +38,78 @@ def tau_calibration(trace_rows: Sequence[Mapping]) -> float | None:
     return got / pred if pred else None
 
 
-def choose_budget(costs: Mapping[int, float], expected_tau: Mapping[int, float]) -> int:
-    """The captured budget with the highest E[τ(B)] / cost(B); ties go to the smaller budget."""
-    common = sorted(set(costs) & set(expected_tau))
-    if not common:
-        raise AdvisorError("choose_budget: no budget has both a cost and an expected τ")
-    return max(common, key=lambda b: (expected_tau[b] / costs[b], -b))
-
-
-def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], calibration: float = 1.0) -> dict | None:
-    """`choose_budget` replayed on the traced rounds of the largest budget: each round picks its budget
-    from its own node scores, and its τ at a smaller budget B is 1 + the accepted nodes with index ≤ B
-    (the tree of B is the first B nodes, a parent before its children; exact per round at T = 0).
-    Rounds are taken as independent (a shorter acceptance would change later contexts), so this is an
-    estimate of `auto` against the fixed budgets on the same rounds. None without scored trees."""
-    budgets = sorted(costs)
-    got = {b: 0.0 for b in budgets}
-    auto_tau = auto_cost = 0.0
-    picks = {b: 0 for b in budgets}
-    n = 0
+def _calls(trace_rows: Sequence[Mapping]) -> list[list[Mapping]]:
+    """Scored rounds grouped into calls, in order: a call starts at round index 0 or a new prompt."""
+    calls: list[list[Mapping]] = []
+    last = None
     for r in trace_rows:
-        tree, acc = r.get("tree") or {}, r.get("accepted")
-        if not tree.get("scores") or acc is None:
+        if not (r.get("tree") or {}).get("scores") or r.get("accepted") is None:
             continue
-        path = [int(i) for i in acc[1:]]  # node indices (1-based; 0 is the root)
+        key = r.get("prompt_id")
+        if not calls or r.get("index") == 0 or key != last:
+            calls.append([])
+        calls[-1].append(r)
+        last = key
+    return calls
 
-        def tau_at(b):
-            k = 0
-            while k < len(path) and path[k] <= b:
-                k += 1
-            return 1 + k
 
-        for b in budgets:
-            got[b] += tau_at(b)
-        exp_tau = expected_tau_from_scores([math.exp(x) for x in tree["scores"]], budgets, calibration)
-        pick = choose_budget(costs, exp_tau)
-        picks[pick] += 1
-        auto_tau += tau_at(pick)
-        auto_cost += costs[pick]
-        n += 1
-    if not n:
+def tau_at(accepted: Sequence[int], budget: int) -> int:
+    """A traced round's τ had its tree been the first `budget` nodes (a parent before its children, so the
+    accepted nodes' indices grow along the path): the bonus token plus the accepted nodes with index ≤ budget."""
+    return 1 + sum(1 for node in list(accepted)[1:] if int(node) <= budget)
+
+
+def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passes: int = 3,
+                lag: int = 1) -> dict | None:
+    """budget="auto"'s own rule replayed on the traced rounds of the largest budget, each round priced at its
+    candidate's cost (seconds per round of each budget in `costs`, at most 8).
+
+    The engine's update (`ddtree_lab.auto_budget.auto_update_reference`: credit per confidence bin, the host's
+    read lag, decay) runs round by round as decoding runs it: a call's round r runs the candidate proposed
+    after round r − lag − 1 and is credited with what that candidate's first nodes accept, `tau_at`; calls
+    share one table, `passes` times over the rounds (the rule learns across calls, as a server's does). The
+    rounds stay the traced ones (a smaller tree's shorter acceptance would shift later contexts), so this is
+    an estimate of auto against every fixed budget on the same rounds, exact per round at T = 0. The last
+    pass is reported, with each pass's ratio to the best fixed budget. None without scored rounds or with more
+    than 8 budgets."""
+    import torch
+
+    from ...auto_budget import AutoBudget, AutoState, auto_update_reference, source_round
+
+    calls = _calls(trace_rows)
+    budgets = sorted(costs)
+    if not calls or not 1 <= len(budgets) <= 8:
         return None
-    fixed = {b: got[b] / (n * costs[b]) for b in budgets}
+    rounds = [r for c in calls for r in c]
+    fixed = {b: sum(tau_at(r["accepted"], b) for r in rounds) / (len(rounds) * costs[b]) for b in budgets}
     best = max(fixed, key=lambda b: (fixed[b], -b))
-    auto = auto_tau / auto_cost
-    return {"rounds": n, "tokens_per_second": auto, "fixed_tokens_per_second": fixed, "best_fixed": best,
-            "vs_best_fixed": auto / fixed[best], "budget_share": {b: c / n for b, c in picks.items() if c}}
+    auto = AutoBudget(budgets=tuple(budgets), costs=tuple(float(costs[b]) for b in budgets))
+    depth = max(max(r["tree"].get("depths") or [len(r["accepted"])]) for r in rounds)
+    state = AutoState(auto, int(depth), max(len(c) for c in calls) + 1, "cpu")
+    history = []
+    for _ in range(max(1, passes)):
+        tokens, seconds, picks = 0, 0.0, {}
+        for call in calls:
+            first = state.start(lag, 1)
+            for i, r in enumerate(call):
+                src = source_round(i, lag, 1)
+                j = int(state.proposals[1 + src]) if src >= 0 else first
+                accepted = [int(x) for x in r["accepted"]]
+                path = torch.zeros(max(len(accepted), 2), dtype=torch.long)
+                path[:len(accepted)] = torch.tensor(accepted)
+                a = tau_at(accepted, budgets[j])
+                scores = torch.tensor(r["tree"]["scores"], dtype=torch.float32)
+                auto_update_reference(path, torch.tensor([a]), scores, j, state.budgets, state.costs, state.edges,
+                                      state.table_sum, state.table_count, state.totals, state.bin_ring,
+                                      state.proposals, torch.tensor([i + 1]), state.schedule,
+                                      min(budgets[0], scores.shape[0]), auto.explore, auto.weight, state.decay,
+                                      state.max_tau)
+                tokens += a
+                seconds += costs[budgets[j]]
+                picks[budgets[j]] = picks.get(budgets[j], 0) + 1
+            state.finish(int(state.proposals[0]))
+        history.append((tokens / seconds, picks))
+    tps, picks = history[-1]
+    return {"rounds": len(rounds), "tokens_per_second": tps, "fixed_tokens_per_second": fixed, "best_fixed": best,
+            "vs_best_fixed": tps / fixed[best], "passes_vs_best_fixed": [t / fixed[best] for t, _ in history],
+            "budget_share": {b: c / len(rounds) for b, c in sorted(picks.items())}}

@@ -137,8 +137,9 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
                      esc(A.PART_TITLES[b["dominant"]]), esc(freq), _auto_cell(m.get("auto_replay"))])
     page.add(html_table(["machine", "profile", "best B", "tokens/s", "90 % band", "vs AR", "round ms",
                          "dominates", "bootstrap: best budget", "auto (replayed) vs best fixed"], body))
-    page.add("<p class='sub'>auto (replayed): advisor.choose_budget applied to each traced round of the largest "
-             "budget from its own node scores, rounds taken as independent — an estimate for budget=\"auto\" "
+    page.add("<p class='sub'>auto (replayed): the engine's own budget=\"auto\" rule run over the traced rounds "
+             "of the largest budget, three passes (it learns across prompts), each round priced at its budget's "
+             "modelled cost; the last pass against the best fixed budget on the same rounds — an estimate "
              "(docs/workbench.md, \"The budget advisor\").</p>")
     page.figure(tau_figure(advice))
     page.figure(cost_figure(advice))

@@ -157,7 +157,6 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
     out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
-    alpha = out["tau_calibration"].get(budgets[-1]) or 1.0
     union = A.union_curve([r for t in st["traces"].values() for r in t])
     out["experts_touched"] = union or None
     union = union if shape_name == st["pair"] else None
@@ -177,7 +176,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                  "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
                                  "prompts": bb["prompts"], "n_boot": n_boot,
                                  "auto_replay": A.replay_auto(st["traces"][budgets[-1]],
-                                                              {b: c.seconds for b, c in costs.items()}, alpha)}
+                                                              {b: c.seconds for b, c in costs.items()})}
     try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
         fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
         out["measured_fit"] = {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
