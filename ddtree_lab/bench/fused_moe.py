@@ -16,6 +16,7 @@ Time per call: `bench.attention.time_cuda_graph` (calls captured in a CUDA graph
 
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
                     [--config BLOCK_N_UP=16 BLOCK_N_DOWN=16 fuse_route=0]   (launch_config overrides)
+                    [--baseline old_fused_moe.py]   (another version of the kernel, side by side)
                     python -m ddtree_lab.bench.fused_moe --smoke --out /tmp/fused_moe_smoke.json   (CPU)
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,7 +64,9 @@ def _time(fn, device, reps):
 
 def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
                     dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True,
-                    config: dict | None = None) -> list[dict]:
+                    config: dict | None = None, baseline=None) -> list[dict]:
+    """`baseline`: another fused_moe module (e.g. `load_baseline(PATH)` of an earlier commit's kernel file),
+    timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline."""
     from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
     from ..moe import _grouped_mm_fits, moe_torch
 
@@ -82,6 +86,12 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
                    floor_us=None if copy_gbps is None else nbytes / (copy_gbps * 1e3))
         row["triton_us"] = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts,
                                                    config=config), device, reps)
+        if baseline is not None:
+            base_out, base_counts = baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True)
+            row["equal_to_baseline"] = bool(torch.equal(base_out, out) and torch.equal(base_counts, counts))
+            row["baseline_us"] = _time(lambda: baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True),
+                                       device, reps)
+            row["over_baseline"] = row["triton_us"] / row["baseline_us"]
         gather = T * top_k * 3 * width * hidden * elsize
         if not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT:
             row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
@@ -102,6 +112,16 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
     return rows
 
 
+def load_baseline(path: str):
+    """A fused_moe.py from elsewhere (`git show REV:kernels/fused_moe.py > old.py`) as a module of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fused_moe_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
@@ -109,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
                     help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32, num_warps=8, "
                          "fuse_route=0 (route in its own launch)")
+    ap.add_argument("--baseline", default=None, metavar="FILE",
+                    help="another fused_moe.py (e.g. an earlier commit's), timed side by side on the same inputs")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -127,13 +149,16 @@ def main(argv=None):
 
         shape, tokens, device, dtype = QWEN3_30B_A3B, a.tokens or TOKENS, "cuda", torch.bfloat16
         bw = device_copy_gbps()
+    if a.baseline and not Path(a.baseline).is_file():
+        ap.error(f"--baseline {a.baseline}: no such file")
     rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw,
-                           config=config or None)
+                           config=config or None, baseline=load_baseline(a.baseline) if a.baseline else None)
     if a.out:
         import triton
 
         meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                     torch=torch.__version__, triton=triton.__version__, shape=shape, similarity=a.similarity, config=config,
+                    baseline=a.baseline,
                     dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
         with open(a.out, "w") as f:
             json.dump(dict(meta, rows=rows), f, indent=1)

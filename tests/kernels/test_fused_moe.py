@@ -211,3 +211,19 @@ def test_routing_inside_the_align_program_equals_its_own_launch(T):
     for i, (a, b) in enumerate(zip(fused, apart)):
         assert torch.equal(a[valid] if i == 4 else a, b[valid] if i == 4 else b), i
     check_align(fused[1], E)
+
+
+def test_bench_times_a_baseline_kernel_side_by_side(tmp_path):
+    """`--baseline FILE`: another copy of the kernel module, run on the same inputs; a copy of this one gives
+    the same bits. A missing file is refused with one line."""
+    import shutil
+
+    from ddtree_lab.bench import fused_moe as bench_fused_moe
+    from ddtree_lab.kernels import fused_moe as kernel
+
+    copy = tmp_path / "fused_moe_copy.py"
+    shutil.copy(kernel.__file__, copy)
+    rows = bench_fused_moe.main(["--smoke", "--tokens", "3", "--baseline", str(copy)])
+    assert rows[0]["equal_to_baseline"] and rows[0]["baseline_us"] > 0 and rows[0]["over_baseline"] > 0
+    with pytest.raises(SystemExit):
+        bench_fused_moe.main(["--smoke", "--baseline", str(tmp_path / "missing.py")])
