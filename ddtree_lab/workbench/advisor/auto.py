@@ -6,7 +6,6 @@ import math
 from typing import Mapping, Sequence
 
 
-
 def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
     """The measured expert-union curve {verify tokens: mean distinct experts per MoE layer} from trace
     rows carrying `experts_touched` (one count per MoE layer for that round's verify forward) and, for
