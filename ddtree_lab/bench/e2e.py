@@ -201,7 +201,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
             same = {"prompts": len(same), "of": len(prompts), "tokens": n_tok, "per_repeat": ratios,
                     "median": statistics.median(ratios)}
     for r in rows:
-        del r["outputs"]
+        r["tokens_per_prompt"] = [len(o) for o in r.pop("outputs")]
     out = {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
     if auto:  # auto against the best fixed budget of the same run, and repeat by repeat
         row = rows[-1]
@@ -209,12 +209,42 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         out["auto_vs_best_fixed_same_outputs"] = same
         out["auto_vs_best_fixed_per_repeat"] = [
             a / b for a, b in zip(row["tokens_per_second_per_repeat"], best["tokens_per_second_per_repeat"])]
+        out["auto_vs_best_fixed_band"] = prompts_band(row, fixed_rows)
         if progress:
             print(f"  auto ÷ best fixed (budget {best['budget']}): {out['auto_vs_best_fixed']:.3f} "
                   f"(repeats {', '.join(f'{x:.3f}' for x in out['auto_vs_best_fixed_per_repeat'])})"
                   + (f"; over the {same['prompts']} of {same['of']} prompts both emitted alike: {same['median']:.3f}"
                      if same else "; no prompt emitted alike"), file=sys.stderr, flush=True)
+            band = out["auto_vs_best_fixed_band"]
+            print(f"  prompts resampled: auto ÷ best fixed {band['low']:.3f}–{band['high']:.3f} (90 %), "
+                  f"≥ 1 in {band['at_least_best']:.0%} of resamples, ≥ 0.97 in {band['at_least_floor']:.0%}",
+                  file=sys.stderr, flush=True)
     return out
+
+
+def prompts_band(auto_row: dict, fixed_rows: list[dict], n_boot: int = 2000, seed: int = 0) -> dict:
+    """auto ÷ the best fixed budget with the prompts resampled (bootstrap): the text is what varies between
+    budgets in bf16, so this is the verdict's spread. A method's tokens/s over a resample is its tokens over
+    its wall seconds (each prompt's median over the repeats); the best fixed budget is chosen anew in each."""
+    import random
+    import statistics
+
+    def per_prompt(r):
+        secs = [statistics.median(rep[i] for rep in r["seconds_per_prompt_per_repeat"])
+                for i in range(len(r["tokens_per_prompt"]))]
+        return r["tokens_per_prompt"], secs
+
+    auto, fixed = per_prompt(auto_row), [per_prompt(r) for r in fixed_rows]
+    n, rng, ratios = len(auto[0]), random.Random(seed), []
+    for _ in range(n_boot):
+        idx = [rng.randrange(n) for _ in range(n)]
+        def tps(m):
+            return sum(m[0][i] for i in idx) / sum(m[1][i] for i in idx)
+        ratios.append(tps(auto) / max(tps(f) for f in fixed))
+    ratios.sort()
+    return {"low": ratios[int(0.05 * n_boot)], "high": ratios[int(0.95 * n_boot) - 1], "n_boot": n_boot,
+            "at_least_best": sum(x >= 1.0 for x in ratios) / n_boot,
+            "at_least_floor": sum(x >= 0.97 for x in ratios) / n_boot}
 
 
 def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,

@@ -85,6 +85,9 @@ def test_prompts_with_auto_against_the_best_fixed_budget(tmp_path):
     assert same["prompts"] == same["of"] == 2 and len(same["per_repeat"]) == 2
     want = [sum(b) / sum(a) for a, b in zip(auto["seconds_per_prompt_per_repeat"], best["seconds_per_prompt_per_repeat"])]
     assert same["per_repeat"] == pytest.approx(want)
+    band = res["auto_vs_best_fixed_band"]  # prompts resampled: the whole-set ratio lies inside its own band
+    assert band["low"] <= band["high"] and 0.0 <= band["at_least_floor"] <= 1.0 and band["at_least_best"] <= band["at_least_floor"]
+    assert all(r["tokens_per_prompt"] and sum(r["tokens_per_prompt"]) == r["tokens"] for r in res["rows"])
     with pytest.raises(ValueError, match="fixed budgets beside it"):  # refused before the pair loads
         bench(tmp_path, "prompts", "--pair", "no-such-pair", "--budgets", "auto", "--device", "cpu")
 
@@ -177,3 +180,20 @@ def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkey
     assert {"DecoderLayer.attention_inputs", "DecoderLayer.attention_output", "RMSNorm.forward",
             "DrafterLayer.context_kv"} <= names
     assert all(kw.get("mode") == "max-autotune-no-cudagraphs" for _, kw in seen)
+
+
+def test_prompts_band_resamples_prompts_and_rechooses_the_best():
+    from ddtree_lab.bench.e2e import prompts_band
+
+    def row(secs):
+        return {"tokens_per_prompt": [10] * len(secs), "seconds_per_prompt_per_repeat": [secs, [3 * x for x in secs], secs]}
+
+    a = row([1.0, 1.0, 1.0, 1.0])
+    band = prompts_band(row([1.0, 1.0, 1.0, 1.0]), [a], n_boot=300)       # auto = the one fixed budget
+    assert band["low"] == band["high"] == 1.0 and band["at_least_best"] == 1.0
+    band = prompts_band(row([1.25] * 4), [a], n_boot=300)                 # 1.25 × slower on every prompt
+    assert band["low"] == band["high"] == pytest.approx(0.8) and band["at_least_floor"] == 0.0
+    # budget b is faster on two prompts of four: which fixed budget is best changes with the resample
+    b = row([0.5, 0.5, 2.0, 2.0])
+    band = prompts_band(row([1.0, 1.0, 1.0, 1.0]), [a, b], n_boot=300)
+    assert band["high"] == pytest.approx(1.0) and band["low"] < 0.9 and 0.0 < band["at_least_best"] < 1.0
