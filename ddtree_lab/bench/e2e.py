@@ -236,13 +236,17 @@ def prompts_band(auto_row: dict, fixed_rows: list[dict], n_boot: int = 2000, see
 
     auto, fixed = per_prompt(auto_row), [per_prompt(r) for r in fixed_rows]
     n, rng, ratios = len(auto[0]), random.Random(seed), []
-    for _ in range(n_boot):
-        idx = [rng.randrange(n) for _ in range(n)]
+
+    def ratio(idx):
         def tps(m):
             return sum(m[0][i] for i in idx) / sum(m[1][i] for i in idx)
-        ratios.append(tps(auto) / max(tps(f) for f in fixed))
+        return tps(auto) / max(tps(f) for f in fixed)
+
+    for _ in range(n_boot):
+        ratios.append(ratio([rng.randrange(n) for _ in range(n)]))
     ratios.sort()
-    return {"low": ratios[int(0.05 * n_boot)], "high": ratios[int(0.95 * n_boot) - 1], "n_boot": n_boot,
+    return {"centre": ratio(range(n)), "low": ratios[int(0.05 * n_boot)], "high": ratios[int(0.95 * n_boot) - 1],
+            "n_boot": n_boot,
             "at_least_best": sum(x >= 1.0 for x in ratios) / n_boot,
             "at_least_floor": sum(x >= 0.97 for x in ratios) / n_boot}
 

@@ -87,6 +87,7 @@ def test_prompts_with_auto_against_the_best_fixed_budget(tmp_path):
     assert same["per_repeat"] == pytest.approx(want)
     band = res["auto_vs_best_fixed_band"]  # prompts resampled: the whole-set ratio lies inside its own band
     assert band["low"] <= band["high"] and 0.0 <= band["at_least_floor"] <= 1.0 and band["at_least_best"] <= band["at_least_floor"]
+    assert band["centre"] > 0
     assert all(r["tokens_per_prompt"] and sum(r["tokens_per_prompt"]) == r["tokens"] for r in res["rows"])
     with pytest.raises(ValueError, match="fixed budgets beside it"):  # refused before the pair loads
         bench(tmp_path, "prompts", "--pair", "no-such-pair", "--budgets", "auto", "--device", "cpu")
@@ -197,3 +198,4 @@ def test_prompts_band_resamples_prompts_and_rechooses_the_best():
     b = row([0.5, 0.5, 2.0, 2.0])
     band = prompts_band(row([1.0, 1.0, 1.0, 1.0]), [a, b], n_boot=300)
     assert band["high"] == pytest.approx(1.0) and band["low"] < 0.9 and 0.0 < band["at_least_best"] < 1.0
+    assert band["centre"] == pytest.approx(1.0)  # the whole set: a 40 tokens in 4 s, b in 5 s, so a is the best
