@@ -332,12 +332,18 @@ def _route_blocks(T: int, E: int) -> tuple[int, int]:
     return BLOCK_E, max(1, min(_pow2(T), 4096 // BLOCK_E, 64 if _interpret() else 16))
 
 
-def _route(logits, top_k, renormalize):
+def _route_buffers(logits, top_k):
+    """Row-contiguous logits and the routing's outputs: weights [T, top_k] fp32, ids [T, top_k] int32."""
     T, E = logits.shape
     assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    return (x, torch.empty(T, top_k, dtype=torch.float32, device=x.device),
+            torch.empty(T, top_k, dtype=torch.int32, device=x.device))
+
+
+def _route(logits, top_k, renormalize):
+    T, E = logits.shape
+    x, weights, ids = _route_buffers(logits, top_k)
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
     chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=x.device)
     _route_kernel[(chunk_counts.shape[0],)](x, weights, ids, chunk_counts, T, E, x.stride(0), TOP_K=top_k,
@@ -360,10 +366,11 @@ def _align_outputs(ids, E, counts):
             torch.empty(S, dtype=torch.int32, device=ids.device), torch.empty(P, dtype=torch.int32, device=ids.device))
 
 
-def _align_chunks(ids, E, counts, chunk_counts, chunk_tokens):
-    """The sort from per-chunk counts (chunk = `chunk_tokens` tokens' pairs): a scan, then the chunks placed
-    side by side."""
+def _align_chunks(ids, E, counts, chunk_counts):
+    """The sort from per-chunk counts (a chunk: `_route_blocks`' BLOCK_T tokens' pairs): a scan, then the
+    chunks placed side by side."""
     T, top_k = ids.shape
+    chunk_tokens = _route_blocks(T, E)[1]
     counts, slot_expert, slot_start, sorted_pairs = out = _align_outputs(ids, E, counts)
     C, BLOCK_E = chunk_counts.shape
     chunk_base = torch.empty_like(chunk_counts)
@@ -384,7 +391,7 @@ def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
     chunk = BLOCK_T * top_k
     _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
                                             BLOCK_E=BLOCK_E, num_warps=4)
-    return _align_chunks(ids, E, counts, chunk_counts, BLOCK_T)
+    return _align_chunks(ids, E, counts, chunk_counts)
 
 
 def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
@@ -397,11 +404,8 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts:
         fuse = T <= ROUTE_IN_ALIGN_MAX_T
     if not fuse:
         weights, ids, chunk_counts = _route(logits, top_k, renormalize)
-        return (weights, ids, *_align_chunks(ids, E, counts, chunk_counts, _route_blocks(T, E)[1]))
-    assert 1 <= top_k <= E, f"top_k={top_k} must be in 1..{E}"
-    x = logits if logits.stride(1) == 1 else logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+        return (weights, ids, *_align_chunks(ids, E, counts, chunk_counts))
+    x, weights, ids = _route_buffers(logits, top_k)
     counts, slot_expert, slot_start, sorted_pairs = out = _align_outputs(ids, E, counts)
     P, S = ids.numel(), slot_expert.numel()
     BLOCK_E, BLOCK_T = _route_blocks(T, E)

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import bisect
+import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -125,9 +127,6 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
     Tokens/s counts the whole `generate` call, prefill included; `decode_tokens_per_second` leaves the
     prefill out, and `stage_seconds` splits the median repeat's time by stage (events between stages)."""
-    import statistics
-
-
     fixed = [b for b in budgets if b != "auto"]
     if "auto" in budgets and not fixed:
         raise ValueError("bench prompts: 'auto' chooses among the fixed budgets given with it; give some")
@@ -226,9 +225,6 @@ def prompts_band(auto_row: dict, fixed_rows: list[dict], n_boot: int = 2000, see
     """auto ÷ the best fixed budget with the prompts resampled (bootstrap): the text is what varies between
     budgets in bf16, so this is the verdict's spread. A method's tokens/s over a resample is its tokens over
     its wall seconds (each prompt's median over the repeats); the best fixed budget is chosen anew in each."""
-    import random
-    import statistics
-
     def per_prompt(r):
         secs = [statistics.median(rep[i] for rep in r["seconds_per_prompt_per_repeat"])
                 for i in range(len(r["tokens_per_prompt"]))]
