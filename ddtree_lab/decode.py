@@ -233,9 +233,9 @@ class RoundProgram:
 
 
 def routing_fields(target) -> dict:
-    """A traced round's MoE routing (RoundTrace.experts_touched, expert_tokens_max); None for a dense target."""
-    touched, busiest = target.expert_routing() or (None, None)
-    return {"experts_touched": touched, "expert_tokens_max": busiest}
+    """A traced round's MoE routing (RoundTrace.experts_touched, expert_tokens_max, expert_row_blocks); None
+    for a dense target."""
+    return target.expert_routing() or {"experts_touched": None, "expert_tokens_max": None, "expert_row_blocks": None}
 
 
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):

@@ -75,9 +75,9 @@ class Target(nn.Module):
     def set_attention(self, backend: str) -> None:
         self.attention = check_backend(backend)
 
-    def expert_routing(self) -> tuple[list[int], list[int]] | None:
-        """Per MoE layer, of the last forward: the distinct experts it routed tokens to and the busiest
-        expert's token count (None for a dense target). Reads the device once: call it only when tracing."""
+    def expert_routing(self) -> dict[str, object] | None:
+        """Per MoE layer, of the last forward: `moe.expert_routing`'s experts touched, busiest expert's tokens
+        and row blocks (None for a dense target). Reads the device once: call it only when tracing."""
         if not self.cfg.is_moe:
             return None
         if "_moe_blocks" not in self.__dict__:  # found once: walking every module each traced round costs more

@@ -91,10 +91,17 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return moe_torch(x, moe.router.weight, moe.gate_up, moe.down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 
-def expert_routing(blocks: list[SparseMoE]) -> tuple[list[int], list[int]]:
-    """Per MoE block's last forward, in order: the distinct experts it routed a token to, and the most tokens
-    any one expert got (the busiest expert's load: the fused kernel's longest program). One host read."""
+ROW_HEIGHTS = (16, 32, 64)  # the row-block heights fused_moe's launch_config picks from (BLOCK_M)
+
+
+def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
+    """Per MoE block's last forward, in order: the distinct experts it routed a token to, the most tokens any
+    one expert got (the busiest expert's load), and for each row-block height h the blocks the fused kernel
+    runs, Σ_e ceil(tokens_e / h) (each re-reads its expert's weights). One host read."""
     if not blocks:
-        return [], []
-    counts = torch.stack([m.counts for m in blocks])  # [L, E]
-    return counts.gt(0).sum(-1).tolist(), counts.max(-1).values.tolist()
+        return {"experts_touched": [], "expert_tokens_max": [], "expert_row_blocks": {str(h): [] for h in ROW_HEIGHTS}}
+    counts = torch.stack([m.counts for m in blocks]).long()  # [L, E]
+    per_height = torch.stack([(counts + h - 1).div(h, rounding_mode="floor").sum(-1) for h in ROW_HEIGHTS])
+    touched, busiest, per_height = counts.gt(0).sum(-1).tolist(), counts.max(-1).values.tolist(), per_height.tolist()
+    return {"experts_touched": touched, "expert_tokens_max": busiest,
+            "expert_row_blocks": {str(h): row for h, row in zip(ROW_HEIGHTS, per_height)}}

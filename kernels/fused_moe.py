@@ -293,16 +293,27 @@ def _cuda_sms(index: int) -> int:  # asked once per GPU: an eager forward calls 
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-WIDE_ROWS_FROM_T = 257  # from this many tokens a row block holds 64 tokens, below it at most 32
+WIDE_ROWS_FROM_T = 257  # from this many tokens a row block holds 64 tokens
+
+
+def row_height(T: int) -> int:
+    """BLOCK_M on a GPU: 16 up to 16 tokens; from WIDE_ROWS_FROM_T, 64; between, the height of 32 or 64 that pads
+    a crowded expert's T tokens (a tree routes alike, so one expert may get them all) least, the taller on a
+    tie, which runs fewer blocks: 33 tokens take one block of 64, not two of 32 (measured end to end on the
+    H200, docs/kernels.md)."""
+    if T <= 16:
+        return 16
+    if T >= WIDE_ROWS_FROM_T:
+        return 64
+    return min((64, 32), key=lambda h: -(-T // h) * h - T)
 
 
 def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2) -> dict:
     """Tile sizes from the static shape only (never from routing), so they are fixed at capture time.
 
-    BLOCK_M covers every token of an expert up to 32 tokens (an expert gets at most T); up to
-    WIDE_ROWS_FROM_T tokens it stays 32, more programs while the touched experts are few and crowded, and
-    from there 64, so a crowded expert's many tokens share its weight tiles in fewer programs (measured on
-    the H200, docs/kernels.md). BLOCK_N shrinks until (slots × N-tiles) gives about two programs per SM,
+    BLOCK_M is `row_height(T)`: one block holds every token of an expert up to 32 tokens (an expert gets at
+    most T); up to WIDE_ROWS_FROM_T tokens 32 or 64, more programs while the touched experts are few and
+    crowded; from there 64, so a crowded expert's many tokens share its weight tiles in fewer programs. BLOCK_N shrinks until (slots × N-tiles) gives about two programs per SM,
     since a few programs cannot pull the weights at full bandwidth. fp32 takes half the K depth and two stages, so its tiles fit shared memory.
     Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
@@ -318,7 +329,7 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
         return bn
 
     depth = 128 if elsize <= 2 else 64
-    return dict(S=S, BLOCK_M=_pow2(T, 16, 32) if T < WIDE_ROWS_FROM_T else 64, BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
+    return dict(S=S, BLOCK_M=row_height(T), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
                 BLOCK_K_UP=min(depth, _pow2(H, 16)), BLOCK_K_DOWN=min(depth, _pow2(I, 16)), num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
 

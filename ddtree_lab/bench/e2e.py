@@ -81,6 +81,9 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
             row["experts_touched_mean"] = sum(per_layer) / len(per_layer)
             busiest = [b for r in traced.rounds for b in r.expert_tokens_max]
             row["expert_tokens_max_mean"] = sum(busiest) / len(busiest)
+            row["expert_row_blocks_mean"] = {  # per height: the fused kernel's row blocks per MoE layer
+                h: statistics.fmean(b for r in traced.rounds for b in r.expert_row_blocks[h])
+                for h in traced.rounds[0].expert_row_blocks}
         rows.append(row)
         if progress:
             print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "

@@ -193,9 +193,17 @@ def test_experts_touched_is_the_verify_forwards(moe_pair):
         depths = torch.cat([torch.zeros(1, dtype=torch.long), r.tree.depths])
         tokens = torch.cat([torch.tensor([r.root_token]), r.tree.tokens])
         target(tokens, 4 + depths, 4, TreeMask(ancestor_matrix(parents, int(depths.max()))))
-    touched, busiest = target.expert_routing()
-    assert touched == r.experts_touched and busiest == r.expert_tokens_max
+    routing = target.expert_routing()
+    touched, busiest, blocks = routing["experts_touched"], routing["expert_tokens_max"], routing["expert_row_blocks"]
+    assert touched == r.experts_touched and busiest == r.expert_tokens_max and blocks == r.expert_row_blocks
     assert all(1 <= b <= len(tokens) for b in busiest)  # one expert gets at most every token of the forward
+    pairs = len(tokens) * moe_pair.target.cfg.num_experts_per_tok
+    for h, per_layer in blocks.items():  # each expert: ceil(tokens / h) blocks, between the touched and the pairs
+        h = int(h)
+        for u, b, n in zip(touched, busiest, per_layer):
+            assert max(u, -(-pairs // h)) <= n <= u + pairs // h
+            assert n >= u - 1 + -(-b // h)  # the busiest expert alone needs ceil(b / h)
+    assert all(blocks["16"][i] >= blocks["32"][i] >= blocks["64"][i] for i in range(len(touched)))
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 12), ("ddtree", 200)])
@@ -312,6 +320,10 @@ def test_e2e_bench_records_experts_touched(moe_pair):
     assert ar["experts_touched_per_layer"] == [2, 2, 2]  # one token: its top-2 in each of the 3 MoE layers
     assert all(2 <= n <= 8 for n in large["experts_touched_per_layer"])
     assert large["experts_touched_mean"] >= small["experts_touched_mean"] > 2
+    for row in (ar, small, large):  # row blocks per height: at least the touched experts, more at low heights
+        blocks = row["expert_row_blocks_mean"]
+        assert blocks["16"] >= blocks["32"] >= blocks["64"] >= row["experts_touched_mean"]
+    assert ar["expert_row_blocks_mean"] == {"16": 2.0, "32": 2.0, "64": 2.0}
     target = moe_pair.target
     assert weight_bytes_per_step(target, [2, 2, 2]) == weight_bytes_per_step(target)
     assert weight_bytes_per_step(target, [8, 8, 8]) > weight_bytes_per_step(target)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,20 @@ def test_first_principles_reproduces_the_h200_bench_within_15_percent():
     assert by_b[16]["dominant"] == "weights" and by_b[1024]["dominant"] == "flops"
 
 
+def test_first_principles_reproduces_the_h200_moe_bench_within_15_percent():
+    """random:qwen3-30b-a3b: its own measured routing (experts touched, row blocks) priced with the MoE terms
+    fitted on the kernel bench alone. With re-reads free, crowded mid-size trees miss."""
+    import dataclasses
+
+    path = BENCH / "e2e_random_qwen3_30b_a3b_triton_compile.json"
+    chk = A.check_bench([path])
+    c = chk["checked"][0]
+    assert c["machine"] == "h200" and c["expert_union"] == "measured" and chk["passed"]
+    assert sorted(r["budget"] for r in c["rows"] if r["in_range"]) == [16, 32, 64, 128, 256, 512, 1024]
+    free = dataclasses.replace(A.load_calibration(), moe_reread_over_bandwidth=1e12)
+    assert not A.check_bench([path], free)["passed"]
+
+
 def test_check_skips_other_configurations_with_the_reason():
     chk = A.check_bench([BENCH / "e2e_random_qwen3_8b_sdpa.json"])
     assert not chk["checked"] and "attention='sdpa'" in chk["skipped"][0]["reason"] and not chk["passed"]
@@ -82,13 +97,23 @@ def test_stored_calibration_is_what_calibrate_fits():
 def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
     data = A.machines_data()["calibration"]
     fit = A.calibrate_moe([REPO / p for p in data["moe_from"]], machine=data["machine"])
-    for k in ("moe_block_seconds", "moe_pair_seconds"):
+    for k in ("moe_block_seconds", "moe_pair_seconds", "moe_sort_seconds", "moe_reread_over_bandwidth"):
         assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
+    # re-reads come from L2: faster than the weights' first read from memory, within an order of magnitude
+    assert 1 < fit["moe_reread_over_bandwidth"] < 10
     cal, m = A.load_calibration(), A.get_machine("h200")
     moe, dense = A.model_shape("random:qwen3-30b-a3b"), A.model_shape("random:qwen3-8b")
     small, big = (A.round_cost(moe, m, "ddtree", b, 512, cal) for b in (16, 256))
     assert 0 < small.parts["moe"] < big.parts["moe"]               # the per-pair part grows with the tree
     assert A.round_cost(dense, m, "ddtree", 64, 512, cal).parts["moe"] == 0
+
+
+def test_moe_fit_refuses_files_without_row_blocks(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"shape": {"hidden": 64, "width": 32, "top_k": 2},
+                               "rows": [{"T": 1, "experts_touched": 2, "touched_bytes": 1e6, "triton_us": 9.0}]}))
+    with pytest.raises(A.AdvisorError, match="old.json: a row without row_blocks"):
+        A.calibrate_moe([old])
 
 
 def test_machine_profiles_have_sources_and_refuse_unknown_names():
@@ -125,7 +150,7 @@ def test_moe_expert_union():
     assert moe.experts_touched(1) == pytest.approx(8)
     assert moe.experts_touched(8) == pytest.approx(51.6, abs=0.1)
     assert moe.experts_touched(1025) == pytest.approx(128, abs=1e-6)
-    assert moe.experts_touched(16, curve={1: 8, 64: 40}) == pytest.approx(8 + 32 * math.log(16) / math.log(64))
+    assert moe.experts_touched(16, A.ExpertLoad({1: 8, 64: 40})) == pytest.approx(8 + 32 * math.log(16) / math.log(64))
     cal = A.load_calibration()
     w = [A.verify_terms(moe, t, 512, cal).weights for t in (1, 65)]
     assert w[1] > 5 * w[0]                          # a tree reads the union of its tokens' experts
@@ -232,15 +257,51 @@ def test_report_has_the_advisor_section_with_titled_figures(tmp_path):
         assert title in page, title
 
 
-def test_union_curve_and_confidence_calibration_from_trace_rows():
+def test_expert_load_and_confidence_calibration_from_trace_rows():
     rows = [{"tree": {"tokens": [1] * 16, "scores": [math.log(0.5)] * 4}, "acceptance_length": 2,
-             "experts_touched": [80, 86]},
+             "experts_touched": [80, 86], "expert_row_blocks": {"16": [99, 99], "32": [80, 90], "64": [1, 1]}},
             {"tree": {"tokens": [1] * 16, "scores": [math.log(0.5)] * 4}, "acceptance_length": 4,
-             "experts_touched": [90, 84]},
+             "experts_touched": [90, 84], "expert_row_blocks": {"16": [99, 99], "32": [92, 86], "64": [1, 1]}},
             {"verify_tokens": 1, "experts_touched": [8, 8]}, {"tree": {"tokens": [1] * 5}}]
-    assert A.union_curve(rows) == {1: 8.0, 17: 85.0}
+    load = A.expert_load(rows)
+    assert load.touched == {1: 8.0, 17: 85.0}
+    assert load.row_blocks == {17: 87.0}  # 17 tokens run 32-row blocks; the AR row carried none
     assert A.tau_calibration(rows) == pytest.approx((1 + 3) / (2 + 2))
-    assert A.union_curve([{"tree": {"tokens": [1]}}]) == {} and A.tau_calibration([{}]) is None
+    assert A.expert_load([{"tree": {"tokens": [1]}}]) is None and A.tau_calibration([{}]) is None
+
+
+def test_row_blocks_under_uniform_routing_match_a_simulation():
+    """The uniform-routing expectation of Σ_e ceil(n_e / h) against routing drawn at random (each token k
+    distinct experts of E), at heights 16, 32 and 64 (T = 16, 65, 1025)."""
+    moe = A.model_shape("random:qwen3-30b-a3b")
+    rng = random.Random(0)
+    for T in (16, 65, 1025):
+        h = A.moe_row_height(T)
+        draws = []
+        for _ in range(20):
+            counts = [0] * moe.num_experts
+            for _ in range(T):
+                for e in rng.sample(range(moe.num_experts), moe.experts_per_tok):
+                    counts[e] += 1
+            draws.append(sum(-(-n // h) for n in counts))
+        assert moe.expert_row_blocks(T) == pytest.approx(sum(draws) / len(draws), rel=0.03), T
+    assert moe.expert_row_blocks(1) == pytest.approx(moe.experts_per_tok)
+
+
+def test_crowded_routing_costs_the_reread_of_its_row_blocks():
+    """Same experts touched, more row blocks (a few experts holding most tokens): the MoE part grows by the
+    re-read bytes at the calibrated L2 rate; measured row blocks equal to the touched experts re-read nothing."""
+    moe, cal, m = A.model_shape("random:qwen3-30b-a3b"), A.load_calibration(), A.get_machine("h200")
+    flat = A.ExpertLoad({65: 13.0}, {65: 13.0})
+    crowded = A.ExpertLoad({65: 13.0}, {65: 26.0})
+    assert A.verify_terms(moe, 65, 512, cal, load=flat).moe_reread == 0
+    extra = A.verify_terms(moe, 65, 512, cal, load=crowded).moe_reread
+    assert extra == moe.moe_layers * 13 * 3 * moe.hidden * moe.expert_intermediate * 2
+    a, b = (A.round_cost(moe, m, "ddtree", 64, 512, cal, load) for load in (flat, crowded))
+    assert b.parts["moe"] - a.parts["moe"] == pytest.approx(extra / (m.bandwidth * cal.moe_reread_over_bandwidth))
+    assert b.parts["weights"] == a.parts["weights"]
+    # a measured union without row blocks: the pairs shared equally, 65·8 / 13 = 40 tokens -> 2 blocks of 32
+    assert moe.expert_row_blocks(65, A.ExpertLoad({65: 13.0})) == 26.0
 
 
 def test_replay_auto_runs_the_engine_rule_on_traced_rounds():

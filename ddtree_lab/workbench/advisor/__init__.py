@@ -2,7 +2,7 @@
 
 The round cost model, two ways: `fit.FittedCost`, per-stage a + b·B + c·B² least-squares fits to measured
 stage times (a `bench e2e` JSON or a study's runs) with leave-one-out error; and `cost.round_cost`, first
-principles for a named machine (weights read, dense or through the expert union of MoE layers; KV and
+principles for a named machine (weights read, dense or through the expert union of MoE layers and their row blocks' re-reads; KV and
 activation bytes; FLOPs; kernel launches), with efficiency factors fitted once on H200 data
 (`check.calibrate`, stored in machines.json) and checked against bench measurements (`check.check_bench`).
 `auto.replay_auto` replays the engine's own budget="auto" rule on a study's traces. `study` applies a
@@ -12,17 +12,18 @@ stage times from JSON.
 """
 from __future__ import annotations
 
-from .auto import replay_auto, tau_at, tau_calibration, union_curve
+from .auto import expert_load, replay_auto, tau_at, tau_calibration
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, repo_bench_dir
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, get_machine, known_machines,
                        load_calibration, machines_data)
-from .shapes import ModelShape, model_shape, shape_from_configs, shape_from_dirs
+from .shapes import ExpertLoad, ModelShape, model_shape, moe_row_height, shape_from_configs, shape_from_dirs
 
-__all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "FIT_KINDS", "FIT_STAGES", "FittedCost",
+__all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
+           "FittedCost",
            "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
            "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "draft_terms",
-           "fit_bench", "fit_stage_times", "get_machine", "known_machines",
-           "load_calibration", "machines_data", "model_shape", "read_bench", "repo_bench_dir", "replay_auto",
-           "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration", "union_curve", "verify_terms"]
+           "expert_load", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
+           "load_calibration", "machines_data", "model_shape", "moe_row_height", "read_bench", "repo_bench_dir", "replay_auto",
+           "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration", "verify_terms"]

@@ -1,15 +1,18 @@
-"""From a study's traces: the draft confidence's calibration, the expert-union curve, and budget="auto"'s own
+"""From a study's traces: the draft confidence's calibration, the measured MoE routing, and budget="auto"'s own
 rule replayed on the rounds (the engine's torch form of it, imported when called)."""
 from __future__ import annotations
 
 import math
 from typing import Mapping, Sequence
 
+from .shapes import ExpertLoad, moe_row_height
 
-def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
-    """The measured expert-union curve {verify tokens: mean distinct experts per MoE layer} from trace
-    rows carrying `experts_touched` (one count per MoE layer for that round's verify forward) and, for
-    the tokens verified, `verify_tokens` or else the tree's nodes + the root (an AR row: 1). Empty for dense."""
+
+def expert_load(trace_rows: Sequence[Mapping]) -> ExpertLoad | None:
+    """The measured routing {verify tokens: mean per MoE layer} from trace rows carrying `experts_touched`
+    (one count per MoE layer for that round's verify forward) and `expert_row_blocks` (per row-block height),
+    the tokens verified being `verify_tokens` or else the tree's nodes + the root (an AR row: 1). None for a
+    dense target."""
     sums: dict[int, list[float]] = {}
     for r in trace_rows:
         per_layer = r.get("experts_touched")
@@ -17,10 +20,17 @@ def union_curve(trace_rows: Sequence[Mapping]) -> dict[int, float]:
             continue
         nodes = ((r.get("tree") or {}).get("tokens")) or []
         t = int(r.get("verify_tokens") or len(nodes) + 1)  # the root and the tree's nodes (AR: one token)
-        acc = sums.setdefault(t, [0.0, 0])
+        blocks = (r.get("expert_row_blocks") or {}).get(str(moe_row_height(t)))
+        acc = sums.setdefault(t, [0.0, 0, 0.0, 0])
         acc[0] += sum(per_layer) / len(per_layer)
         acc[1] += 1
-    return {t: v / n for t, (v, n) in sorted(sums.items())}
+        if blocks:
+            acc[2] += sum(blocks) / len(blocks)
+            acc[3] += 1
+    if not sums:
+        return None
+    blocks = {t: b / m for t, (_, _, b, m) in sorted(sums.items()) if m}
+    return ExpertLoad({t: v / n for t, (v, n, _, _) in sorted(sums.items())}, blocks or None)
 
 
 def tau_calibration(trace_rows: Sequence[Mapping]) -> float | None:

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 from .cost import draft_terms, round_cost, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, _device_machine, get_machine, load_calibration
-from .shapes import model_shape
+from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, model_shape, moe_row_height
 
 CHECK_TOLERANCE = 0.15
 CHECK_BUDGETS = (16, 1024)  # the budget range the first-principles check covers
@@ -45,10 +45,10 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             skipped.append({"file": Path(path).name, "model": b.get("model"), "reason": "; ".join(why)})
             continue
         m, ctx = get_machine(mname), int(b.get("prompt_len") or 512)
-        union = measured_union(b, shape)  # an MoE bench's own expert counts, else None (uniform routing)
+        load = measured_load(b, shape)  # an MoE bench's own expert counts, else None (uniform routing)
         rows = []
         for r in filter(_modelled, b["rows"]):
-            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal, union)
+            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal, load)
             meas = float(r["round_seconds"])
             rows.append({"method": r["method"], "budget": r.get("budget"), "measured_seconds": meas,
                          "predicted_seconds": pred.seconds, "error": pred.seconds / meas - 1,
@@ -60,24 +60,26 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             continue
         ok = all(abs(x["error"]) <= CHECK_TOLERANCE for x in rows if x["in_range"])
         checked.append({"file": Path(path).name, "model": b.get("model"), "machine": mname, "device": device,
-                        "expert_union": "measured" if union else ("uniform routing" if shape.num_experts else None),
+                        "expert_union": "measured" if load else ("uniform routing" if shape.num_experts else None),
                         "prompt_len": ctx, "rows": rows, "within_tolerance": ok,
                         "max_error": max((abs(x["error"]) for x in rows if x["in_range"]), default=None)})
     return {"tolerance": CHECK_TOLERANCE, "budgets": [lo, hi], "checked": checked, "skipped": skipped,
             "passed": bool(checked) and all(c["within_tolerance"] for c in checked)}
 
 
-def measured_union(bench: dict, shape) -> dict[int, float] | None:
-    """tokens per forward -> mean distinct experts per MoE layer, from a bench e2e JSON's rows (verify
-    forwards of 1, block_size and budget + 1 tokens), or None when it has no counts."""
-    curve = {}
+def measured_load(bench: dict, shape) -> ExpertLoad | None:
+    """The routing a bench e2e JSON's rows measured, per verify size (forwards of 1, block_size and budget + 1
+    tokens): mean distinct experts per MoE layer and row blocks at the kernel's height; None without counts."""
+    touched, blocks = {}, {}
     for r in filter(_modelled, bench.get("rows", [])):
-        touched = r.get("experts_touched_mean")
-        if touched is None:
+        if r.get("experts_touched_mean") is None:
             continue
         tokens = {"ar": 1, "dflash": shape.block_size}.get(r["method"], int(r.get("budget") or 0) + 1)
-        curve[tokens] = float(touched)
-    return curve or None
+        touched[tokens] = float(r["experts_touched_mean"])
+        per_height = r.get("expert_row_blocks_mean") or {}
+        if str(moe_row_height(tokens)) in per_height:
+            blocks[tokens] = float(per_height[str(moe_row_height(tokens))])
+    return ExpertLoad(touched, blocks or None) if touched else None
 
 
 def repo_bench_dir() -> Path:
@@ -156,10 +158,12 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
 
 def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None = None,
                   machine: str = "h200") -> dict:
-    """The MoE block's time beyond its bytes and FLOPs, from `bench fused_moe` JSONs (the block alone, at
-    several token counts; independent and alike routing, so the fit sees few and many experts touched at one
-    T): least squares of measured − modelled = moe_block_seconds + moe_pair_seconds · T·k. Kernel-level
-    data, so the e2e check of MoE rounds stays a check. -> the two calibration.fit keys."""
+    """The MoE block's time beyond its bytes and FLOPs, from `bench fused_moe` JSONs (the block alone at
+    1 … 1025 tokens; independent, alike and crowded routing, so the fit sees few and many experts, one row
+    block each or many, at one T): least squares of measured − modelled = moe_block_seconds + moe_pair_seconds
+    · T·k + moe_sort_seconds · [T > MOE_SORT_IN_ONE_MAX_T] + re-read bytes / (spec bandwidth ·
+    moe_reread_over_bandwidth), the re-read bytes being (row blocks − experts touched) · an expert's weights.
+    Kernel-level data, so the e2e check of MoE rounds stays a check. -> those calibration.fit keys."""
     import numpy as np
 
     cal = cal or load_calibration()
@@ -171,11 +175,23 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
         sh = d["shape"]
         h, w, k = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"])
         for r in d["rows"]:
+            if "row_blocks" not in r:
+                raise AdvisorError(f"{path}: a row without row_blocks (written before they were recorded); "
+                                   "re-run python -m ddtree_lab.bench.fused_moe")
             mem, comp = r["touched_bytes"] / bw, 2 * r["T"] * k * 3 * h * w / fl
             core = (mem ** cal.p + comp ** cal.p) ** (1 / cal.p)
-            xs.append([1.0, float(r["T"] * k)])
+            reread = (r["row_blocks"] - r["experts_touched"]) * 3 * h * w * 2
+            xs.append([1.0, float(r["T"] * k), float(r["T"] > MOE_SORT_IN_ONE_MAX_T), reread / m.bandwidth])
             ys.append(r["triton_us"] * 1e-6 - core)
-    if len(xs) < 3:
-        raise AdvisorError(f"{', '.join(map(str, fused_moe_paths))}: {len(xs)} rows; the MoE fit needs at least 3")
-    block, pair = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
-    return {"moe_block_seconds": max(0.0, float(block)), "moe_pair_seconds": max(0.0, float(pair))}
+    if len(xs) < 5:
+        raise AdvisorError(f"{', '.join(map(str, fused_moe_paths))}: {len(xs)} rows; the MoE fit needs at least 5")
+    block, pair, sort, reread = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
+    return {"moe_block_seconds": max(0.0, float(block)), "moe_pair_seconds": max(0.0, float(pair)),
+            "moe_sort_seconds": max(0.0, float(sort)), "moe_reread_over_bandwidth": _positive_inverse(reread)}
+
+
+def _positive_inverse(seconds_per_spec_byte: float) -> float:
+    if seconds_per_spec_byte <= 0:
+        raise AdvisorError("the MoE fit found re-read weights free (a non-positive term): the files do not tell it "
+                           "apart; give benches with crowded routing (--similarity 0.99) beside independent routing")
+    return float(1.0 / seconds_per_spec_byte)

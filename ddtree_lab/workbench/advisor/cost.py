@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 from .machines import AdvisorError, Calibration, Machine, load_calibration
-from .shapes import ModelShape
+from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, ModelShape
 
 PARTS = ("weights", "kv", "flops", "launches", "moe", "other")
 PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
@@ -22,6 +21,7 @@ class Terms:
     launches: float = 0.0
     fixed_seconds: float = 0.0    # tree build / commit
     moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
+    moe_reread: float = 0.0       # bytes: expert weights read again by an expert's second and later row blocks
 
     def seconds(self, m: Machine, cal: Calibration) -> dict[str, float]:
         """This stage's time split into PARTS (sums to its total)."""
@@ -33,7 +33,9 @@ class Terms:
         out = {"weights": core * share_m * (tw / mem if mem else 0.0),
                "kv": core * share_m * (tk / mem if mem else 0.0),
                "flops": core * (1 - share_m), "launches": self.launches * cal.launch_seconds,
-               "moe": self.moe_seconds, "other": self.fixed_seconds}
+               "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
+                                          if self.moe_reread else 0.0),
+               "other": self.fixed_seconds}
         return out
 
 
@@ -46,11 +48,11 @@ def _kernels(cal: Calibration, stage: str, layers: int) -> float:
 
 
 def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: str = "verify",
-                 union: Mapping[int, float] | None = None) -> Terms:
-    """The target forward over `tokens` tokens after `ctx` cached ones."""
+                 load: ExpertLoad | None = None) -> Terms:
+    """The target forward over `tokens` tokens after `ctx` cached ones (`load`: measured MoE routing)."""
     b, h = s.dtype_bytes, s.hidden
     dense_layers = s.layers - s.moe_layers
-    touched = s.experts_touched(tokens, union)
+    touched = s.experts_touched(tokens, load)
     expert = 3 * h * s.expert_intermediate
     weights = (s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate
                + s.moe_layers * (h * s.num_experts + touched * expert) + s.vocab * h) * b
@@ -61,11 +63,16 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     kv = (s.layers * 2 * s.kv_heads * s.head_dim * (ctx + tokens) * b               # cache read + new rows
           + tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b  # activations
           + tokens * s.vocab * 4)                                                   # fp32 logits
-    # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs (a fixed part and
-    # one per routed token-expert pair), less the dense MLP's kernels the per-layer launch count already holds.
-    moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds
+    # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
+    # routed token-expert pair, the sort's own launches past MOE_SORT_IN_ONE_MAX_T tokens, and an expert's weights
+    # read again (from L2) by each of its row blocks after the first; less the dense MLP's kernels the
+    # per-layer launch count already holds.
+    sort = cal.moe_sort_seconds if tokens > MOE_SORT_IN_ONE_MAX_T else 0.0
+    moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds + sort
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
-    return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe)
+    reread = s.moe_layers * max(0.0, s.expert_row_blocks(tokens, load) - touched) * expert * b
+    return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
+                 moe_reread=reread)
 
 
 def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:
@@ -98,11 +105,11 @@ class RoundCost:
 
 
 def round_cost(shape: ModelShape, machine: Machine, method: str, budget: int | None = None, ctx: int = 512,
-               cal: Calibration | None = None, union: Mapping[int, float] | None = None) -> RoundCost:
+               cal: Calibration | None = None, load: ExpertLoad | None = None) -> RoundCost:
     """First-principles cost of one round (AR: one step). budget: DDTree nodes beyond the root."""
     cal = cal or load_calibration()
     if method == "ar":
-        terms = {"verify": verify_terms(shape, 1, ctx, cal, "ar", union)}
+        terms = {"verify": verify_terms(shape, 1, ctx, cal, "ar", load)}
     else:
         nodes = shape.block_size - 1 if method == "dflash" else int(budget or 0)
         if nodes < 1:
@@ -110,7 +117,7 @@ def round_cost(shape: ModelShape, machine: Machine, method: str, budget: int | N
         terms = {"draft": draft_terms(shape, ctx, cal),
                  "tree_build": Terms(launches=_kernels(cal, "tree_build", 0),
                                      fixed_seconds=cal.tree_node_seconds * nodes),
-                 "verify": verify_terms(shape, nodes + 1, ctx, cal, "verify", union),
+                 "verify": verify_terms(shape, nodes + 1, ctx, cal, "verify", load),
                  "commit": Terms(launches=_kernels(cal, "commit", 0),
                                  fixed_seconds=cal.commit_node_seconds * (nodes + 1))}
     split = {k: t.seconds(machine, cal) for k, t in terms.items()}

@@ -83,6 +83,8 @@ class Calibration:
     p: float = 2.0                # memory and compute times combine as (M^p + C^p)^(1/p)
     moe_block_seconds: float = 0.0  # per MoE block beyond bytes and FLOPs (fused-MoE kernel bench)
     moe_pair_seconds: float = 0.0   # and per routed (token, expert) pair
+    moe_sort_seconds: float = 0.0   # and the sort's two launches of its own, past a few tokens
+    moe_reread_over_bandwidth: float = 1.0  # an expert's weights read again (L2) stream at this × spec bandwidth
     settings: dict = field(default_factory=dict)
 
 

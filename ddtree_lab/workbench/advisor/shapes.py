@@ -8,6 +8,28 @@ from typing import Mapping
 
 from .machines import AdvisorError
 
+# Two facts of the fused MoE kernel (kernels/fused_moe.py) the cost model prices, copied so the advisor runs
+# without Triton; tests/kernels/test_fused_moe.py holds them equal to the kernel's.
+MOE_SORT_IN_ONE_MAX_T = 2  # ROUTE_IN_ALIGN_MAX_T: up to this many tokens one program routes and sorts
+
+
+def moe_row_height(tokens: int) -> int:
+    """row_height, launch_config's BLOCK_M on a GPU: the rows of one expert a program takes."""
+    if tokens <= 16:
+        return 16
+    if tokens >= 257:
+        return 64
+    return min((64, 32), key=lambda h: -(-tokens // h) * h - tokens)
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Measured routing of an MoE target, per verify size (tokens per forward): the mean distinct experts a
+    layer reads, and the mean row blocks the fused kernel runs at its height (`moe_row_height`). Either
+    curve interpolates in log tokens; row_blocks may be absent (older files), then estimated."""
+    touched: Mapping[int, float]
+    row_blocks: Mapping[int, float] | None = None
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -34,15 +56,33 @@ class ModelShape:
     def attn_params(self) -> int:
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
-    def experts_touched(self, tokens: int, curve: Mapping[int, float] | None = None) -> float:
-        """Distinct experts one MoE layer reads for `tokens` tokens: a measured curve (tokens -> mean
-        experts, interpolated in log tokens) or uniform routing, E·(1 − (1 − k/E)^T)."""
+    def experts_touched(self, tokens: int, load: ExpertLoad | None = None) -> float:
+        """Distinct experts one MoE layer reads for `tokens` tokens: measured (`load`) or uniform routing,
+        E·(1 − (1 − k/E)^T)."""
         if not self.num_experts:
             return 0.0
-        if curve:
-            return _interp_log(curve, tokens)
+        if load and load.touched:
+            return _interp_log(load.touched, tokens)
         e, k = self.num_experts, self.experts_per_tok
         return e * (1 - (1 - k / e) ** tokens)
+
+    def expert_row_blocks(self, tokens: int, load: ExpertLoad | None = None) -> float:
+        """Row blocks one MoE layer runs, Σ_e ceil(n_e / h) at h = moe_row_height(tokens): measured, else from
+        a measured union with the pairs shared equally among its experts, else uniform routing (each expert's
+        n_e ~ Binomial(T, k/E), its expectation summed exactly)."""
+        if not self.num_experts:
+            return 0.0
+        h, e, k = moe_row_height(tokens), self.num_experts, self.experts_per_tok
+        if load and load.row_blocks:
+            return _interp_log(load.row_blocks, tokens)
+        if load and load.touched:
+            touched = _interp_log(load.touched, tokens)
+            return touched * math.ceil(tokens * k / (touched * h))
+        p, pmf, blocks = k / e, (1 - k / e) ** tokens, 0.0
+        for n in range(1, tokens + 1):  # P(n) from P(n − 1): the binomial's ratio
+            pmf *= (tokens - n + 1) / n * p / (1 - p)
+            blocks += pmf * -(-n // h)
+        return e * blocks
 
 
 def _interp_log(curve: Mapping[int, float], x: float) -> float:

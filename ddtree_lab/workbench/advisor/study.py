@@ -157,13 +157,14 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
     out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
-    union = A.union_curve([r for t in st["traces"].values() for r in t])
-    out["experts_touched"] = union or None
-    union = union if shape_name == st["pair"] else None
+    load = A.expert_load([r for t in st["traces"].values() for r in t])
+    out["experts_touched"] = dict(load.touched) if load else None
+    out["expert_row_blocks"] = dict(load.row_blocks) if load and load.row_blocks else None
+    load = load if shape_name == st["pair"] else None
     for name in names:
         m = A.get_machine(name, measured, cal)
-        costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, union) for b in budgets}
-        ar = A.round_cost(shape, m, "ar", None, ctx, cal, union)
+        costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, load) for b in budgets}
+        ar = A.round_cost(shape, m, "ar", None, ctx, cal, load)
         bb = best_budget(st["budgets"], {b: c.seconds for b, c in costs.items()}, n_boot, seed)
         ar_tps = 1.0 / ar.seconds
         rows = [{"budget": b, "tau": out["tau"][b], "cost_seconds": c.seconds, "stages": c.stages, "parts": c.parts,
