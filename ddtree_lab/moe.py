@@ -99,9 +99,9 @@ def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
     one expert got (the busiest expert's load), and for each row-block height h the blocks the fused kernel
     runs, Σ_e ceil(tokens_e / h) (each re-reads its expert's weights). One host read."""
     if not blocks:
-        return {"experts_touched": [], "expert_tokens_max": [], "expert_row_blocks": {str(h): [] for h in ROW_HEIGHTS}}
+        return {"experts_touched": [], "expert_tokens_max": [],
+                "expert_row_blocks": {str(h): [] for h in ROW_HEIGHTS}}
     counts = torch.stack([m.counts for m in blocks]).long()  # [L, E]
     per_height = torch.stack([(counts + h - 1).div(h, rounding_mode="floor").sum(-1) for h in ROW_HEIGHTS])
-    touched, busiest, per_height = counts.gt(0).sum(-1).tolist(), counts.max(-1).values.tolist(), per_height.tolist()
-    return {"experts_touched": touched, "expert_tokens_max": busiest,
-            "expert_row_blocks": {str(h): row for h, row in zip(ROW_HEIGHTS, per_height)}}
+    return {"experts_touched": counts.gt(0).sum(-1).tolist(), "expert_tokens_max": counts.max(-1).values.tolist(),
+            "expert_row_blocks": {str(h): row for h, row in zip(ROW_HEIGHTS, per_height.tolist())}}

@@ -231,12 +231,15 @@ def test_bench_times_a_baseline_kernel_side_by_side(tmp_path):
 
 def test_the_cost_models_copy_of_the_launch_facts_is_the_kernels(monkeypatch):
     """The advisor prices row blocks at `moe_row_height` and the sort's own launches past MOE_SORT_IN_ONE_MAX_T
-    without importing Triton: both equal the kernel's GPU launch_config and ROUTE_IN_ALIGN_MAX_T."""
+    without importing Triton: both equal the kernel's GPU launch_config and ROUTE_IN_ALIGN_MAX_T; the heights
+    the telemetry counts blocks at (moe.ROW_HEIGHTS) are the ones it picks."""
     from ddtree_lab.kernels import fused_moe as fm
+    from ddtree_lab.moe import ROW_HEIGHTS
     from ddtree_lab.workbench.advisor.shapes import MOE_SORT_IN_ONE_MAX_T, moe_row_height
 
     monkeypatch.setattr(fm, "_interpret", lambda: False)
     monkeypatch.setattr(fm, "_sm_count", lambda device: 132)
     for T in [*range(1, 300), 511, 512, 513, 1024, 1025, 4096]:
         assert moe_row_height(T) == fm.launch_config(T, 8, 128, 2048, 768, "cuda")["BLOCK_M"], T
+    assert {fm.row_height(T) for T in range(1, 2048)} == set(ROW_HEIGHTS)
     assert MOE_SORT_IN_ONE_MAX_T == fm.ROUTE_IN_ALIGN_MAX_T

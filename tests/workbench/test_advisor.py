@@ -108,6 +108,14 @@ def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
     assert A.round_cost(dense, m, "ddtree", 64, 512, cal).parts["moe"] == 0
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", '{"kind": "prompts", "rows": []}', "not json"])
+def test_a_file_that_is_not_a_bench_e2e_json_is_refused_by_name(tmp_path, text):
+    path = tmp_path / "other.json"
+    path.write_text(text)
+    with pytest.raises(A.AdvisorError, match="other.json: not a"):
+        A.check_bench([path])
+
+
 def test_moe_fit_refuses_files_without_row_blocks(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"shape": {"hidden": 64, "width": 32, "top_k": 2},

@@ -18,8 +18,9 @@ def read_bench(path: str | Path) -> dict:
         b = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise AdvisorError(f"{path}: not a readable JSON file ({e.__class__.__name__})") from None
-    if b.get("kind") != "e2e" or not isinstance(b.get("rows"), list):
-        raise AdvisorError(f"{path}: not a 'bench e2e' JSON (field 'kind' is {b.get('kind')!r})")
+    if not isinstance(b, dict) or b.get("kind") != "e2e" or not isinstance(b.get("rows"), list):
+        kind = b.get("kind") if isinstance(b, dict) else None
+        raise AdvisorError(f"{path}: not a 'bench e2e' JSON (field 'kind' is {kind!r})")
     return b
 
 
