@@ -23,6 +23,10 @@ def test_moe_run_records_experts_touched_and_bytes(tmp_path):
     assert s["verify_weight_bytes"] == weight_bytes_per_step(pair.target, s["experts_touched_per_layer"])
     assert s["verify_weight_bytes"] > ar["summary"]["verify_weight_bytes"]
     assert all(r["experts_touched"] for r in rows if r.get("tree"))
+    # each traced round keeps the kernel's row blocks per height, at least the experts it touched
+    for r in rows:
+        for h, per_layer in r["expert_row_blocks"].items():
+            assert all(b >= u for b, u in zip(per_layer, r["experts_touched"])), h
     # the busiest expert gets at least its share of the pairs and at most every token of the forward
     assert ar["summary"]["expert_tokens_max_mean"] == 1.0
     assert k * 25 / E <= s["expert_tokens_max_mean"] <= 25
@@ -46,3 +50,9 @@ def test_report_shows_experts_and_verify_cost_for_an_moe_study(tmp_path):
     html = report.build_report(study).read_text()
     assert "experts touched per MoE layer per verify forward" in html
     assert "verify time per round vs budget" in html and "No floor is drawn" in html  # a CPU study: no bandwidth
+    from ddtree_lab.workbench.advisor.study import advise
+
+    advice = advise(study, model=str(tmp_path / "moe"))  # its own pair: the measured routing prices its rounds
+    k = pair.target.cfg.num_experts_per_tok
+    assert advice["experts_touched"][1] == k == advice["expert_row_blocks"][1]  # AR's step: one token, k experts
+    assert {1, 5, 17} <= set(advice["experts_touched"]) == set(advice["expert_row_blocks"])

@@ -78,6 +78,8 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
             "dflash": _prompt_taus(dflash["results"]) if dflash else None,
             "auto": _auto_taus(autos.get(key)),
             "traces": {b: load_traces(r["dir"]) for b, r in sorted(runs.items())},
+            # AR's and DFlash's rounds: the routing of one token and of a block, beside the trees'
+            "other_traces": [t for r in (ar, dflash) if r is not None for t in load_traces(r["dir"])],
             "stage_points": {b: {k: v / max(1, r["results"]["summary"].get("rounds") or 1)
                                  for k, v in (r["results"]["summary"].get("stage_seconds") or {}).items()}
                              for b, r in sorted(runs.items())}}
@@ -157,7 +159,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
     out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
-    load = A.expert_load([r for t in st["traces"].values() for r in t])
+    load = A.expert_load([r for t in st["traces"].values() for r in t] + st["other_traces"])
     out["experts_touched"] = dict(load.touched) if load else None
     out["expert_row_blocks"] = dict(load.row_blocks) if load and load.row_blocks else None
     load = load if shape_name == st["pair"] else None
