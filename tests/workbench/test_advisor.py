@@ -89,9 +89,14 @@ def test_stored_calibration_is_what_calibrate_fits():
     data = A.machines_data()["calibration"]
     fit = A.calibrate([REPO / p for p in data["fitted_on"]], [REPO / p for p in data["kernels_from"]], data["machine"])
     stored = data["fit"]
-    for k in ("eta_bw", "eta_flops", "launch_seconds", "tree_node_seconds", "commit_node_seconds", "copy_over_spec"):
+    for k in ("eta_bw", "eta_flops", "launch_seconds", "tree_node_seconds", "tree_vocab_seconds", "commit_node_seconds",
+              "copy_over_spec"):
         assert fit[k] == pytest.approx(stored[k], rel=1e-3), k
     assert 0 < stored["eta_bw"] <= 1 and 0 < stored["eta_flops"] <= 1
+    # the draft's top-k over a 152k vocabulary is most of a small tree's build (the lab pair's 4k is not)
+    s8b, lab = A.model_shape("random:qwen3-8b"), A.model_shape("lab")
+    vocab = [stored["tree_vocab_seconds"] * (s.block_size - 1) * s.vocab for s in (s8b, lab)]
+    assert vocab[0] > 16 * stored["tree_node_seconds"] > vocab[1] > 0
 
 
 def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():

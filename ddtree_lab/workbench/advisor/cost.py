@@ -116,7 +116,8 @@ def round_cost(shape: ModelShape, machine: Machine, method: str, budget: int | N
             raise AdvisorError(f"a {method} round needs a budget ≥ 1, got {budget!r}")
         terms = {"draft": draft_terms(shape, ctx, cal),
                  "tree_build": Terms(launches=_kernels(cal, "tree_build", 0),
-                                     fixed_seconds=cal.tree_node_seconds * nodes),
+                                     fixed_seconds=cal.tree_node_seconds * nodes
+                                     + cal.tree_vocab_seconds * (shape.block_size - 1) * shape.vocab),
                  "verify": verify_terms(shape, nodes + 1, ctx, cal, "verify", load),
                  "commit": Terms(launches=_kernels(cal, "commit", 0),
                                  fixed_seconds=cal.commit_node_seconds * (nodes + 1))}

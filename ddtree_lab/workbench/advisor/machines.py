@@ -81,6 +81,7 @@ class Calibration:
     copy_over_spec: float         # measured copy bandwidth / spec bandwidth on the calibration machine
     kernels: dict = field(default_factory=dict)  # stage -> [per layer, fixed]
     p: float = 2.0                # memory and compute times combine as (M^p + C^p)^(1/p)
+    tree_vocab_seconds: float = 0.0  # tree build per vocabulary entry of each drafted position (its top-k; same)
     moe_block_seconds: float = 0.0  # per MoE block beyond bytes and FLOPs (fused-MoE kernel bench)
     moe_pair_seconds: float = 0.0   # and per routed (token, expert) pair
     moe_sort_seconds: float = 0.0   # and the sort's two launches of its own, past a few tokens
