@@ -331,18 +331,24 @@ def _verify_points(rows: list[dict]) -> tuple[list, list, list]:
 
 def experts_figure(rows: list[dict]) -> go.Figure | None:
     """An MoE target's distinct experts per layer per verify forward against the budget (AR's step and
-    DFlash's block as lines): a tree reads the union of its tokens' experts. None for a dense study."""
+    DFlash's block as lines): a tree reads the union of its tokens' experts; beside it the fused kernel's row
+    blocks, where they exceed the experts each extra block re-reads its expert's weights. None for a dense study."""
     budgets, sums, names = _verify_points(rows)
     if not any(s.get("experts_touched_mean") for s in sums):
         return None
     fig = go.Figure()
     fig.add_scatter(x=budgets, y=[s.get("experts_touched_mean") for s in sums], mode="lines+markers", text=names,
-                    name="DDTree verify", hovertemplate="%{text}: %{y:.1f} experts per layer<extra></extra>")
+                    name="experts touched", hovertemplate="%{text}: %{y:.1f} experts per layer<extra></extra>")
+    if any(s.get("expert_row_blocks_mean") for s in sums):
+        fig.add_scatter(x=budgets, y=[s.get("expert_row_blocks_mean") for s in sums], mode="lines+markers",
+                        text=names, name="row blocks (each past an expert's first re-reads its weights)",
+                        line=dict(dash="dash"), hovertemplate="%{text}: %{y:.1f} row blocks per layer<extra></extra>")
     _baseline_lines(fig, rows, lambda r: run_summary(r).get("experts_touched_mean"), "{name}: {v:.1f}")
     fig.update_layout(title=dict(text="experts touched per MoE layer per verify forward"), template="plotly_white",
                       height=380, margin=dict(l=55, r=20, t=60, b=45),
                       xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", tickvals=budgets),
-                      yaxis=dict(title=dict(text="distinct experts (mean over layers and rounds)")))
+                      yaxis=dict(title=dict(text="per MoE layer (mean over layers and rounds)")),
+                      legend=dict(orientation="h", y=-0.25))
     return fig
 
 

@@ -27,6 +27,7 @@ from ..metrics import summarize_taus
 from ..names import AUTO, RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
+from .advisor.shapes import moe_row_height
 from .runs import RunParams, auto_candidates, input_digests, is_fixed, read_run_status, run_name
 
 SCHEMA = "ddtree_lab.results/1"
@@ -254,8 +255,10 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
 def verify_reads(pair: Any, rows: list[dict]) -> dict:
     """The weight bytes one verify forward (AR: one step) reads — attention, MLP or router and the touched
     experts, one embedding row, LM head — and, for an MoE target, the experts it touched per MoE layer
-    (mean over the traced rounds) and their mean: a tree reads the union of its tokens' experts; and the
-    busiest expert's tokens (mean over layers and rounds): how crowded that union is."""
+    (mean over the traced rounds) and their mean: a tree reads the union of its tokens' experts; the
+    busiest expert's tokens (mean over layers and rounds): how crowded that union is; and the fused kernel's
+    row blocks per layer at the height it runs each round's tokens with (mean over layers and rounds): every
+    block after an expert's first reads its weights again."""
     target = getattr(pair, "target", None)
     if target is None:
         return {}
@@ -268,7 +271,20 @@ def verify_reads(pair: Any, rows: list[dict]) -> dict:
     busiest = [b for r in rows for b in (r.get("expert_tokens_max") or [])]
     if busiest:
         out["expert_tokens_max_mean"] = sum(busiest) / len(busiest)
+    blocks = [statistics.fmean(per_layer) for r in rows if (per_layer := _row_blocks_at_height(r))]
+    if blocks:
+        out["expert_row_blocks_mean"] = statistics.fmean(blocks)
     return out
+
+
+def _row_blocks_at_height(row: dict) -> list[int] | None:
+    """A traced round's row blocks per MoE layer at the kernel's height for its verify tokens (the tree's
+    nodes + the root; an AR step's one token)."""
+    per_height = row.get("expert_row_blocks")
+    if not per_height:
+        return None
+    tokens = int(row.get("verify_tokens") or len((row.get("tree") or {}).get("tokens") or []) + 1)
+    return per_height.get(str(moe_row_height(tokens)))
 
 
 def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:

@@ -1,6 +1,8 @@
 """An MoE target's runs record the experts each verify forward touched, and the bytes such a forward reads."""
 import dataclasses
 
+import pytest
+
 import ddtree_lab as dl
 from ddtree_lab.bench.e2e import weight_bytes_per_step
 from ddtree_lab.testing import make_tiny_pair
@@ -30,6 +32,9 @@ def test_moe_run_records_experts_touched_and_bytes(tmp_path):
     # the busiest expert gets at least its share of the pairs and at most every token of the forward
     assert ar["summary"]["expert_tokens_max_mean"] == 1.0
     assert k * 25 / E <= s["expert_tokens_max_mean"] <= 25
+    # 25 tokens run 32-row blocks, which hold any expert's tokens: one block per touched expert, no re-read
+    assert s["expert_row_blocks_mean"] == pytest.approx(s["experts_touched_mean"])
+    assert ar["summary"]["expert_row_blocks_mean"] == float(k)
 
 
 def test_dense_run_records_its_bytes_and_no_experts(tiny_pair):
@@ -48,7 +53,7 @@ def test_report_shows_experts_and_verify_cost_for_an_moe_study(tmp_path):
                        prompt_set=str(tmp_path / "p.jsonl"), n_prompts=1, max_new_tokens=10, warmup=False, repeats=1)
     R.quick_sweep(params, [4, 16], pair)
     html = report.build_report(study).read_text()
-    assert "experts touched per MoE layer per verify forward" in html
+    assert "experts touched per MoE layer per verify forward" in html and "row blocks (each past" in html
     assert "verify time per round vs budget" in html and "No floor is drawn" in html  # a CPU study: no bandwidth
     from ddtree_lab.workbench.advisor.study import advise
 
