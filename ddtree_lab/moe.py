@@ -94,6 +94,11 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 ROW_HEIGHTS = (16, 32, 64)  # the row-block heights fused_moe's launch_config picks from (BLOCK_M)
 
 
+def blocks_at_height(counts: torch.Tensor, height: int) -> torch.Tensor:
+    """counts [..., E] tokens per expert -> [...] the fused kernel's row blocks at that height, Σ_e ceil(n_e / h)."""
+    return (counts.long() + height - 1).div(height, rounding_mode="floor").sum(-1)
+
+
 def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
     """Per MoE block's last forward, in order: the distinct experts it routed a token to, the most tokens any
     one expert got (the busiest expert's load), and for each row-block height h the blocks the fused kernel
@@ -101,7 +106,7 @@ def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
     if not blocks:
         return {"experts_touched": [], "expert_tokens_max": [],
                 "expert_row_blocks": {str(h): [] for h in ROW_HEIGHTS}}
-    counts = torch.stack([m.counts for m in blocks]).long()  # [L, E]
-    per_height = torch.stack([(counts + h - 1).div(h, rounding_mode="floor").sum(-1) for h in ROW_HEIGHTS])
+    counts = torch.stack([m.counts for m in blocks])  # [L, E]
+    per_height = torch.stack([blocks_at_height(counts, h) for h in ROW_HEIGHTS])  # [heights, L]
     return {"experts_touched": counts.gt(0).sum(-1).tolist(), "expert_tokens_max": counts.max(-1).values.tolist(),
             "expert_row_blocks": {str(h): row for h, row in zip(ROW_HEIGHTS, per_height.tolist())}}

@@ -69,7 +69,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
     """`baseline`: another fused_moe module (e.g. `load_baseline(PATH)` of an earlier commit's kernel file),
     timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline."""
     from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
-    from ..moe import ROW_HEIGHTS, _grouped_mm_fits, moe_torch
+    from ..moe import ROW_HEIGHTS, _grouped_mm_fits, blocks_at_height, moe_torch
 
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = []
@@ -80,10 +80,9 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
         want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
         nbytes = touched_bytes(counts, T, experts, hidden, width, elsize)
         launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize), **(config or {})}
-        per = counts.long()
         row = dict(T=T, experts_touched=int((counts > 0).sum()), expert_tokens_max=int(counts.max()),
-                   expert_row_blocks={str(h): int(((per + h - 1) // h).sum()) for h in ROW_HEIGHTS},
-                   row_blocks=int(((per + launch["BLOCK_M"] - 1) // launch["BLOCK_M"]).sum()),
+                   expert_row_blocks={str(h): int(blocks_at_height(counts, h)) for h in ROW_HEIGHTS},
+                   row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
                    touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
                    max_abs_diff=float((out.float() - want.float()).abs().max()),

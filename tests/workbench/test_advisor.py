@@ -129,6 +129,17 @@ def test_moe_fit_refuses_files_without_row_blocks(tmp_path):
         A.calibrate_moe([old])
 
 
+def test_moe_fit_refuses_a_free_reread_term(tmp_path):
+    """Rows where more row blocks ran faster leave the re-read term non-positive: refused with what to add."""
+    sh = {"hidden": 64, "width": 32, "top_k": 2}
+    rows = [{"T": t, "experts_touched": 4, "row_blocks": rb, "touched_bytes": 1e5, "triton_us": us}
+            for t, rb, us in ((1, 4, 50.0), (8, 4, 60.0), (16, 12, 20.0), (32, 20, 10.0), (64, 40, 5.0), (2, 4, 55.0))]
+    path = tmp_path / "fm.json"
+    path.write_text(json.dumps({"shape": sh, "rows": rows}))
+    with pytest.raises(A.AdvisorError, match="re-read weights free.*--similarity 0.99"):
+        A.calibrate_moe([path])
+
+
 def test_machine_profiles_have_sources_and_refuse_unknown_names():
     names = A.known_machines()
     for n in ("h100", "h200", "b200", "b300", "rtx-pro-6000", "measured"):
