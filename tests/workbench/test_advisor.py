@@ -2,6 +2,7 @@
 study folder, the bootstrap band, `ddtree-lab advise` and its refusals, the report's Advisor section."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -69,8 +70,6 @@ def test_first_principles_reproduces_the_h200_bench_within_15_percent():
 def test_first_principles_reproduces_the_h200_moe_bench_within_15_percent():
     """random:qwen3-30b-a3b: its own measured routing (experts touched, row blocks) priced with the MoE terms
     fitted on the kernel bench alone. With re-reads free, crowded mid-size trees miss."""
-    import dataclasses
-
     path = BENCH / "e2e_random_qwen3_30b_a3b_triton_compile.json"
     chk = A.check_bench([path])
     c = chk["checked"][0]
@@ -310,6 +309,11 @@ def test_row_blocks_under_uniform_routing_match_a_simulation():
             draws.append(sum(-(-n // h) for n in counts))
         assert moe.expert_row_blocks(T) == pytest.approx(sum(draws) / len(draws), rel=0.03), T
     assert moe.expert_row_blocks(1) == pytest.approx(moe.experts_per_tok)
+    # few experts, a large tree: each of 4 experts gets about half of 1025 tokens (no underflow to zero)
+    few = dataclasses.replace(moe, num_experts=4, experts_per_tok=2)
+    assert few.expert_row_blocks(1025) == pytest.approx(4 * (1025 / 2 / 64 + 0.5), rel=0.05)
+    every = dataclasses.replace(moe, num_experts=8, experts_per_tok=8)
+    assert every.expert_row_blocks(65) == 8 * 3
 
 
 def test_crowded_routing_costs_the_reread_of_its_row_blocks():

@@ -78,10 +78,14 @@ class ModelShape:
         if load and load.touched:
             touched = _interp_log(load.touched, tokens)
             return touched * math.ceil(tokens * k / (touched * h))
-        p, pmf, blocks = k / e, (1 - k / e) ** tokens, 0.0
-        for n in range(1, tokens + 1):  # P(n) from P(n − 1): the binomial's ratio
-            pmf *= (tokens - n + 1) / n * p / (1 - p)
-            blocks += pmf * -(-n // h)
+        p = k / e
+        if p >= 1:  # every token reads every expert
+            return e * -(-tokens // h)
+        blocks = 0.0
+        for n in range(1, tokens + 1):  # P(n) in logs: (1 − p)^T underflows for few experts and large T
+            log_pmf = (math.lgamma(tokens + 1) - math.lgamma(n + 1) - math.lgamma(tokens - n + 1)
+                       + n * math.log(p) + (tokens - n) * math.log1p(-p))
+            blocks += math.exp(log_pmf) * -(-n // h)
         return e * blocks
 
 
