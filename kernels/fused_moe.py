@@ -313,8 +313,9 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
 
     BLOCK_M is `row_height(T)`: one block holds every token of an expert up to 32 tokens (an expert gets at
     most T); up to WIDE_ROWS_FROM_T tokens 32 or 64, more programs while the touched experts are few and
-    crowded; from there 64, so a crowded expert's many tokens share its weight tiles in fewer programs. BLOCK_N shrinks until (slots × N-tiles) gives about two programs per SM,
-    since a few programs cannot pull the weights at full bandwidth. fp32 takes half the K depth and two stages, so its tiles fit shared memory.
+    crowded; from there 64, so a crowded expert's many tokens share its weight tiles in fewer programs.
+    BLOCK_N shrinks until (slots × N-tiles) gives about two programs per SM, since a few programs cannot pull
+    the weights at full bandwidth. fp32 takes half the K depth and two stages, so its tiles fit shared memory.
     Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
     if _interpret():

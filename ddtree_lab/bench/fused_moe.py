@@ -6,7 +6,8 @@ such layers per forward) at T = 1, 8, 16, 65, 129, 1025 tokens (AR, small trees,
 
     bench_fused_moe(tokens, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0, config=None)
         -> list of dicts {T, experts_touched, expert_tokens_max (the busiest expert's tokens), row_blocks (the
-                          kernel's live row blocks, Σ ceil(tokens_e / BLOCK_M); expert_row_blocks: per height), touched_bytes,
+                          kernel's live row blocks, Σ ceil(tokens_e / BLOCK_M); expert_row_blocks: per height),
+                          touched_bytes,
                           floor_us, triton_us, torch_us, …_over_floor, per_forward_ms (one block's time × layers),
                           max_abs_diff (vs the reference), launch (the kernel's tile sizes, `config` applied)}
 

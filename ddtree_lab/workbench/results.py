@@ -27,7 +27,7 @@ from ..metrics import summarize_taus
 from ..names import AUTO, RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
-from .advisor.shapes import moe_row_height
+from .advisor.auto import row_blocks_at_height
 from .runs import RunParams, auto_candidates, input_digests, is_fixed, read_run_status, run_name
 
 SCHEMA = "ddtree_lab.results/1"
@@ -271,20 +271,10 @@ def verify_reads(pair: Any, rows: list[dict]) -> dict:
     busiest = [b for r in rows for b in (r.get("expert_tokens_max") or [])]
     if busiest:
         out["expert_tokens_max_mean"] = sum(busiest) / len(busiest)
-    blocks = [statistics.fmean(per_layer) for r in rows if (per_layer := _row_blocks_at_height(r))]
+    blocks = [statistics.fmean(per_layer) for r in rows if (per_layer := row_blocks_at_height(r))]
     if blocks:
         out["expert_row_blocks_mean"] = statistics.fmean(blocks)
     return out
-
-
-def _row_blocks_at_height(row: dict) -> list[int] | None:
-    """A traced round's row blocks per MoE layer at the kernel's height for its verify tokens (the tree's
-    nodes + the root; an AR step's one token)."""
-    per_height = row.get("expert_row_blocks")
-    if not per_height:
-        return None
-    tokens = int(row.get("verify_tokens") or len((row.get("tree") or {}).get("tokens") or []) + 1)
-    return per_height.get(str(moe_row_height(tokens)))
 
 
 def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> None:

@@ -2,8 +2,8 @@
 
 The round cost model, two ways: `fit.FittedCost`, per-stage a + b·B + c·B² least-squares fits to measured
 stage times (a `bench e2e` JSON or a study's runs) with leave-one-out error; and `cost.round_cost`, first
-principles for a named machine (weights read, dense or through the expert union of MoE layers and their row blocks' re-reads; KV and
-activation bytes; FLOPs; kernel launches), with efficiency factors fitted once on H200 data
+principles for a named machine (weights read, dense or through the expert union of MoE layers and their row
+blocks' re-reads; KV and activation bytes; FLOPs; kernel launches), with efficiency factors fitted once on H200 data
 (`check.calibrate`, stored in machines.json) and checked against bench measurements (`check.check_bench`).
 `auto.replay_auto` replays the engine's own budget="auto" rule on a study's traces. `study` applies a
 study's measured τ to the model (`ddtree-lab advise`, advice.json); `figures` is the report's section.
@@ -21,9 +21,9 @@ from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machi
 from .shapes import ExpertLoad, ModelShape, model_shape, moe_row_height, shape_from_configs, shape_from_dirs
 
 __all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
-           "FittedCost",
-           "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
+           "FittedCost", "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
            "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "draft_terms",
            "expert_load", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
-           "load_calibration", "machines_data", "model_shape", "moe_row_height", "read_bench", "repo_bench_dir", "replay_auto",
-           "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration", "verify_terms"]
+           "load_calibration", "machines_data", "model_shape", "moe_row_height", "read_bench", "repo_bench_dir",
+           "replay_auto", "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration",
+           "verify_terms"]

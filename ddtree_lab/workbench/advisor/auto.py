@@ -8,29 +8,37 @@ from typing import Mapping, Sequence
 from .shapes import ExpertLoad, moe_row_height
 
 
+def verify_tokens(row: Mapping) -> int:
+    """The tokens a traced round's target forward verified: `verify_tokens`, else the tree's nodes + the root
+    (an AR row: 1)."""
+    return int(row.get("verify_tokens") or len(((row.get("tree") or {}).get("tokens")) or []) + 1)
+
+
+def row_blocks_at_height(row: Mapping) -> list[int] | None:
+    """A traced round's row blocks per MoE layer at the kernel's height for its verify tokens; None without."""
+    return (row.get("expert_row_blocks") or {}).get(str(moe_row_height(verify_tokens(row))))
+
+
 def expert_load(trace_rows: Sequence[Mapping]) -> ExpertLoad | None:
     """The measured routing {verify tokens: mean per MoE layer} from trace rows carrying `experts_touched`
-    (one count per MoE layer for that round's verify forward) and `expert_row_blocks` (per row-block height),
-    the tokens verified being `verify_tokens` or else the tree's nodes + the root (an AR row: 1). None for a
-    dense target."""
-    sums: dict[int, list[float]] = {}
+    (one count per MoE layer for that round's verify forward) and `expert_row_blocks` (per row-block height).
+    None for a dense target."""
+    touched: dict[int, list[float]] = {}
+    blocks: dict[int, list[float]] = {}
     for r in trace_rows:
-        per_layer = r.get("experts_touched")
-        if not per_layer:
+        if not r.get("experts_touched"):
             continue
-        nodes = ((r.get("tree") or {}).get("tokens")) or []
-        t = int(r.get("verify_tokens") or len(nodes) + 1)  # the root and the tree's nodes (AR: one token)
-        blocks = (r.get("expert_row_blocks") or {}).get(str(moe_row_height(t)))
-        acc = sums.setdefault(t, [0.0, 0, 0.0, 0])
-        acc[0] += sum(per_layer) / len(per_layer)
-        acc[1] += 1
-        if blocks:
-            acc[2] += sum(blocks) / len(blocks)
-            acc[3] += 1
-    if not sums:
+        t = verify_tokens(r)
+        touched.setdefault(t, []).append(sum(r["experts_touched"]) / len(r["experts_touched"]))
+        if per_layer := row_blocks_at_height(r):
+            blocks.setdefault(t, []).append(sum(per_layer) / len(per_layer))
+    if not touched:
         return None
-    blocks = {t: b / m for t, (_, _, b, m) in sorted(sums.items()) if m}
-    return ExpertLoad({t: v / n for t, (v, n, _, _) in sorted(sums.items())}, blocks or None)
+    return ExpertLoad(_means(touched), _means(blocks) or None)
+
+
+def _means(per_size: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    return {t: sum(v) / len(v) for t, v in sorted(per_size.items())}
 
 
 def tau_calibration(trace_rows: Sequence[Mapping]) -> float | None:

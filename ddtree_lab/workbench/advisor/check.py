@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cost import draft_terms, round_cost, verify_terms
+from .cost import Terms, draft_terms, moe_reread_bytes, round_cost, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, _device_machine, get_machine, load_calibration
 from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, model_shape, moe_row_height
@@ -76,9 +76,9 @@ def measured_load(bench: dict, shape) -> ExpertLoad | None:
             continue
         tokens = {"ar": 1, "dflash": shape.block_size}.get(r["method"], int(r.get("budget") or 0) + 1)
         touched[tokens] = float(r["experts_touched_mean"])
-        per_height = r.get("expert_row_blocks_mean") or {}
-        if str(moe_row_height(tokens)) in per_height:
-            blocks[tokens] = float(per_height[str(moe_row_height(tokens))])
+        at_height = (r.get("expert_row_blocks_mean") or {}).get(str(moe_row_height(tokens)))
+        if at_height is not None:
+            blocks[tokens] = float(at_height)
     return ExpertLoad(touched, blocks or None) if touched else None
 
 
@@ -108,7 +108,8 @@ def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_laye
 def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Path], machine: str = "h200") -> dict:
     """Fit the efficiency factors once: eta_bw, eta_flops and the launch time by least squares on the
     log of every draft and verify stage time; the tree build's time per node and per vocabulary entry of each
-    drafted position, and commit's per token, by least squares on those stages. Returns the `calibration.fit` dict of machines.json."""
+    drafted position, and commit's per token, by least squares on those stages. Returns the `calibration.fit`
+    dict of machines.json."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -169,19 +170,19 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
 
     cal = cal or load_calibration()
     m = get_machine(machine)
-    bw, fl = m.bandwidth * cal.eta_bw, m.flops * cal.eta_flops
     xs, ys = [], []
     for path in fused_moe_paths:
         d = json.loads(Path(path).read_text())
         sh = d["shape"]
         h, w, k = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"])
+        elsize = 4 if d.get("dtype") == "float32" else 2
         for r in d["rows"]:
             if "row_blocks" not in r:
                 raise AdvisorError(f"{path}: a row without row_blocks (written before they were recorded); "
                                    "re-run python -m ddtree_lab.bench.fused_moe")
-            mem, comp = r["touched_bytes"] / bw, 2 * r["T"] * k * 3 * h * w / fl
-            core = (mem ** cal.p + comp ** cal.p) ** (1 / cal.p)
-            reread = (r["row_blocks"] - r["experts_touched"]) * 3 * h * w * 2
+            parts = Terms(weights=r["touched_bytes"], flops=2 * r["T"] * k * 3 * h * w).seconds(m, cal)
+            core = parts["weights"] + parts["flops"]
+            reread = moe_reread_bytes(r["row_blocks"], r["experts_touched"], h, w, elsize)
             xs.append([1.0, float(r["T"] * k), float(r["T"] > MOE_SORT_IN_ONE_MAX_T), reread / m.bandwidth])
             ys.append(r["triton_us"] * 1e-6 - core)
     if len(xs) < 5:

@@ -39,6 +39,12 @@ class Terms:
         return out
 
 
+def moe_reread_bytes(row_blocks: float, touched: float, hidden: int, width: int, dtype_bytes: int) -> float:
+    """Expert weights one MoE layer reads again: every row block after an expert's first reads its gate, up and
+    down rows (3·H·I) once more."""
+    return max(0.0, row_blocks - touched) * 3 * hidden * width * dtype_bytes
+
+
 MLP_KERNELS = 3  # a dense MLP's kernels in a captured layer (gate-up GEMM, activation, down GEMM)
 
 
@@ -70,7 +76,7 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     sort = cal.moe_sort_seconds if tokens > MOE_SORT_IN_ONE_MAX_T else 0.0
     moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds + sort
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
-    reread = s.moe_layers * max(0.0, s.expert_row_blocks(tokens, load) - touched) * expert * b
+    reread = s.moe_layers * moe_reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate, b)
     return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
                  moe_reread=reread)
 
