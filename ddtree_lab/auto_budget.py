@@ -145,16 +145,17 @@ class AutoState:
         if first is not None:
             self.timing["first"] = first
 
-    def update(self, path, a, scores, j: int, round_idx, use_kernel: bool) -> None:
-        """After round j's commit: credit and propose (kernels/auto_budget.py)."""
-        if use_kernel:
-            from .kernels.auto_budget import auto_update as fn
-        else:
-            fn = auto_update_reference
+    def update_args(self, scores, j: int) -> tuple:
+        """The update's arguments after the round's (path, a, round_idx): round j's draft scores, the state."""
         n_conf = min(self.auto.budgets[0], scores.shape[0])
-        fn(path, a, scores, j, self.budgets, self.costs, self.edges, self.table_sum, self.table_count, self.totals,
-           self.bin_ring, self.proposals, round_idx, self.schedule, n_conf, self.auto.explore,
-           self.auto.weight, self.decay, self.max_tau)
+        return (scores, j, self.budgets, self.costs, self.edges, self.table_sum, self.table_count, self.totals,
+                self.bin_ring, self.proposals, self.schedule, n_conf, self.auto.explore, self.auto.weight, self.decay,
+                self.max_tau)
+
+    def update(self, path, a, round_idx, scores, j: int) -> None:
+        """After round j's commit, in torch: credit and propose. With the Triton tree kernels the commit kernel
+        runs the same update (kernels/auto_budget.py) in its own launch instead (decode.RoundProgram.commit)."""
+        auto_update_reference(path, a, round_idx, *self.update_args(scores, j))
 
 
 def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, max_tau: float) -> torch.Tensor:
@@ -172,8 +173,8 @@ def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, m
     return pick
 
 
-def auto_update_reference(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                          proposals, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
+def auto_update_reference(path, a, round_idx, scores, j: int, budgets, costs, edges, table_sum, table_count, totals,
+                          bin_ring, proposals, schedule, n_conf: int, explore: float, weight: float, decay: float,
                           max_tau: float) -> None:
     """After round r ran at candidate j: credit the round, then propose (the contract of kernels/auto_budget.py).
     Tensor ops only (no host reads, so it also runs inside a captured graph); the Triton kernel does the same

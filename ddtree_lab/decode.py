@@ -202,13 +202,14 @@ class RoundProgram:
         if use_triton(self.device):
             from .kernels.commit import advance_round
 
+            # budget="auto": the choice's update (credit this round, propose the next budget) in the same launch
+            auto = self.auto.update_args(self.tree.scores, self.auto_index) if self.auto is not None else None
             advance_round(self.tokens, self.path, self.a, choice, self.n, self.bonus, self.out, self.out_len,
-                          self.taus, self.round_idx, self.ctx_pos, self.ctx_count, self.L)
+                          self.taus, self.round_idx, self.ctx_pos, self.ctx_count, self.L, auto)
         else:
             self.advance_reference(choice)
-        if self.auto is not None:  # credit this round, propose the next budget (auto_budget.py)
-            self.auto.update(self.path, self.a, self.tree.scores, self.auto_index, self.round_idx,
-                             use_triton(self.device))
+            if self.auto is not None:  # credit this round, propose the next budget (auto_budget.py)
+                self.auto.update(self.path, self.a, self.round_idx, self.tree.scores, self.auto_index)
 
     def advance_reference(self, choice: torch.Tensor) -> None:
         """Emit the matched chain, then the next bonus (the target's choice at the deepest accepted

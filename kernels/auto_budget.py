@@ -42,11 +42,11 @@ def _propose(s, n, rows, jj, cost, bin_, lam, explore, weight, max_tau, J: tl.co
 
 
 @triton.jit
-def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, Proposals, RoundIdx, Schedule,
-                 j, n_conf, explore, weight, decay, max_tau,
-                 J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
-    r = tl.load(RoundIdx) - 1                       # this round (advance_round has counted it)
+def auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals, Schedule,
+               j, n_conf, explore, weight, decay, max_tau,
+               J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+               BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The contract above for round r, inside any one-program launch (the commit kernel calls it too)."""
     lag = tl.load(Schedule)
     every = tl.load(Schedule + 1)
     src = (r // every - lag) * every - 1            # the round whose proposal the host used for round r
@@ -63,8 +63,8 @@ def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, 
     rows = tl.arange(0, BLOCK_R)[:, None]
     cell = rows * J + jj[None, :]
     live = (rows < NB + 1) & live_j[None, :]
-    s = tl.load(S + cell, mask=live, other=0.0) * decay
-    n = tl.load(N + cell, mask=live, other=0.0) * decay
+    s = tl.load(TableSum + cell, mask=live, other=0.0) * decay
+    n = tl.load(TableCount + cell, mask=live, other=0.0) * decay
     credit = (rows == src_bin) & (jj[None, :] <= j)
     s += tl.where(credit, gain[None, :], 0.0)
     n += tl.where(credit, 1.0, 0.0)
@@ -81,8 +81,8 @@ def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, 
     pick = _propose(s, n, rows, jj, cost, bin_, lam, explore, weight, max_tau, J)
     first = _propose(s, n, rows, jj, cost, 0, lam, explore, weight, max_tau, J)   # for the next call's first rounds
     tl.debug_barrier()
-    tl.store(S + cell, s, mask=live)
-    tl.store(N + cell, n, mask=live)
+    tl.store(TableSum + cell, s, mask=live)
+    tl.store(TableCount + cell, n, mask=live)
     tl.store(Totals, tot_tau)
     tl.store(Totals + 1, tot_cost)
     tl.store(BinRing + r, bin_)
@@ -90,14 +90,29 @@ def _auto_kernel(Path, A, Scores, Budgets, Costs, Edges, S, N, Totals, BinRing, 
     tl.store(Proposals, first)
 
 
-def auto_update(path, a, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                proposals, round_idx, schedule, n_conf: int, explore: float, weight: float, decay: float,
-                max_tau: float) -> None:
+@triton.jit
+def _auto_kernel(Path, A, RoundIdx, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals,
+                 Schedule,
+                 j, n_conf, explore, weight, decay, max_tau,
+                 J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    r = tl.load(RoundIdx) - 1                       # this round (advance_round has counted it)
+    auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals, Schedule,
+               j, n_conf, explore, weight, decay, max_tau, J, NB, BLOCK_P, BLOCK_C, BLOCK_J, BLOCK_R)
+
+
+def launch_sizes(path, budgets, edges, n_conf: int) -> dict:
+    """auto_round's compile-time sizes."""
+    NB = edges.shape[0] + 1
+    return dict(J=budgets.shape[0], NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
+                BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
+                BLOCK_R=max(2, triton.next_power_of_2(NB + 1)))
+
+
+def auto_update(path, a, round_idx, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
+                proposals, schedule, n_conf: int, explore: float, weight: float, decay: float, max_tau: float) -> None:
     """All tensors on one device; table_sum/table_count [bins + 1, J], totals [2], bin_ring [R] and proposals
     [1 + R] (bin 0's proposal, for rounds before any read, then round r's at 1 + r) are updated."""
-    J, NB = budgets.shape[0], edges.shape[0] + 1
-    _auto_kernel[(1,)](path, a, scores, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
-                       proposals, round_idx, schedule, j, n_conf, explore, weight, decay, max_tau,
-                       J=J, NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
-                       BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
-                       BLOCK_R=max(2, triton.next_power_of_2(NB + 1)), num_warps=1)
+    _auto_kernel[(1,)](path, a, round_idx, scores, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
+                       proposals, schedule, j, n_conf, explore, weight, decay, max_tau,
+                       **launch_sizes(path, budgets, edges, n_conf), num_warps=1)

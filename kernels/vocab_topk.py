@@ -19,7 +19,7 @@ import triton.language as tl
 
 try:
     from .tree_build import _from_key, _sort_key
-except ImportError:  # loaded as a lone file beside tree_build.py (tests/test_kernels_compile.py)
+except ImportError:  # loaded as a lone file beside tree_build.py (tests/kernels/test_compile.py)
     from tree_build import _from_key, _sort_key
 
 MAX_VOCAB = 16384  # one program sorts next_power_of_2(V) int64 keys in registers

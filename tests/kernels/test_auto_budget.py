@@ -37,9 +37,9 @@ def _run(fn, budgets, edges, lag, every, rounds, seed):
         j = int(torch.randint(0, len(budgets), (1,), generator=g))
         path, a, scores = _round(g, budgets[j])
         round_idx += 1
-        fn(path, a, scores, j, state.budgets, state.costs, state.edges, state.table_sum, state.table_count,
-           state.totals, state.bin_ring, state.proposals, round_idx, state.schedule, min(budgets[0], budgets[j]),
-           auto.explore, auto.weight, state.decay, float(L + 1))
+        fn(path, a, round_idx, scores, j, state.budgets, state.costs, state.edges, state.table_sum,
+           state.table_count, state.totals, state.bin_ring, state.proposals, state.schedule,
+           min(budgets[0], budgets[j]), auto.explore, auto.weight, state.decay, float(L + 1))
     return state
 
 
@@ -65,8 +65,8 @@ def test_credit_goes_to_the_source_rounds_bin_and_every_smaller_budget():
     path = torch.zeros(L + 1, dtype=torch.long, device=DEVICE)
     path[1:4] = torch.tensor([2, 9, 30])          # accepted nodes 2, 9, 30: τ = 2 at budget 4, 3 at 16, 4 at 64
     scores = torch.full((16,), -20.0, device=DEVICE)  # an unconfident draft: bin 1
-    auto_update(path, torch.tensor([4], device=DEVICE), scores, 1, state.budgets, state.costs, state.edges,
-                state.table_sum, state.table_count, state.totals, state.bin_ring, state.proposals, round_idx,
+    auto_update(path, torch.tensor([4], device=DEVICE), round_idx, scores, 1, state.budgets, state.costs,
+                state.edges, state.table_sum, state.table_count, state.totals, state.bin_ring, state.proposals,
                 state.schedule, 4, 0.5, 2.0, state.decay, 16.0)
     assert source_round(2, 1, 1) == 0
     assert state.table_sum[2].tolist() == [2.0, 1.0, 0.0]   # τ at 4, the gain at 16; 64 was not run: no credit
@@ -89,9 +89,9 @@ def test_proposal_follows_the_cost(fn):
             path = torch.zeros(L + 1, dtype=torch.long, device=DEVICE)
             path[1:4] = torch.tensor([1, 3, 40 if j == 1 else 5])   # budget 64 accepts one node more
             round_idx += 1
-            fn(path, torch.tensor([4], device=DEVICE), torch.zeros(budgets[j], device=DEVICE), j, state.budgets,
-               state.costs, state.edges, state.table_sum, state.table_count, state.totals, state.bin_ring,
-               state.proposals, round_idx, state.schedule, 16, 0.5, 2.0, state.decay, 16.0)
+            fn(path, torch.tensor([4], device=DEVICE), round_idx, torch.zeros(budgets[j], device=DEVICE), j,
+               state.budgets, state.costs, state.edges, state.table_sum, state.table_count, state.totals,
+               state.bin_ring, state.proposals, state.schedule, 16, 0.5, 2.0, state.decay, 16.0)
         assert int(state.proposals[1 + 63]) == want == int(state.proposals[0])  # bin 0 alone: the same
 
 

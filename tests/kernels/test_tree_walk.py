@@ -63,14 +63,24 @@ def device_pair(tiny_dirs):
     return dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1], device=DEVICE)  # kernels need its device
 
 
-def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_options):
-    """The commit kernel vs RoundProgram.advance_reference on random round outcomes."""
+@pytest.mark.parametrize("auto_budgets", [None, (4,), (4, 8, 12)])
+def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_options, auto_budgets):
+    """The commit kernel vs RoundProgram.advance_reference on random round outcomes; with budget="auto"'s
+    update in the same launch, vs the reference advance followed by the torch update, round after round."""
+    from ddtree_lab.auto_budget import AutoBudget, AutoState
     from ddtree_lab.decode import RoundProgram
     from ddtree_lab.kernels.commit import advance_round
 
     use_options(tree_kernels="torch")
     prog = RoundProgram(device_pair, "ddtree", 12, None, 0.0, out_capacity=80, max_rounds=20)
     L, T = prog.L, prog.T
+    autos = {}
+    if auto_budgets:
+        auto = AutoBudget(budgets=auto_budgets, costs=tuple(1e-3 * (1 + b / 8) for b in auto_budgets), edges=(1.5,),
+                          memory=8)
+        autos = {name: AutoState(auto, L, 20, DEVICE) for name in ("ref", "kernel")}
+        for st in autos.values():
+            st.schedule.copy_(torch.tensor([0, 1]))  # each round credits the bin of the round before
     g = torch.Generator().manual_seed(3)
     for trial in range(5):
         parents, depths = random_tree(T, L, g)
@@ -78,6 +88,8 @@ def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_op
         choice = torch.randint(0, 50, (T,), generator=g).to(DEVICE)
         anc = tree.ancestor_matrix(parents, L)
         prog.path, prog.a = tree.accept_path(prog.tokens, parents, depths, choice, anc, L)
+        scores = -torch.sort(torch.rand(T - 1, generator=g) * 4).values.to(DEVICE)
+        j = trial % len(auto_budgets or (0,))
         start = [torch.tensor([10 + trial]), torch.tensor([7]), torch.tensor([3 + 2 * trial]), torch.tensor([trial])]
         state = {}
         for name in ("ref", "kernel"):
@@ -87,9 +99,17 @@ def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_op
                 t.zero_()
             if name == "ref":
                 prog.advance_reference(choice)
+                if autos:
+                    autos[name].update(prog.path, prog.a, prog.round_idx, scores, j)
             else:
                 advance_round(prog.tokens, prog.path, prog.a, choice, prog.n, prog.bonus, prog.out, prog.out_len,
-                              prog.taus, prog.round_idx, prog.ctx_pos, prog.ctx_count, L)
+                              prog.taus, prog.round_idx, prog.ctx_pos, prog.ctx_count, L,
+                              autos[name].update_args(scores, j) if autos else None)
             state[name] = [t.clone() for t in (prog.n, prog.bonus, prog.out, prog.out_len, prog.taus,
                                                prog.round_idx, prog.ctx_pos, prog.ctx_count)]
-        assert all(torch.equal(x, y) for x, y in zip(state["ref"], state["kernel"]))
+            if autos:
+                state[name] += [t.clone() for t in autos[name].tensors()]
+        assert all(torch.allclose(x, y) if x.is_floating_point() else torch.equal(x, y)
+                   for x, y in zip(state["ref"], state["kernel"]))
+    if autos:  # the update ran: every round is in the ring, its bin and proposal among the real ones
+        assert int(autos["kernel"].table_count.sum()) > 0 and int(autos["kernel"].bin_ring[4]) >= 1

@@ -81,7 +81,7 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
     """budget="auto"'s own rule replayed on the traced rounds of the largest budget, each round priced at its
     candidate's cost (seconds per round of each budget in `costs`, at most 8).
 
-    The engine's update (`ddtree_lab.auto_budget.auto_update_reference`: credit per confidence bin, the host's
+    The engine's update (`AutoState.update` with the torch reference: credit per confidence bin, the host's
     read lag, decay) runs round by round as decoding runs it: a call's round r runs the candidate proposed
     after round r − lag − 1 and is credited with what that candidate's first nodes accept, `tau_at`; calls
     share one table, `passes` times over the rounds (the rule learns across calls, as a server's does). The
@@ -91,7 +91,7 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
     than 8 budgets."""
     import torch
 
-    from ...auto_budget import AutoBudget, AutoState, auto_update_reference, source_round
+    from ...auto_budget import AutoBudget, AutoState, source_round
 
     calls = _calls(trace_rows)
     budgets = sorted(costs)
@@ -116,11 +116,7 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
                 path[:len(accepted)] = torch.tensor(accepted)
                 a = tau_at(accepted, budgets[j])
                 scores = torch.tensor(r["tree"]["scores"], dtype=torch.float32)
-                auto_update_reference(path, torch.tensor([a]), scores, j, state.budgets, state.costs, state.edges,
-                                      state.table_sum, state.table_count, state.totals, state.bin_ring,
-                                      state.proposals, torch.tensor([i + 1]), state.schedule,
-                                      min(budgets[0], scores.shape[0]), auto.explore, auto.weight, state.decay,
-                                      state.max_tau)
+                state.update(path, torch.tensor([a]), torch.tensor([i + 1]), scores, j)
                 tokens += a
                 seconds += costs[budgets[j]]
                 picks[budgets[j]] = picks.get(budgets[j], 0) + 1
