@@ -12,6 +12,8 @@ budget and every pass decodes).
 
     python tools/auto_replay.py --pair smollm2 --prompts smollm2:all --n-prompts 12 --max-new-tokens 128 \\
         --costs-from docs/bench/prompts_smollm2_all_auto.json --passes 6
+
+`--explore` and `--memory` take several values: the rule's settings replayed on the one trace, each pair in turn.
 """
 from __future__ import annotations
 
@@ -39,23 +41,40 @@ def traced_rows(pair, prompts, budget: int, max_new_tokens: int) -> list[dict]:
 def main() -> None:
     ap = priced_args(__doc__.splitlines()[0], passes=6)
     ap.add_argument("--lag", type=int, default=1, help="host reads in flight (the GPU's default: 1)")
+    ap.add_argument("--explore", type=float, nargs="+", default=[None],
+                    help="AutoBudget.explore values to replay on the same trace (default: the rule's own)")
+    ap.add_argument("--memory", type=int, nargs="+", default=[None],
+                    help="AutoBudget.memory values to replay on the same trace (default: the rule's own)")
     args = ap.parse_args()
     costs = gpu_costs(args.costs_from)
+    grid = [{k: v for k, v in (("explore", e), ("memory", m)) if v is not None}
+            for e in args.explore for m in args.memory]
+    for settings in grid:  # refused before the trace is taken
+        try:
+            dl.AutoBudget(budgets=tuple(sorted(costs)), **settings)
+        except ValueError as e:
+            ap.error(str(e))
     pair = dl.load_pair(args.pair)
     prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
     rows = traced_rows(pair, prompts, max(costs), args.max_new_tokens)
-    rep = advisor.replay_auto(rows, costs, passes=args.passes, lag=args.lag)
-    best = rep["best_fixed"]
-    print("fixed, tokens/s at the GPU's costs:", {b: round(v) for b, v in rep["fixed_tokens_per_second"].items()},
-          "best", best)
-    for i, ratio in enumerate(rep["passes_vs_best_fixed"]):
-        print(f"pass {i}: {ratio * rep['fixed_tokens_per_second'][best]:.0f} tokens/s, {ratio:.4f} of budget {best}")
-    print("last pass's rounds:", {b: f"{100 * v:.0f} %" for b, v in rep["budget_share"].items()})
+    runs = []
+    for settings in grid:
+        rep = advisor.replay_auto(rows, costs, passes=args.passes, lag=args.lag, settings=settings)
+        best = rep["best_fixed"]
+        if settings:
+            print("settings:", settings)
+        print("fixed, tokens/s at the GPU's costs:", {b: round(v) for b, v in rep["fixed_tokens_per_second"].items()},
+              "best", best)
+        for i, ratio in enumerate(rep["passes_vs_best_fixed"]):
+            print(f"pass {i}: {ratio * rep['fixed_tokens_per_second'][best]:.0f} tokens/s, {ratio:.4f} of budget {best}")
+        print("last pass's rounds:", {b: f"{100 * v:.0f} %" for b, v in rep["budget_share"].items()})
+        runs.append({"settings": settings, **rep})
     if args.out:
+        head = {"pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from, "costs": costs,
+                "lag": args.lag}
         with open(args.out, "w") as f:
-            json.dump({"pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from, "costs": costs,
-                       "lag": args.lag, **rep}, f, indent=1)
-
+            json.dump({**head, **runs[0]} if len(runs) == 1 and not runs[0]["settings"] else {**head, "runs": runs},
+                      f, indent=1)
 
 if __name__ == "__main__":
     main()

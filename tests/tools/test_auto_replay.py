@@ -21,3 +21,26 @@ def test_replay_tool_traces_every_round_and_reports_each_pass(tmp_path, load_too
     # 4 nodes cost a hundredth of 32 per round: the best fixed budget, and what the rule runs once learned
     assert rep["best_fixed"] == 4 and len(rep["passes_vs_best_fixed"]) == 2
     assert rep["budget_share"].get("4", 0) > 0.8 and rep["vs_best_fixed"] > 0.9
+
+
+def test_replay_tool_runs_a_grid_of_settings_on_one_trace(tmp_path, load_tool, monkeypatch, capsys):
+    import pytest
+
+    tool = load_tool("auto_replay")
+    costs = tmp_path / "prompts.json"
+    costs.write_text(json.dumps({"rows": [{"method": "ddtree", "budget": b, "seconds": s, "tokens": 40,
+                                           "mean_tau": 4.0} for b, s in ((4, 0.1), (32, 10.0))]}))
+    out = tmp_path / "grid.json"
+    monkeypatch.setattr("sys.argv", ["auto_replay.py", "--n-prompts", "1", "--max-new-tokens", "16", "--costs-from",
+                                     str(costs), "--passes", "1", "--explore", "1.0", "0.0", "--memory", "1", "4096",
+                                     "--out", str(out)])
+    tool.main()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["settings"] for r in runs] == [{"explore": 1.0, "memory": 1}, {"explore": 1.0, "memory": 4096},
+                                              {"explore": 0.0, "memory": 1}, {"explore": 0.0, "memory": 4096}]
+    assert len({r["rounds"] for r in runs}) == 1  # one trace for all four
+    # a bad value is refused by name before any decoding
+    monkeypatch.setattr("sys.argv", ["auto_replay.py", "--costs-from", str(costs), "--memory", "0"])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert "memory" in capsys.readouterr().err

@@ -351,6 +351,21 @@ def test_replay_auto_runs_the_engine_rule_on_traced_rounds():
     assert A.replay_auto(rows, {b: 1.0 for b in range(1, 10)}) is None  # more candidates than auto takes
 
 
+def test_replay_auto_takes_the_rules_settings():
+    """A larger budget that adds one token for 1.5x the cost never pays; an optimistic prior of 2 tokens makes
+    the rule try it. With a long memory it learns and stops; forgetting every round, it never stops."""
+    rows = [{"tree": {"scores": [-0.1] * 4, "depths": [1, 2, 3, 4]}, "accepted": [0, 1, 2, 3], "prompt_id": p,
+             "index": i} for p in "abcd" for i in range(8)]
+    costs = {2: 1.0, 4: 1.5}
+    learns = A.replay_auto(rows, costs, passes=2, settings={"explore": 2.0, "memory": 10 ** 6})
+    forgets = A.replay_auto(rows, costs, passes=2, settings={"explore": 2.0, "memory": 1})
+    assert learns["best_fixed"] == forgets["best_fixed"] == 2
+    assert learns["budget_share"].get(4, 0) < 0.2 and learns["vs_best_fixed"] > 0.95
+    assert forgets["budget_share"] == {4: 1.0} and forgets["vs_best_fixed"] < 0.95
+    with pytest.raises(ValueError, match="memory"):
+        A.replay_auto(rows, costs, settings={"memory": 0})
+
+
 def test_check_skips_a_file_without_budgets_in_range(tmp_path):
     b = json.loads(H200_8B.read_text())
     b["rows"] = [r for r in b["rows"] if r["method"] != "ddtree" or r["budget"] < 16]

@@ -77,7 +77,7 @@ def tau_at(accepted: Sequence[int], budget: int) -> int:
 
 
 def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passes: int = 3,
-                lag: int = 1) -> dict | None:
+                lag: int = 1, settings: Mapping | None = None) -> dict | None:
     """budget="auto"'s own rule replayed on the traced rounds of the largest budget, each round priced at its
     candidate's cost (seconds per round of each budget in `costs`, at most 8).
 
@@ -87,8 +87,9 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
     share one table, `passes` times over the rounds (the rule learns across calls, as a server's does). The
     rounds stay the traced ones (a smaller tree's shorter acceptance would shift later contexts), so this is
     an estimate of auto against every fixed budget on the same rounds, exact per round at T = 0. The last
-    pass is reported, with each pass's ratio to the best fixed budget. None without scored rounds or with more
-    than 8 budgets."""
+    pass is reported, with each pass's ratio to the best fixed budget. settings: the rule's others (edges,
+    explore, weight, memory: `AutoBudget`'s fields), its defaults where absent. None without scored rounds or
+    with more than 8 budgets."""
     import torch
 
     from ...auto_budget import AutoBudget, AutoState, source_round
@@ -100,7 +101,7 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
     rounds = [r for c in calls for r in c]
     fixed = {b: sum(tau_at(r["accepted"], b) for r in rounds) / (len(rounds) * costs[b]) for b in budgets}
     best = max(fixed, key=lambda b: (fixed[b], -b))
-    auto = AutoBudget(budgets=tuple(budgets), costs=tuple(float(costs[b]) for b in budgets))
+    auto = AutoBudget(budgets=tuple(budgets), costs=tuple(float(costs[b]) for b in budgets), **dict(settings or {}))
     depth = max(max(r["tree"].get("depths") or [len(r["accepted"])]) for r in rounds)
     state = AutoState(auto, int(depth), max(len(c) for c in calls) + 1, "cpu")
     history = []
