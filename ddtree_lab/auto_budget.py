@@ -90,6 +90,12 @@ class AutoState:
         self.decay = 1.0 - 1.0 / auto.memory
         self.timing = self.learned()["timing"]
 
+    def place_proposals(self, buffer: torch.Tensor) -> None:
+        """Keep the proposals in `buffer` (the round program's read-back, after its tokens, so that one copy
+        reads both); before anything is captured."""
+        buffer.copy_(self.proposals)
+        self.proposals = buffer
+
     LEARNED = ("table_sum", "table_count", "totals", "costs")
     PRIOR_ROUNDS = 4.0  # rounds' worth of the capture-time timing in a candidate's cost
 

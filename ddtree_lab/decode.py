@@ -93,8 +93,13 @@ class RoundProgram:
         long = dict(dtype=torch.long, device=device)
         self.n = torch.zeros(1, **long)              # committed tokens in the target cache
         self.bonus = torch.zeros(1, **long)          # the target's choice for position n
-        self.out = torch.zeros(out_capacity, **long)  # emitted tokens (the first from prefill)
-        self.out_len = torch.zeros(1, **long)
+        # What the host reads, in one copy: [out_len, out (the emitted tokens, the first from prefill) …, and
+        # under budget="auto" the proposals (AutoState.place_proposals)]; the state's owner (share=None) keeps it.
+        tail = auto.proposals.shape[0] if auto is not None and share is None else 0
+        self.readback = torch.zeros(1 + out_capacity + tail, **long)
+        self.out_len, self.out = self.readback[:1], self.readback[1:1 + out_capacity]
+        if tail:
+            auto.place_proposals(self.readback[1 + out_capacity:])
         self.taus = torch.zeros(max_rounds, **long)  # acceptance length per round
         self.round_idx = torch.zeros(1, **long)
         self.a = torch.ones(1, **long)
@@ -126,7 +131,7 @@ class RoundProgram:
 
     # ------------------------------------------------------------------ state
     # what programs sharing one decoding state have in common (the noise rows are cut to each tree)
-    SHARED = ("n", "bonus", "out", "out_len", "taus", "round_idx", "ctx_hidden", "ctx_pos", "ctx_count", "choose")
+    SHARED = ("n", "bonus", "readback", "out", "out_len", "taus", "round_idx", "ctx_hidden", "ctx_pos", "ctx_count", "choose")
 
     def state_scalars(self) -> list[torch.Tensor]:
         """The counters a warm-up or a timing run advances; saved and put back around them."""
@@ -484,16 +489,13 @@ def _auto_settings(auto: AutoBudget, state: AutoState) -> dict:
 
 
 def _start_read(program: RoundProgram, auto: AutoState | None = None, rounds: int = 0):
-    """Start copying [out_len, out …] (and budget="auto"'s proposals for the first `rounds` rounds) to the
-    host; on a GPU asynchronously, into pinned memory."""
-    parts = [program.out_len, program.out] + ([auto.proposals[:1 + rounds]] if auto is not None else [])
+    """Start copying [out_len, out …] (and budget="auto"'s proposals for the first `rounds` rounds, which follow
+    them in `readback`) to the host in one copy; on a GPU asynchronously, into pinned memory."""
+    part = program.readback[:1 + program.out.shape[0] + (1 + rounds if auto is not None else 0)]
     if program.device.type != "cuda":
-        return torch.cat(parts), None, program.out.shape[0]
-    host = torch.empty(sum(p.shape[0] for p in parts), dtype=torch.long, pin_memory=True)
-    at = 0
-    for p in parts:
-        host[at:at + p.shape[0]].copy_(p, non_blocking=True)
-        at += p.shape[0]
+        return part.clone(), None, program.out.shape[0]
+    host = torch.empty(part.shape[0], dtype=torch.long, pin_memory=True)
+    host.copy_(part, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
     return host, done, program.out.shape[0]

@@ -39,6 +39,11 @@ def test_each_round_runs_the_proposal_read_before_it(tiny_pair):
     programs, _, state = next(v for k, v in tiny_pair._auto_programs.items()
                               if k[1] == CHEAP.key() and int(v[0][-1].out_len) == emitted)
     ring = state.proposals[1:].tolist()
+    # one copy reads the tokens and the proposals: they follow the tokens in the owner's read-back buffer,
+    # which every candidate's program shares
+    owner = programs[-1]
+    assert state.proposals.data_ptr() == owner.readback[1 + owner.out.shape[0]:].data_ptr()
+    assert all(p.readback is owner.readback and p.out_len.data_ptr() == owner.readback.data_ptr() for p in programs)
     for r, budget in enumerate(res.round_budgets):
         src = source_round(r, 0, 1)  # traced: every round read before the next
         if src >= 0:
