@@ -131,7 +131,8 @@ class RoundProgram:
 
     # ------------------------------------------------------------------ state
     # what programs sharing one decoding state have in common (the noise rows are cut to each tree)
-    SHARED = ("n", "bonus", "readback", "out", "out_len", "taus", "round_idx", "ctx_hidden", "ctx_pos", "ctx_count", "choose")
+    SHARED = ("n", "bonus", "readback", "out", "out_len", "taus", "round_idx", "ctx_hidden", "ctx_pos", "ctx_count",
+              "choose")
 
     def state_scalars(self) -> list[torch.Tensor]:
         """The counters a warm-up or a timing run advances; saved and put back around them."""

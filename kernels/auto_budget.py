@@ -93,8 +93,7 @@ def auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, 
 
 @triton.jit
 def _auto_kernel(Path, A, RoundIdx, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals,
-                 Schedule,
-                 j, n_conf, explore, weight, decay, max_tau,
+                 Schedule, j, n_conf, explore, weight, decay, max_tau,
                  J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                  BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
     r = tl.load(RoundIdx) - 1                       # this round (advance_round has counted it)

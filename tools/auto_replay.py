@@ -66,7 +66,8 @@ def main() -> None:
         print("fixed, tokens/s at the GPU's costs:", {b: round(v) for b, v in rep["fixed_tokens_per_second"].items()},
               "best", best)
         for i, ratio in enumerate(rep["passes_vs_best_fixed"]):
-            print(f"pass {i}: {ratio * rep['fixed_tokens_per_second'][best]:.0f} tokens/s, {ratio:.4f} of budget {best}")
+            tps = ratio * rep["fixed_tokens_per_second"][best]
+            print(f"pass {i}: {tps:.0f} tokens/s, {ratio:.4f} of budget {best}")
         print("last pass's rounds:", {b: f"{100 * v:.0f} %" for b, v in rep["budget_share"].items()})
         runs.append({"settings": settings, **rep})
     if args.out:
