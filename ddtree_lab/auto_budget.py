@@ -54,6 +54,28 @@ class AutoBudget:
         return (self.budgets, self.costs, tuple(self.edges), self.explore, self.weight, self.memory)
 
 
+LABEL_SETTINGS = {"explore": float, "weight": float, "memory": int}  # what a label "auto:key=value,…" may set
+
+
+def is_auto_label(budget) -> bool:
+    """Whether `budget` is "auto" or "auto:key=value,…" (a bench's auto with settings of its own)."""
+    return isinstance(budget, str) and (budget == AUTO or budget.startswith(AUTO + ":"))
+
+
+def auto_label_settings(label: str) -> dict:
+    """"auto:memory=8192,explore=0.5" -> {"memory": 8192, "explore": 0.5}; "auto" -> {}. Refused by name."""
+    settings = {}
+    for item in filter(None, label.partition(":")[2].split(",")):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if key not in LABEL_SETTINGS or not eq:
+            raise ValueError(f"{label!r}: {item!r} is not key=value with key one of {', '.join(LABEL_SETTINGS)}")
+        try:
+            settings[key] = LABEL_SETTINGS[key](value)
+        except ValueError:
+            raise ValueError(f"{label!r}: {key} wants {LABEL_SETTINGS[key].__name__}, not {value!r}") from None
+    return settings
+
+
 def resolve_budget(budget):
     """An int stays; "auto" -> AutoBudget(); an AutoBudget stays. Anything else is refused."""
     if isinstance(budget, AutoBudget):

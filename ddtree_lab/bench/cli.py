@@ -1,6 +1,7 @@
 """`ddtree-lab bench`: its subcommands and flags; the flags that pick implementations set options.py."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -10,9 +11,10 @@ import torch
 
 from .. import options
 from ..atomic import atomic_write_text
+from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..decode import host_read_lag
 from ..environment import environment
-from ..names import budget_arg
+from ..names import AUTO, budget_arg
 from ..pairs import load_pair
 from ..prompts import read_prompt_set
 from .attention import device_copy_gbps
@@ -66,8 +68,9 @@ def add_bench_args(p) -> None:
     r.add_argument("--pair", default="lab")
     r.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
     r.add_argument("--n-prompts", type=int, default=8)
-    r.add_argument("--budgets", type=budget_arg, nargs="+", default=[16, 32, 64, 128, 256],
-                   help="DDTree budgets; 'auto' adds budget='auto' choosing among the others")
+    r.add_argument("--budgets", type=bench_budget_arg, nargs="+", default=[16, 32, 64, 128, 256],
+                   help="DDTree budgets; 'auto' adds budget='auto' choosing among the others, and "
+                        "'auto:memory=8192,explore=0.5' another auto with those settings, side by side")
     r.add_argument("--max-new-tokens", type=int, default=96)
     r.add_argument("--repeats", type=int, default=3, help="interleaved passes over all methods; tok/s is the median")
     _add_runtime_args(r)
@@ -98,6 +101,19 @@ def parse_attn_config(items: list[str]) -> dict:
         except ValueError:
             raise ValueError(f"--attn-config {item!r}: {key} takes {'a number' if key == 'waves' else 'an integer'}") from None
     return out
+
+
+def bench_budget_arg(text: str):
+    """A budget, "auto", or "auto:key=value,…" (AutoBudget's explore, weight, memory), written canonically."""
+    if not (isinstance(text, str) and text.strip().lower().startswith(AUTO + ":")):
+        return budget_arg(text)
+    label = text.strip().lower()
+    try:
+        settings = auto_label_settings(label)
+        AutoBudget(**settings)  # values out of range are refused here, before anything runs
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return ":".join([AUTO, ",".join(f"{k}={v}" for k, v in settings.items())]) if settings else AUTO
 
 
 def run_options(args) -> dict:
@@ -131,7 +147,7 @@ def run_bench_cli(args) -> int:
         result = {"kind": "kernels", "environment": environment(), "copy_gbps": device_copy_gbps(), "rows": rows}
         print(summary_table(rows), file=sys.stderr)
     elif args.bench == "prompts":
-        if "auto" in args.budgets and all(b == "auto" for b in args.budgets):
+        if all(is_auto_label(b) for b in args.budgets):
             raise ValueError("--budgets auto: give fixed budgets beside it; auto chooses among them")
         pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
                          compile=args.compile)

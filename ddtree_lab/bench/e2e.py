@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..auto_budget import AutoBudget
+from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..checkpoint import Pair
 from ..decode import generate
 from ..model import Target
@@ -130,12 +130,13 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
     Tokens/s counts the whole `generate` call, prefill included; `decode_tokens_per_second` leaves the
     prefill out, and `stage_seconds` splits the median repeat's time by stage (events between stages)."""
-    fixed = [b for b in budgets if b != "auto"]
-    if "auto" in budgets and not fixed:
+    fixed = [b for b in budgets if not is_auto_label(b)]
+    labels = list(dict.fromkeys(b for b in budgets if is_auto_label(b)))  # "auto", "auto:memory=8192", …
+    if labels and not fixed:
         raise ValueError("bench prompts: 'auto' chooses among the fixed budgets given with it; give some")
-    auto = AutoBudget(budgets=tuple(fixed)) if "auto" in budgets else None
-    runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in fixed] + ([("ddtree", "auto")] if auto else [])
-    kws = [dict(method=m, budget=(auto if b == "auto" else b) or 16, max_new_tokens=max_new_tokens, trace=False,
+    autos = {label: AutoBudget(budgets=tuple(fixed), **auto_label_settings(label)) for label in labels}
+    runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in fixed + labels]
+    kws = [dict(method=m, budget=autos.get(b, b) or 16, max_new_tokens=max_new_tokens, trace=False,
                 cuda_graphs=cuda_graphs, stop=[]) for m, b in runs]
     for prompt in prompts:  # every prompt length once, untimed: a compiled model specialises on shapes
         generate(pair, prompt, method="ar", max_new_tokens=2, trace=False, cuda_graphs=cuda_graphs, stop=[])
@@ -157,7 +158,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
                 taus += res.acceptance_lengths
                 outputs.append(res.tokens)
                 per_prompt.append(res.wall_seconds)
-                if kw["budget"] is auto:
+                if isinstance(kw["budget"], AutoBudget):
                     for b in res.round_budgets:
                         row.setdefault("round_budget_counts", {}).setdefault(str(b), 0)
                         row["round_budget_counts"][str(b)] += 1
@@ -190,37 +191,42 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         r["lossless"] = r["outputs"] == ar["outputs"]
         # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
         r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
-    fixed_rows = [r for r in rows[2:] if r["budget"] != "auto"]
+    fixed_rows = [r for r in rows[2:] if not is_auto_label(r["budget"])]
     best = max(fixed_rows, key=lambda r: r["tokens_per_second"]) if fixed_rows else None
-    same = None
-    if auto:  # where bf16 numerics send auto and the best fixed budget down different text, their τ differ
-        # for that reason alone: the ratio over the prompts both emitted alike is the like-for-like one
-        same = [i for i, (a, b) in enumerate(zip(rows[-1]["outputs"], best["outputs"])) if a == b]
+    auto_rows = [r for r in rows if is_auto_label(r["budget"])]
+    for row in auto_rows:  # where bf16 numerics send auto and the best fixed budget down different text, their τ
+        # differ for that reason alone: the ratio over the prompts both emitted alike is the like-for-like one
+        same = [i for i, (a, b) in enumerate(zip(row["outputs"], best["outputs"])) if a == b]
         if same:
             n_tok = sum(len(best["outputs"][i]) for i in same)
             ratios = [sum(b[i] for i in same) / sum(a[i] for i in same) for a, b in
-                      zip(rows[-1]["seconds_per_prompt_per_repeat"], best["seconds_per_prompt_per_repeat"])]
+                      zip(row["seconds_per_prompt_per_repeat"], best["seconds_per_prompt_per_repeat"])]
             same = {"prompts": len(same), "of": len(prompts), "tokens": n_tok, "per_repeat": ratios,
                     "median": statistics.median(ratios)}
+        row["vs_best_fixed_same_outputs"] = same or None
     for r in rows:
         r["tokens_per_prompt"] = [len(o) for o in r.pop("outputs")]
     out = {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
-    if auto:  # auto against the best fixed budget of the same run, and repeat by repeat
-        row = rows[-1]
-        out["auto_vs_best_fixed"] = row["tokens_per_second"] / best["tokens_per_second"]
-        out["auto_vs_best_fixed_same_outputs"] = same
-        out["auto_vs_best_fixed_per_repeat"] = [
+    for row in auto_rows:  # each auto against the best fixed budget of the same run, and repeat by repeat
+        row["vs_best_fixed"] = row["tokens_per_second"] / best["tokens_per_second"]
+        row["vs_best_fixed_per_repeat"] = [
             a / b for a, b in zip(row["tokens_per_second_per_repeat"], best["tokens_per_second_per_repeat"])]
-        out["auto_vs_best_fixed_band"] = prompts_band(row, fixed_rows)
+        row["vs_best_fixed_band"] = prompts_band(row, fixed_rows)
         if progress:
-            print(f"  auto ÷ best fixed (budget {best['budget']}): {out['auto_vs_best_fixed']:.3f} "
-                  f"(repeats {', '.join(f'{x:.3f}' for x in out['auto_vs_best_fixed_per_repeat'])})"
+            same, band = row["vs_best_fixed_same_outputs"], row["vs_best_fixed_band"]
+            print(f"  {row['budget']} ÷ best fixed (budget {best['budget']}): {row['vs_best_fixed']:.3f} "
+                  f"(repeats {', '.join(f'{x:.3f}' for x in row['vs_best_fixed_per_repeat'])})"
                   + (f"; over the {same['prompts']} of {same['of']} prompts both emitted alike: {same['median']:.3f}"
                      if same else "; no prompt emitted alike"), file=sys.stderr, flush=True)
-            band = out["auto_vs_best_fixed_band"]
-            print(f"  prompts resampled: auto ÷ best fixed {band['low']:.3f}–{band['high']:.3f} (90 %), "
+            print(f"  prompts resampled: {row['budget']} ÷ best fixed {band['low']:.3f}–{band['high']:.3f} (90 %), "
                   f"≥ 1 in {band['at_least_best']:.0%} of resamples, ≥ 0.97 in {band['at_least_floor']:.0%}",
                   file=sys.stderr, flush=True)
+    if auto_rows:  # the first auto given (plain "auto" when it is there) is the run's verdict
+        first = next((r for r in auto_rows if r["budget"] == "auto"), auto_rows[0])
+        out.update(auto_vs_best_fixed=first["vs_best_fixed"],
+                   auto_vs_best_fixed_same_outputs=first["vs_best_fixed_same_outputs"],
+                   auto_vs_best_fixed_per_repeat=first["vs_best_fixed_per_repeat"],
+                   auto_vs_best_fixed_band=first["vs_best_fixed_band"])
     return out
 
 

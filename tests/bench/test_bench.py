@@ -93,6 +93,28 @@ def test_prompts_with_auto_against_the_best_fixed_budget(tmp_path):
         bench(tmp_path, "prompts", "--pair", "no-such-pair", "--budgets", "auto", "--device", "cpu")
 
 
+def test_prompts_with_auto_variants_side_by_side(tmp_path, capsys):
+    """'auto:key=value,…' runs another auto with those settings in the same run; each auto row carries its own
+    ratio to the best fixed budget; the plain auto stays the run's verdict. Bad labels are refused by name."""
+    res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "1", "--budgets", "4",
+                "16", "auto", "AUTO:Memory=64,explore=0.5", "--max-new-tokens", "8", "--device", "cpu", "--dtype",
+                "float32", "--attention", "sdpa", "--repeats", "1")
+    rows = {r["budget"]: r for r in res["rows"] if r["method"] == "ddtree"}
+    assert set(rows) == {4, 16, "auto", "auto:memory=64,explore=0.5"}
+    plain, variant = rows["auto"], rows["auto:memory=64,explore=0.5"]
+    assert variant["auto"]["memory"] == 64 and variant["auto"]["explore"] == 0.5 and plain["auto"]["memory"] == 2048
+    best = rows[res["best_budget"]]
+    for r in (plain, variant):
+        assert r["vs_best_fixed"] == r["tokens_per_second"] / best["tokens_per_second"]
+        assert r["vs_best_fixed_same_outputs"]["prompts"] == 1 and r["vs_best_fixed_band"]["centre"] > 0
+    assert res["auto_vs_best_fixed"] == plain["vs_best_fixed"]
+    for bad, needle in (("auto:memory=0", "memory must be"), ("auto:depth=3", "key one of"),
+                        ("auto:memory=lots", "memory wants int")):
+        with pytest.raises(SystemExit):
+            bench(tmp_path, "prompts", "--pair", "no-such-pair", "--budgets", "16", bad, "--device", "cpu")
+        assert needle in capsys.readouterr().err
+
+
 def test_source_digest_is_stable():
     assert source_digest() == source_digest()
 
