@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from .shapes import ExpertLoad, moe_row_height
+from .shapes import ExpertLoad, at_kernel_height
 
 
 def verify_tokens(row: Mapping) -> int:
@@ -16,7 +16,7 @@ def verify_tokens(row: Mapping) -> int:
 
 def row_blocks_at_height(row: Mapping) -> list[int] | None:
     """A traced round's row blocks per MoE layer at the kernel's height for its verify tokens; None without."""
-    return (row.get("expert_row_blocks") or {}).get(str(moe_row_height(verify_tokens(row))))
+    return at_kernel_height(row.get("expert_row_blocks"), verify_tokens(row))
 
 
 def expert_load(trace_rows: Sequence[Mapping]) -> ExpertLoad | None:

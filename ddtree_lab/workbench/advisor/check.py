@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 from .cost import Terms, draft_terms, moe_reread_bytes, round_cost, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, _device_machine, get_machine, load_calibration
-from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, model_shape, moe_row_height
+from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, at_kernel_height, model_shape
 
 CHECK_TOLERANCE = 0.15
 CHECK_BUDGETS = (16, 1024)  # the budget range the first-principles check covers
@@ -76,7 +76,7 @@ def measured_load(bench: dict, shape) -> ExpertLoad | None:
             continue
         tokens = {"ar": 1, "dflash": shape.block_size}.get(r["method"], int(r.get("budget") or 0) + 1)
         touched[tokens] = float(r["experts_touched_mean"])
-        at_height = (r.get("expert_row_blocks_mean") or {}).get(str(moe_row_height(tokens)))
+        at_height = at_kernel_height(r.get("expert_row_blocks_mean"), tokens)
         if at_height is not None:
             blocks[tokens] = float(at_height)
     return ExpertLoad(touched, blocks or None) if touched else None

@@ -8,18 +8,25 @@ from typing import Mapping
 
 from .machines import AdvisorError
 
-# Two facts of the fused MoE kernel (kernels/fused_moe.py) the cost model prices, copied so the advisor runs
+# Three facts of the fused MoE kernel (kernels/fused_moe.py) the cost model prices, copied so the advisor runs
 # without Triton; tests/kernels/test_fused_moe.py holds them equal to the kernel's.
 MOE_SORT_IN_ONE_MAX_T = 2  # ROUTE_IN_ALIGN_MAX_T: up to this many tokens one program routes and sorts
+MOE_WIDE_ROWS_FROM_T = 257  # WIDE_ROWS_FROM_T: from this many tokens a row block holds 64 tokens
 
 
 def moe_row_height(tokens: int) -> int:
     """row_height, launch_config's BLOCK_M on a GPU: the rows of one expert a program takes."""
     if tokens <= 16:
         return 16
-    if tokens >= 257:
+    if tokens >= MOE_WIDE_ROWS_FROM_T:
         return 64
     return min((64, 32), key=lambda h: -(-tokens // h) * h - tokens)
+
+
+def at_kernel_height(per_height: Mapping[str, object] | None, tokens: int):
+    """Of a record counted at each row height ({"16": …, "32": …, "64": …}), the value at the height the
+    kernel runs `tokens` tokens with; None without one."""
+    return (per_height or {}).get(str(moe_row_height(tokens)))
 
 
 @dataclass(frozen=True)
