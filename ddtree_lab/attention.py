@@ -22,6 +22,7 @@ class TreeMask:
 
     anc: torch.Tensor  # [T, T] bool
     _bits: torch.Tensor | None = field(default=None, repr=False)
+    _chain: tuple | None = field(default=None, repr=False)
     _dense: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -36,7 +37,7 @@ class TreeMask:
     def fresh(self) -> "TreeMask":
         """The same relation (and packed bits, if made) for another forward, without the dense masks
         cached for this one: those depend on past_len, which moves between rounds."""
-        return TreeMask(self.anc, self._bits)
+        return TreeMask(self.anc, self._bits, self._chain)
 
     @property
     def bits(self) -> torch.Tensor:
@@ -46,6 +47,15 @@ class TreeMask:
 
             self._bits = pack_mask(self.anc)
         return self._bits
+
+    @property
+    def chain(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # (int32 [T, T], int32 [T]): row i's ancestors-or-self root first, and how many (the invariant backend)
+        if self._chain is None:
+            from .kernels.batch_invariant import ancestor_chain
+
+            self._chain = ancestor_chain(self.anc)
+        return self._chain
 
     def dense(self, past_len, kv_len: int, window: int | None) -> torch.Tensor:
         """bool [T, kv_len]: visible cache slots. past_len may be a device tensor (fixed shapes).
@@ -99,6 +109,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
         launch = dict(options.current().attention_launch) or None
         return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits, config=launch, max_past_len=max_past)
+    if backend == "invariant" and window is None:
+        from .kernels.batch_invariant import chain_attention
+
+        return chain_attention(q, k_cache, v_cache, past_len, *mask.chain)
     if backend == "flex" and window is None and not isinstance(past_len, torch.Tensor):
         return _flex_attention(q, k_cache, v_cache, past_len, mask.anc)
     return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window)

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .names import AUTO_CANDIDATES, METHODS, budget_arg
+from .names import AUTO_CANDIDATES, METHODS, TRITON_BACKENDS, budget_arg
 
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -183,8 +183,8 @@ def check_runtime(device: str | None, attention: str | None) -> None:
             raise ValueError(f"--device {device}: no CUDA device is visible here (use --device cpu)")
         if ":" in device and int(device.split(":")[1] or 0) >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    if attention == "triton" and (device or "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1 to run its kernels "
+    if attention in TRITON_BACKENDS and (device or "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--attention {attention} needs a CUDA device (or TRITON_INTERPRET=1 to run its kernels "
                          "under the interpreter on the CPU, slowly); use --attention sdpa")
 
 

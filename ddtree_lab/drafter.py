@@ -58,7 +58,8 @@ class Drafter(nn.Module):
         self._block_masks: dict = {}  # the block's all-to-all mask per (size, device), packed once
 
     def set_attention(self, backend: str) -> None:
-        self.attention = check_backend(backend)
+        # "invariant" is the target's numerics (a draft only proposes: its bits never decide a token)
+        self.attention = "triton" if check_backend(backend) == "invariant" else backend
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[..., k*H] concatenated target layer outputs -> [..., H] context features."""

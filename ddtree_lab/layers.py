@@ -9,13 +9,65 @@ from . import options
 from .config import RopeConfig, rope_inv_freq
 
 
+# Batch-invariant numerics (attention="invariant", model.Target.set_attention): the target's linears and norms
+# run kernels/batch_invariant.py, whose result for a row does not depend on the other rows. As custom ops, a
+# compiled layer calls them whole (the compiler fuses around them, never into them: fusing would change
+# their arithmetic from shape to shape).
+@torch.library.custom_op("ddtree_lab::invariant_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+def invariant_linear(x, weight, bias):
+    from .kernels.batch_invariant import linear
+
+    return linear(x, weight, bias)
+
+
+@invariant_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("ddtree_lab::invariant_rms_norm", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, float eps) -> Tensor")
+def invariant_rms_norm(x, weight, eps):
+    from .kernels.batch_invariant import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+@invariant_rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint keys) that can switch to the batch-invariant kernel."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def set_batch_invariant(module: nn.Module, on: bool) -> None:
+    """Every Linear and RMSNorm in `module` to the batch-invariant kernels (on) or back to torch's."""
+    for m in module.modules():
+        if isinstance(m, (Linear, RMSNorm)):
+            m.batch_invariant = on
+
+
 class RMSNorm(nn.Module):
+    batch_invariant = False  # set_batch_invariant: kernels/batch_invariant.rms_norm, the same arithmetic per row
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 (as the reference implementations do), scale in the input dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -74,8 +126,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = Linear(hidden, 2 * intermediate, bias=False)
+        self.down = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
@@ -89,7 +141,7 @@ class QKV(nn.Module):
                  eps: float, bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.wqkv = nn.Linear(hidden, (n_heads + 2 * n_kv_heads) * head_dim, bias=bias)
+        self.wqkv = Linear(hidden, (n_heads + 2 * n_kv_heads) * head_dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
@@ -129,7 +181,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.qkv = QKV(hidden, n_heads, n_kv_heads, head_dim, qk_norm, eps, bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.o_proj = Linear(n_heads * head_dim, hidden, bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, intermediate) if mlp is None else mlp  # mlp: e.g. a sparse MoE block
         self.reduce = None  # tensor parallel: sums a block's partial output across processes (parallel.py)

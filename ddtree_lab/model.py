@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
-from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compiled_layer_ops
+from .layers import ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear, set_batch_invariant
 from .moe import SparseMoE, expert_routing
 from .tree import use_triton
 
@@ -36,7 +36,7 @@ class Target(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
         self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
         self.max_past: int | None = None    # the most committed slots a forward sees (None: S_max − T)
@@ -60,6 +60,8 @@ class Target(nn.Module):
 
     def lm_head_logits(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.attention == "invariant":
+            return invariant_linear(h, weight, None)
         return F.linear(h, weight)
 
     def setup_cache(self, max_len: int, device=None, dtype=None, max_past: int | None = None) -> None:
@@ -73,7 +75,15 @@ class Target(nn.Module):
             self.kv = torch.zeros(shape, device=device or p.device, dtype=dtype or p.dtype)
 
     def set_attention(self, backend: str) -> None:
-        self.attention = check_backend(backend)
+        """"invariant" also moves every linear and norm to kernels/batch_invariant.py: then a token's logits
+        have the same bits in any tree, in a prefill and in an AR step (dense targets: the fused MoE kernels
+        tile by the number of tokens)."""
+        check_backend(backend)
+        if backend == "invariant" and self.cfg.is_moe:
+            raise ValueError("attention='invariant' covers dense targets; this one has MoE layers, whose fused "
+                             "kernels tile by the number of tokens")
+        self.attention = backend
+        set_batch_invariant(self, backend == "invariant")
 
     def expert_routing(self) -> dict[str, object] | None:
         """Per MoE layer, of the last forward: `moe.expert_routing`'s experts touched, busiest expert's tokens

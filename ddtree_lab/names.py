@@ -4,7 +4,9 @@ from __future__ import annotations
 
 METHODS = ("ar", "dflash", "ddtree")                            # AR, single-path DFlash, DDTree
 STAGES = ("draft", "tree_build", "verify", "commit", "other")  # a round's stages, then everything else
-ATTENTION_BACKENDS = ("sdpa", "triton", "flex")                 # verify attention: dense reference, kernel, flex
+ATTENTION_BACKENDS = ("sdpa", "triton", "flex", "invariant")    # verify attention: dense reference, kernel, flex,
+#   and the batch-invariant target (kernels/batch_invariant.py: every budget and AR give a token the same bits)
+TRITON_BACKENDS = ("triton", "invariant")                      # the backends whose kernels need CUDA or the interpreter
 MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
 AUTO = "auto"                                                    # budget="auto": chosen per round (auto_budget.py)
 AUTO_CANDIDATES = (16, 32, 64, 128, 256)                         # what "auto" chooses among unless told

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import pairs
 from ..environment import PACKAGE_DIR, REPO_DIR
-from ..names import ATTENTION_BACKENDS, AUTO, MAX_BUDGET, METHODS, STUDY_DTYPES
+from ..names import ATTENTION_BACKENDS, AUTO, MAX_BUDGET, METHODS, STUDY_DTYPES, TRITON_BACKENDS
 from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
 
 DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
@@ -383,8 +383,8 @@ def _check_is_notebook(path: Path, fname: str, src: str | None) -> None:
 def _check_runtime(study: Study, src: str | None) -> None:
     """Triton kernels on the CPU run only under the interpreter (TRITON_INTERPRET=1, inherited by the runs)."""
     m = study.models
-    if m.attention == "triton" and m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise StudyError("models.attention", "triton needs a CUDA device (or TRITON_INTERPRET=1 in the "
+    if m.attention in TRITON_BACKENDS and m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise StudyError("models.attention", f"{m.attention} needs a CUDA device (or TRITON_INTERPRET=1 in the "
                                              "environment: its kernels then run under the interpreter, slowly)", src)
 
 

@@ -50,8 +50,8 @@ def test_runtime_the_machine_lacks_is_one_line(tiny_dirs, tmp_path):
 
     t, d = tiny_dirs
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cases = [(["generate", "x", "--target", str(t), "--drafter", str(d), "--attention", "triton"],
-              "--attention triton needs a CUDA device (or TRITON_INTERPRET=1")]
+    cases = [(["generate", "x", "--target", str(t), "--drafter", str(d), "--attention", backend],
+              f"--attention {backend} needs a CUDA device (or TRITON_INTERPRET=1") for backend in ("triton", "invariant")]
     if not torch.cuda.is_available():
         cases += [(["generate", "x", "--target", str(t), "--drafter", str(d), "--device", "cuda"],
                    "--device cuda: no CUDA device is visible"),

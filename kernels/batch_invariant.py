@@ -1,0 +1,227 @@
+"""Batch-invariant target ops: a row's result has the same bits whatever else is in the batch.
+
+    linear(x, weight, bias=None) -> x @ weight.T (+ bias)   linear_reference: torch in float64
+    rms_norm(x, weight, eps)     -> the model's RMSNorm      rms_norm_reference: torch in float64
+    chain_attention(q, k_cache, v_cache, past_len, chain, chain_len)   chain_attention_reference
+
+Why: a verify over T tree tokens and an AR step over one token are different launches of a cuBLAS GEMM
+(other tiles, split-K), of a reduction and of the split attention kernel, so in bf16 the target's logits
+for one token differ in the last bits between budgets, and a near tie can flip the greedy token: two
+budgets then emit different texts, and neither equals AR's. These ops fix every choice that decides a
+row's arithmetic, so a token computed alone, in any tree, or in a prefill gets the same bits:
+- `linear`: one tile shape for every M, the K loop in one order, fp32 accumulation, no split-K. A row's
+  dot products never meet another row's (an MMA's per-element sum does not depend on its neighbours).
+- `rms_norm`: one program per row, one block over the whole row.
+- `chain_attention`: one program per (query, KV head), the head group as the dot's rows. Query i's keys
+  are walked in *logical* order: committed slots 0 … past_len-1, then its ancestors root first
+  (`chain`), in blocks of BLOCK_N aligned at logical position 0. An AR step at position p walks slots
+  0 … p, the same keys in the same blocks, so the online softmax makes the same roundings.
+The cost is speed (no tuned tiles per shape, one query per program): docs/kernels.md has the figures.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tiles() -> dict:
+    # One shape for every call of a process; the interpreter pays per op, so it takes larger ones.
+    if _interpret():
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+ATTENTION_BLOCK_N = 64  # keys per step of chain_attention, the same for every call (the blocks' alignment)
+
+
+# --------------------------------------------------------------------------------------------
+# linear
+# --------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(X, W, Bias, Y, M, N, K, s_xm, s_wn, s_ym,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of weight (output columns)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(X + rm[:, None] * s_xm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=(rn < N)[:, None] & (kk < K)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # [BM, BN]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None] * s_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K] (its rows contiguous), bias [N] or None -> [..., N] in x's dtype."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    t = _tiles()
+    grid = (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"]))
+    if M:
+        _linear_kernel[grid](x2, w, w if bias is None else bias, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
+                             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                             BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+                             num_warps=t["num_warps"], num_stages=t["num_stages"])
+    return y.view(*x.shape[:-1], N)
+
+
+def linear_reference(x, weight, bias=None):
+    y = x.double() @ weight.double().T
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, N, s_x, s_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * s_x + cols, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(x.dtype)  # the model normalises in fp32, then rounds to the input's dtype …
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)  # … and scales in the weight's and input's common dtype
+    tl.store(Y + row * s_y + cols, out.to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> [..., N] in the dtype torch gives `weight * x` (layers.RMSNorm's arithmetic)."""
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(N)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, N, x2.stride(0), y.stride(0), eps,
+                                         BLOCK=block, num_warps=4 if block <= 4096 else 8)
+    return y.view(x.shape)
+
+
+def rms_norm_reference(x, weight, eps):
+    xd = x.double()
+    normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.double() * normed.double()).to(torch.promote_types(weight.dtype, x.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# attention over each query's logical sequence
+# --------------------------------------------------------------------------------------------
+
+def ancestor_chain(anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """anc bool [T, T] -> (chain int32 [T, T]: row i's ancestors-or-self by index, then zeros;
+    chain_len int32 [T]). Parents precede children, so index order is depth order: chain[i, d] is i's
+    ancestor at depth d. Vectorised, no host sync (a rank by cumsum, then one scatter)."""
+    T = anc.shape[0]
+    rank = anc.to(torch.int32).cumsum(1) - 1                                       # [T, T]
+    slot = torch.where(anc, rank, T).to(torch.int64)                               # non-ancestors -> a spare column
+    cols = torch.arange(T, device=anc.device, dtype=torch.int32).expand(T, T)
+    chain = torch.zeros(T, T + 1, dtype=torch.int32, device=anc.device).scatter_(1, slot, cols)
+    return chain[:, :T].contiguous(), anc.sum(1).to(torch.int32)
+
+
+@triton.jit(do_not_specialize=["past_val"])
+def _chain_attn_kernel(Q, K, V, Out, Chain, ChainLen, PastPtr, past_val,
+                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_chain, qk_scale,
+                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                       PAST_ON_DEVICE: tl.constexpr, IEEE: tl.constexpr):
+    i = tl.program_id(0)  # the query (tree node)
+    h = tl.program_id(1)  # the KV head; its G query heads are the dot's rows
+    if PAST_ON_DEVICE:
+        past = tl.load(PastPtr).to(tl.int32)
+    else:
+        past = past_val
+    length = past + tl.load(ChainLen + i)  # keys on the logical sequence: past slots, then the ancestors
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_D)
+    q = tl.load(Q + (h * G + g)[:, None] * s_qh + i * s_qt + d[None, :], mask=(g < G)[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_D], dtype=tl.float32)
+    for start in range(0, length, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)  # [BN] logical positions
+        valid = t < length
+        in_tree = valid & (t >= past)
+        node = tl.load(Chain + i * s_chain + (t - past), mask=in_tree, other=0)
+        slot = tl.where(in_tree, past + node, t)
+        k = tl.load(K + h * s_kh + slot[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BG, BN]
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + h * s_vh + slot[:, None] * s_vs + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(Out + (h * G + g)[:, None] * s_oh + i * s_ot + d[None, :], out.to(Out.dtype.element_ty),
+             mask=(g < G)[:, None])
+
+
+def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len,
+                    chain: torch.Tensor, chain_len: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [Hq, T, D], k_cache/v_cache [Hkv, S, D] -> [Hq, T, D]. Query i sees slots < past_len and tree
+    slots past_len + chain[i, :chain_len[i]] (from `ancestor_chain`); past_len an int or a one-element
+    device tensor (no host sync: graph-safe)."""
+    Hq, T, D = q.shape
+    Hkv = k_cache.shape[0]
+    G = Hq // Hkv
+    out = torch.empty_like(q)
+    on_device = isinstance(past_len, torch.Tensor)
+    scale = D ** -0.5 if scale is None else scale
+    chain = chain if chain.stride(1) == 1 else chain.contiguous()
+    _chain_attn_kernel[(T, Hkv)](
+        q, k_cache, v_cache, out, chain, chain_len, past_len if on_device else chain_len, 0 if on_device else int(past_len),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), chain.stride(0), scale * LOG2E,
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=ATTENTION_BLOCK_N, HEAD_D=D,
+        PAST_ON_DEVICE=on_device, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out
+
+
+def chain_attention_reference(q, k_cache, v_cache, past_len, anc, scale=None):
+    """Dense torch in float64: query i sees slots < past_len and tree slot past_len + j iff anc[i, j]."""
+    Hq, T, D = q.shape
+    Hkv = k_cache.shape[0]
+    P = int(past_len)
+    scale = D ** -0.5 if scale is None else scale
+    k = k_cache[:, :P + T].double().repeat_interleave(Hq // Hkv, dim=0)  # [Hq, P+T, D]
+    v = v_cache[:, :P + T].double().repeat_interleave(Hq // Hkv, dim=0)
+    visible = torch.cat([torch.ones(T, P, dtype=torch.bool, device=q.device), anc.bool()], dim=1)  # [T, P+T]
+    s = (q.double() @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(s, -1) @ v).to(q.dtype)
