@@ -35,9 +35,12 @@ def _interpret() -> bool:
 
 def _tiles() -> dict:
     # One shape for every call of a process; the interpreter pays per op, so it takes larger ones.
+    # K_CHUNK: the K each split sums, for matrices of at least SPLIT_FROM_K columns (0: never split). A split
+    # fixed by K (then a sum of the splits in order) gives long, narrow matrices (a down projection) more
+    # programs and leaves a row's arithmetic a function of K alone. Measured in docs/kernels.md.
     if _interpret():
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, K_CHUNK=0, SPLIT_FROM_K=0, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, K_CHUNK=256, SPLIT_FROM_K=1024, num_warps=4, num_stages=3)
 
 
 ATTENTION_BLOCK_N = 64  # keys per step of chain_attention, the same for every call (the blocks' alignment)
@@ -48,14 +51,16 @@ ATTENTION_BLOCK_N = 64  # keys per step of chain_attention, the same for every c
 # --------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, Bias, Y, M, N, K, s_xm, s_wn, s_ym,
+def _linear_kernel(X, W, Bias, Y, M, N, K, k_chunk, s_xm, s_wn, s_ym, s_ys,
                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of weight (output columns)
+    split = tl.program_id(2)                                  # this program sums K in [lo, lo + k_chunk)
+    lo = split * k_chunk
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(lo, tl.minimum(lo + k_chunk, K), BLOCK_K):
         kk = k0 + rk
         x = tl.load(X + rm[:, None] * s_xm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
         w = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=(rn < N)[:, None] & (kk < K)[None, :], other=0.0)
@@ -65,12 +70,27 @@ def _linear_kernel(X, W, Bias, Y, M, N, K, s_xm, s_wn, s_ym,
             acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rm[:, None] * s_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+    # one split: the output itself; several: this split's fp32 partial sum, at plane `split` of Y
+    tl.store(Y + split * s_ys + rm[:, None] * s_ym + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], weight [N, K] (its rows contiguous), bias [N] or None -> [..., N] in x's dtype."""
+@triton.jit
+def _sum_splits_kernel(Part, Bias, Y, MN, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, splits):  # in split order, whatever M is
+        acc += tl.load(Part + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: dict | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K] (its rows contiguous), bias [N] or None -> [..., N] in x's dtype.
+    `tiles` overrides _tiles() (a benchmark's A/B; one process must keep one choice)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -79,13 +99,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    t = _tiles()
-    grid = (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"]))
-    if M:
-        _linear_kernel[grid](x2, w, w if bias is None else bias, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0),
-                             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                             BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
-                             num_warps=t["num_warps"], num_stages=t["num_stages"])
+    if not M:
+        return y.view(*x.shape[:-1], N)
+    t = {**_tiles(), **(tiles or {})}
+    chunk = t["K_CHUNK"] if 0 < t["K_CHUNK"] < K and K >= t["SPLIT_FROM_K"] else K
+    splits = triton.cdiv(K, chunk)
+    part = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"]), splits)
+    has_bias = bias is not None and splits == 1
+    _linear_kernel[grid](x2, w, bias if has_bias else w, part, M, N, K, chunk, x2.stride(0), w.stride(0), N, M * N,
+                         HAS_BIAS=has_bias, IEEE=x.dtype == torch.float32,
+                         BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+                         num_warps=t["num_warps"], num_stages=t["num_stages"])
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, w if bias is None else bias, y, M * N, N, splits,
+                                                          HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y.view(*x.shape[:-1], N)
 
 

@@ -33,24 +33,30 @@ def random_parents(T, seed):
     return p
 
 
+SPLIT = {"K_CHUNK": 128, "SPLIT_FROM_K": 0, "BLOCK_K": 64}  # K summed in fixed chunks, then the chunks in order
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [None, SPLIT], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("M,N,K,bias", [(1, 48, 40, False), (7, 200, 96, True), (65, 130, 64, False),
-                                        (130, 64, 200, True)])
-def test_linear_matches_reference(M, N, K, bias, dtype):
+                                        (130, 64, 300, True)])
+def test_linear_matches_reference(M, N, K, bias, dtype, tiles):
     x, w = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2) / K ** 0.5
     b = rand(N, dtype=dtype, seed=3) if bias else None
-    got, want = bi.linear(x, w, b), bi.linear_reference(x, w, b)
+    got, want = bi.linear(x, w, b, tiles=tiles), bi.linear_reference(x, w, b)
     assert got.dtype == dtype and got.shape == (M, N)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_row_bits_do_not_depend_on_the_batch(dtype):
-    x, w = rand(70, 96, dtype=dtype, seed=4), rand(150, 96, dtype=dtype, seed=5)
-    full = bi.linear(x, w)
+@pytest.mark.parametrize("tiles", [None, SPLIT], ids=["one-pass", "split-k"])
+def test_linear_row_bits_do_not_depend_on_the_batch(dtype, tiles):
+    x, w = rand(70, 296, dtype=dtype, seed=4), rand(150, 296, dtype=dtype, seed=5)
+    b = rand(150, dtype=dtype, seed=6)
+    full = bi.linear(x, w, b, tiles=tiles)
     for rows in ([0], [69], [3, 5, 64], list(range(17, 50))):
-        assert torch.equal(bi.linear(x[rows], w), full[rows]), rows
-    assert torch.equal(bi.linear(x[None, 2:9], w)[0], full[2:9])  # leading dims fold into rows
+        assert torch.equal(bi.linear(x[rows], w, b, tiles=tiles), full[rows]), rows
+    assert torch.equal(bi.linear(x[None, 2:9], w, b, tiles=tiles)[0], full[2:9])  # leading dims fold into rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
