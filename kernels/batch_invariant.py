@@ -35,12 +35,20 @@ def _interpret() -> bool:
 
 def _tiles() -> dict:
     # One shape for every call of a process; the interpreter pays per op, so it takes larger ones.
-    # K_CHUNK: the K each split sums, for matrices of at least SPLIT_FROM_K columns (0: never split). A split
-    # fixed by K (then a sum of the splits in order) gives long, narrow matrices (a down projection) more
-    # programs and leaves a row's arithmetic a function of K alone. Measured in docs/kernels.md.
+    # K_CHUNK: the K each split sums (0: never split), for long, narrow matrices (more K than outputs, and fewer
+    # than SPLIT_BELOW_N_TILES column tiles: a down projection of a small model; None: every matrix). A split
+    # fixed by the matrix's shape (then a sum of the splits in order) gives them more programs and leaves a
+    # row's arithmetic a function of N and K alone. Measured in docs/kernels.md.
     if _interpret():
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, K_CHUNK=0, SPLIT_FROM_K=0, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, K_CHUNK=256, SPLIT_FROM_K=1024, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, K_CHUNK=0, SPLIT_BELOW_N_TILES=0, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, K_CHUNK=256, SPLIT_BELOW_N_TILES=32, num_warps=4, num_stages=3)
+
+
+def k_chunk(N: int, K: int, tiles: dict) -> int:
+    """The K one program sums: K itself (one pass) unless the tile rule above splits this shape."""
+    c, below = tiles["K_CHUNK"], tiles["SPLIT_BELOW_N_TILES"]
+    narrow = below is None or (K > N and triton.cdiv(N, tiles["BLOCK_N"]) < below)
+    return c if 0 < c < K and narrow else K
 
 
 ATTENTION_BLOCK_N = 64  # keys per step of chain_attention, the same for every call (the blocks' alignment)
@@ -102,7 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not M:
         return y.view(*x.shape[:-1], N)
     t = {**_tiles(), **(tiles or {})}
-    chunk = t["K_CHUNK"] if 0 < t["K_CHUNK"] < K and K >= t["SPLIT_FROM_K"] else K
+    chunk = k_chunk(N, K, t)
     splits = triton.cdiv(K, chunk)
     part = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"]), splits)

@@ -25,7 +25,8 @@ SHAPES = [("smollm2 qkv", 960, 576), ("smollm2 o", 576, 576), ("smollm2 gate_up"
           ("smollm2 down", 576, 1536), ("smollm2 lm_head", 49152, 576),
           ("lab qkv", 768, 384), ("lab gate_up", 1536, 384), ("lab down", 384, 768)]
 # the default, never split, always split, narrower tiles
-TILE_VARIANTS = [{}, {"K_CHUNK": 0}, {"SPLIT_FROM_K": 0}, {"BLOCK_N": 32}, {"BLOCK_N": 32, "SPLIT_FROM_K": 0}]
+TILE_VARIANTS = [{}, {"K_CHUNK": 0}, {"SPLIT_BELOW_N_TILES": None}, {"BLOCK_N": 32},
+                 {"BLOCK_N": 32, "SPLIT_BELOW_N_TILES": None}]
 
 
 def bench_linear(shapes=SHAPES, rows=(1, 33, 65), tile_variants=TILE_VARIANTS, dtype=torch.bfloat16, seed=0):

@@ -191,6 +191,14 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         r["lossless"] = r["outputs"] == ar["outputs"]
         # in bf16 a near-tied argmax can flip between batched verify and AR's one-token step: count them
         r["prompts_equal_to_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
+    differ = [r for r in rows if not r["lossless"]]
+    if progress and differ:
+        worst = min(differ, key=lambda r: r["prompts_equal_to_ar"])
+        why = ("attention='invariant' should rule this out: a fault" if pair.target.attention == "invariant" else
+               "the verify's numerics follow the tree's size; --attention invariant gives every budget AR's text")
+        print(f"  texts: {len(differ)} of {len(rows) - 1} methods differ from AR's on some prompts (fewest alike: "
+              f"{worst['method']} budget={worst['budget']}, {worst['prompts_equal_to_ar']} of {len(prompts)}); {why}",
+              file=sys.stderr, flush=True)
     fixed_rows = [r for r in rows[2:] if not is_auto_label(r["budget"])]
     best = max(fixed_rows, key=lambda r: r["tokens_per_second"]) if fixed_rows else None
     auto_rows = [r for r in rows if is_auto_label(r["budget"])]

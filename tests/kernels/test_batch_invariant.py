@@ -33,7 +33,7 @@ def random_parents(T, seed):
     return p
 
 
-SPLIT = {"K_CHUNK": 128, "SPLIT_FROM_K": 0, "BLOCK_K": 64}  # K summed in fixed chunks, then the chunks in order
+SPLIT = {"K_CHUNK": 128, "SPLIT_BELOW_N_TILES": None, "BLOCK_K": 64}  # K summed in fixed chunks, then the chunks in order
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,6 +72,14 @@ def test_rms_norm_matches_reference_and_is_row_invariant(rows, N, dtype):
     w4 = 1 + 0.1 * rand(16, dtype=dtype, seed=9)
     torch.testing.assert_close(bi.rms_norm(x4, w4, 1e-6).float(), bi.rms_norm_reference(x4, w4, 1e-6).float(),
                                atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_the_split_rule_takes_long_narrow_matrices_only():
+    t = {"K_CHUNK": 256, "SPLIT_BELOW_N_TILES": 32, "BLOCK_N": 64}
+    assert bi.k_chunk(576, 1536, t) == 256      # a small model's down projection: 9 column tiles
+    assert bi.k_chunk(576, 576, t) == 576       # square: one pass
+    assert bi.k_chunk(4096, 12288, t) == 12288  # 64 column tiles fill the GPU without a split
+    assert bi.k_chunk(576, 200, {**t, "SPLIT_BELOW_N_TILES": None}) == 200  # K within one chunk
 
 
 def test_rms_norm_output_dtype_is_torchs():
