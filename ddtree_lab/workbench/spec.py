@@ -386,6 +386,24 @@ def _check_runtime(study: Study, src: str | None) -> None:
     if m.attention in TRITON_BACKENDS and m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise StudyError("models.attention", f"{m.attention} needs a CUDA device (or TRITON_INTERPRET=1 in the "
                                              "environment: its kernels then run under the interpreter, slowly)", src)
+    if m.attention == "invariant" and _is_moe(study):
+        raise StudyError("models.attention", "invariant covers dense targets; this target has MoE layers (the "
+                                             "fused-MoE kernel tiles by the number of tokens)", src)
+
+
+def _is_moe(study: Study) -> bool:
+    """Whether the study's target has mixture-of-experts layers (from its config.json or the random shape)."""
+    m = study.models
+    if m.pair and m.pair.startswith(pairs.RANDOM_PREFIX):
+        from ..pairs.random import RANDOM_SHAPES  # a torch-free table of sizes
+
+        return bool(RANDOM_SHAPES.get(m.pair[len(pairs.RANDOM_PREFIX):], {}).get("num_experts"))
+    target = _target_dir(study)
+    try:
+        cfg = json.loads((target / "config.json").read_text(encoding="utf-8")) if target else {}
+    except (OSError, ValueError):
+        return False  # the loader names what is wrong with the file
+    return isinstance(cfg, dict) and bool(cfg.get("num_experts"))
 
 
 def _target_dir(study: Study) -> Path | None:

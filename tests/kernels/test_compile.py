@@ -35,6 +35,12 @@ ADVANCE_SIGNATURE = {
     "OutLen": "*i64", "Taus": "*i64", "RoundIdx": "*i64", "CtxPos": "*i64", "CtxCount": "*i64", "L": "i32",
     **AUTO_STATE_SIGNATURE}
 AUTO_SIGNATURE = {"Path": "*i64", "A": "*i64", "RoundIdx": "*i64", **AUTO_STATE_SIGNATURE}
+LINEAR_SIGNATURE = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                    "k_chunk": "i32", "s_xm": "i32", "s_wn": "i32", "s_ym": "i32", "s_ys": "i32"}
+CHAIN_ATTN_SIGNATURE = {
+    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Chain": "*i32", "ChainLen": "*i32", "PastPtr": "*i64",
+    "past_val": "i32", **{s: "i32" for s in ("s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
+                                             "s_chain")}, "qk_scale": "fp32"}
 
 CASES = [
     ("tree_build", "_beam_step_kernel",
@@ -103,6 +109,21 @@ CASES = [
      {"BLOCK": 16, "AUTO": False, "J": 1, "NB": 1, "BLOCK_P": 16, "BLOCK_C": 16, "BLOCK_J": 16, "BLOCK_R": 2}),
     ("auto_budget", "_auto_kernel", AUTO_SIGNATURE,
      {"J": 8, "NB": 8, "BLOCK_P": 16, "BLOCK_C": 1024, "BLOCK_J": 8, "BLOCK_R": 16}),
+    ("batch_invariant", "_linear_kernel", LINEAR_SIGNATURE,  # the GPU's tiles; one pass straight to bf16
+     {"HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+    ("batch_invariant", "_linear_kernel", {**LINEAR_SIGNATURE, "X": "*fp32", "W": "*fp32", "Bias": "*fp32",
+                                           "Y": "*fp32"},  # fp32: IEEE dot products (and a split's partials)
+     {"HAS_BIAS": True, "IEEE": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+    ("batch_invariant", "_sum_splits_kernel",
+     {"Part": "*fp32", "Bias": "*bf16", "Y": "*bf16", "MN": "i32", "N": "i32", "splits": "i32"},
+     {"HAS_BIAS": True, "BLOCK": 1024}),
+    ("batch_invariant", "_rms_norm_kernel",
+     {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "N": "i32", "s_x": "i32", "s_y": "i32", "eps": "fp32"},
+     {"BLOCK": 1024}),
+    ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a device past_len (graphs), SmolLM2's heads
+     {"G": 3, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 64, "PAST_ON_DEVICE": True, "IEEE": False}),
+    ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a host past_len, wide heads
+     {"G": 4, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 128, "PAST_ON_DEVICE": False, "IEEE": False}),
 ]
 
 FULL_ENV = "DDTREE_LAB_FULL_COMPILE"

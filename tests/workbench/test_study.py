@@ -148,6 +148,11 @@ def test_check_refuses_what_every_run_would_fail(env, monkeypatch):
     assert "TRITON_INTERPRET=1" in refused(tmp, base, "models.attention")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # then its kernels run under the interpreter
     assert study_spec.load_study(write(tmp, base)).models.attention == "triton"
+    base["models"]["attention"] = "invariant"  # the batch-invariant target: dense targets only
+    assert study_spec.load_study(write(tmp, base)).models.attention == "invariant"
+    base["models"]["pair"] = "random:qwen3-30b-a3b"
+    base["models"].pop("target", None), base["models"].pop("drafter", None)
+    assert "has MoE layers" in refused(tmp, base, "models.attention")
 
 
 def test_bad_yaml_and_missing_file(tmp_path):
