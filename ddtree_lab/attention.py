@@ -112,7 +112,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if backend == "invariant" and window is None:
         from .kernels.batch_invariant import chain_attention
 
-        return chain_attention(q, k_cache, v_cache, past_len, *mask.chain)
+        return chain_attention(q, k_cache, v_cache, past_len, *mask.chain, max_past=max_past)
     if backend == "flex" and window is None and not isinstance(past_len, torch.Tensor):
         return _flex_attention(q, k_cache, v_cache, past_len, mask.anc)
     return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window)

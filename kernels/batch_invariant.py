@@ -52,6 +52,7 @@ def k_chunk(N: int, K: int, tiles: dict) -> int:
 
 
 ATTENTION_BLOCK_N = 64  # keys per step of chain_attention, the same for every call (the blocks' alignment)
+ATTENTION_CHUNK = 512   # logical positions per program beyond which chain_attention splits a query's sequence
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,26 +187,33 @@ def ancestor_chain(anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit(do_not_specialize=["past_val"])
-def _chain_attn_kernel(Q, K, V, Out, Chain, ChainLen, PastPtr, past_val,
-                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_chain, qk_scale,
+def _chain_attn_kernel(Q, K, V, Out, Part, PartM, PartL, Chain, ChainLen, PastPtr, past_val,
+                       s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_chain, n_chunks, qk_scale,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                       PAST_ON_DEVICE: tl.constexpr, IEEE: tl.constexpr):
+                       CHUNK: tl.constexpr, SPLIT: tl.constexpr, PAST_ON_DEVICE: tl.constexpr, IEEE: tl.constexpr):
     i = tl.program_id(0)  # the query (tree node)
     h = tl.program_id(1)  # the KV head; its G query heads are the dot's rows
+    c = tl.program_id(2)  # SPLIT: the chunk of CHUNK logical positions this program sums
     if PAST_ON_DEVICE:
         past = tl.load(PastPtr).to(tl.int32)
     else:
         past = past_val
     length = past + tl.load(ChainLen + i)  # keys on the logical sequence: past slots, then the ancestors
+    if SPLIT:
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, length)
+    else:
+        lo = 0
+        hi = length
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_D)
     q = tl.load(Q + (h * G + g)[:, None] * s_qh + i * s_qt + d[None, :], mask=(g < G)[:, None], other=0.0)
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_D], dtype=tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)  # [BN] logical positions
-        valid = t < length
+        valid = t < hi
         in_tree = valid & (t >= past)
         node = tl.load(Chain + i * s_chain + (t - past), mask=in_tree, other=0)
         slot = tl.where(in_tree, past + node, t)
@@ -225,29 +233,86 @@ def _chain_attn_kernel(Q, K, V, Out, Chain, ChainLen, PastPtr, past_val,
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    out = acc / l_i[:, None]
+    if SPLIT:  # this chunk's running max, sum and numerator, for _chain_merge_kernel
+        row = (i * tl.num_programs(1) + h) * n_chunks + c
+        tl.store(PartM + row * BLOCK_G + g, m_i)
+        tl.store(PartL + row * BLOCK_G + g, l_i)
+        tl.store(Part + (row * BLOCK_G + g)[:, None] * HEAD_D + d[None, :], acc)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(Out + (h * G + g)[:, None] * s_oh + i * s_ot + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=(g < G)[:, None])
+
+
+@triton.jit(do_not_specialize=["past_val"])
+def _chain_merge_kernel(Part, PartM, PartL, Out, ChainLen, PastPtr, past_val, s_oh, s_ot, n_chunks,
+                        G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, CHUNK: tl.constexpr,
+                        PAST_ON_DEVICE: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    if PAST_ON_DEVICE:
+        past = tl.load(PastPtr).to(tl.int32)
+    else:
+        past = past_val
+    length = past + tl.load(ChainLen + i)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_D)
+    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_D], dtype=tl.float32)
+    # the query's own chunks, in order (one chunk: acc and l pass through unchanged, as without a split)
+    for c in range(0, tl.cdiv(length, CHUNK)):
+        row = (i * tl.num_programs(1) + h) * n_chunks + c
+        m_c = tl.load(PartM + row * BLOCK_G + g)
+        m_new = tl.maximum(m, m_c)
+        a = tl.math.exp2(m - m_new)
+        b = tl.math.exp2(m_c - m_new)
+        l_sum = l_sum * a + tl.load(PartL + row * BLOCK_G + g) * b
+        acc = acc * a[:, None] + tl.load(Part + (row * BLOCK_G + g)[:, None] * HEAD_D + d[None, :]) * b[:, None]
+        m = m_new
+    out = acc / l_sum[:, None]
     tl.store(Out + (h * G + g)[:, None] * s_oh + i * s_ot + d[None, :], out.to(Out.dtype.element_ty),
              mask=(g < G)[:, None])
 
 
 def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len,
-                    chain: torch.Tensor, chain_len: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                    chain: torch.Tensor, chain_len: torch.Tensor, scale: float | None = None,
+                    max_past: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """q [Hq, T, D], k_cache/v_cache [Hkv, S, D] -> [Hq, T, D]. Query i sees slots < past_len and tree
     slots past_len + chain[i, :chain_len[i]] (from `ancestor_chain`); past_len an int or a one-element
-    device tensor (no host sync: graph-safe)."""
+    device tensor (no host sync: graph-safe), bounded by max_past (default S − T).
+
+    A query whose logical sequence is longer than `chunk` (default ATTENTION_CHUNK) sums it in chunks of that
+    many positions, aligned at position 0, each its own program, merged in order: the chunks are a
+    function of the query's position alone, so the result still is. A launch whose bound fits one chunk
+    skips the merge, with the same bits (a merge of one chunk changes nothing)."""
     Hq, T, D = q.shape
-    Hkv = k_cache.shape[0]
+    Hkv, S = k_cache.shape[0], k_cache.shape[1]
     G = Hq // Hkv
+    BG = max(16, triton.next_power_of_2(G))
     out = torch.empty_like(q)
     on_device = isinstance(past_len, torch.Tensor)
     scale = D ** -0.5 if scale is None else scale
     chain = chain if chain.stride(1) == 1 else chain.contiguous()
-    _chain_attn_kernel[(T, Hkv)](
-        q, k_cache, v_cache, out, chain, chain_len, past_len if on_device else chain_len, 0 if on_device else int(past_len),
+    chunk = chunk or ATTENTION_CHUNK
+    assert chunk % ATTENTION_BLOCK_N == 0, f"chunk {chunk} is not a multiple of {ATTENTION_BLOCK_N}"
+    bound = (max_past if max_past is not None else S - T) + T if on_device else int(past_len) + T
+    n_chunks = triton.cdiv(bound, chunk)
+    split = n_chunks > 1
+    part = torch.empty(T * Hkv * n_chunks * BG, D if split else 1, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(T * Hkv * n_chunks * BG if split else 1, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    past_ptr, past_val = (past_len, 0) if on_device else (chain_len, int(past_len))
+    _chain_attn_kernel[(T, Hkv, n_chunks if split else 1)](
+        q, k_cache, v_cache, out, part, part_m, part_l, chain, chain_len, past_ptr, past_val,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), chain.stride(0), scale * LOG2E,
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=ATTENTION_BLOCK_N, HEAD_D=D,
+        out.stride(0), out.stride(1), chain.stride(0), n_chunks, scale * LOG2E,
+        G=G, BLOCK_G=BG, BLOCK_N=ATTENTION_BLOCK_N, HEAD_D=D, CHUNK=chunk, SPLIT=split,
         PAST_ON_DEVICE=on_device, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    if split:
+        _chain_merge_kernel[(T, Hkv)](part, part_m, part_l, out, chain_len, past_ptr, past_val,
+                                      out.stride(0), out.stride(1), n_chunks, G=G, BLOCK_G=BG, HEAD_D=D,
+                                      CHUNK=chunk, PAST_ON_DEVICE=on_device, num_warps=4)
     return out
 
 

@@ -3,11 +3,11 @@ in one run: the linear against torch's (cuBLAS), per tile choice; the chain atte
 attention kernel. Each invariant result is checked for the property: a row's bits equal its bits alone.
 
     bench_linear(shapes, rows, tile_variants) -> [{name, N, K, M, tiles, torch_us, invariant_us, ratio, row_bits_equal}]
-    bench_attention(heads, trees, pasts)     -> [{T, past, triton_us, invariant_us, ratio}]
+    bench_attention(heads, trees, pasts)     -> [{T, past, triton_us, invariant_us, one_chunk_us, ratio}]
 
 Time per call: `bench.attention.time_cuda_graph` (captured in a graph, L2 flushed before each), GPU only.
 
-Command line: python -m ddtree_lab.bench.batch_invariant --out batch_invariant.json
+Command line: python -m ddtree_lab.bench.batch_invariant [--ops linear attention] --out batch_invariant.json
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ..kernels import batch_invariant as bi
 from .attention import time_cuda_graph
@@ -48,7 +49,7 @@ def bench_linear(shapes=SHAPES, rows=(1, 33, 65), tile_variants=TILE_VARIANTS, d
     return out
 
 
-def bench_attention(heads=(9, 3, 64), trees=(1, 33, 65), pasts=(200, 1000), dtype=torch.bfloat16, seed=0):
+def bench_attention(heads=(9, 3, 64), trees=(1, 33, 65), pasts=(200, 1000, 4000), dtype=torch.bfloat16, seed=0):
     from ..kernels.tree_attention import pack_mask, tree_attention
     from ..tree import ancestor_matrix
 
@@ -66,20 +67,23 @@ def bench_attention(heads=(9, 3, 64), trees=(1, 33, 65), pasts=(200, 1000), dtyp
             v = torch.randn(Hkv, past + T, D, generator=gen).to("cuda", dtype)
             p = torch.tensor([past], device="cuda")
             fast = time_cuda_graph(lambda: tree_attention(q, k, v, p, bits, max_past_len=past)) * 1000
-            inv = time_cuda_graph(lambda: bi.chain_attention(q, k, v, p, chain, length)) * 1000
+            inv = time_cuda_graph(lambda: bi.chain_attention(q, k, v, p, chain, length, max_past=past)) * 1000
+            one = time_cuda_graph(lambda: bi.chain_attention(q, k, v, p, chain, length, max_past=past,
+                                                             chunk=64 * triton.cdiv(past + T, 64))) * 1000
             out.append(dict(T=T, past=past, heads=list(heads), triton_us=round(fast, 2), invariant_us=round(inv, 2),
-                            ratio=round(inv / fast, 3)))
+                            one_chunk_us=round(one, 2), ratio=round(inv / fast, 3)))
             print(out[-1], flush=True)
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ops", nargs="+", choices=["linear", "attention"], default=["linear", "attention"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench batch_invariant times GPU kernels: no CUDA device is visible")
-    result = {"linear": bench_linear(), "attention": bench_attention()}
+    result = {op: {"linear": bench_linear, "attention": bench_attention}[op]() for op in a.ops}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

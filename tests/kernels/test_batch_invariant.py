@@ -110,36 +110,52 @@ def _cache(Hkv, S, D, dtype, seed):
 @pytest.mark.parametrize("T,past,Hq,Hkv,D", [(1, 0, 4, 2, 16), (1, 130, 4, 4, 32), (12, 7, 6, 2, 64),
                                              (40, 70, 4, 1, 16)])
 @pytest.mark.parametrize("past_on_device", [False, True])
-def test_chain_attention_matches_reference(T, past, Hq, Hkv, D, dtype, past_on_device):
+@pytest.mark.parametrize("chunk", [None, 64], ids=["one-chunk", "chunks-of-64"])
+def test_chain_attention_matches_reference(T, past, Hq, Hkv, D, dtype, past_on_device, chunk):
     anc = ancestor_matrix(random_parents(T, seed=T + past), T).to(DEVICE)
     q = rand(Hq, T, D, dtype=dtype, seed=12)
     k, v = _cache(Hkv, past + T + 5, D, dtype, seed=13)
     p = torch.tensor([past], device=DEVICE) if past_on_device else past
-    got = bi.chain_attention(q, k, v, p, *bi.ancestor_chain(anc))
+    got = bi.chain_attention(q, k, v, p, *bi.ancestor_chain(anc), chunk=chunk)
     torch.testing.assert_close(got.float(), bi.chain_attention_reference(q, k, v, past, anc).float(),
                                atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("past", [0, 60, 64, 200])
-def test_chain_attention_gives_a_tree_node_the_bits_of_an_ar_step(past, dtype):
+@pytest.mark.parametrize("chunk", [None, 64], ids=["one-chunk", "chunks-of-64"])
+def test_chain_attention_gives_a_tree_node_the_bits_of_an_ar_step(past, dtype, chunk):
     """Node i of a tree at past_len `past` == one query at position past + depth(i) over a cache holding
-    the committed slots, then i's ancestors in depth order (what AR would have written): bit for bit."""
+    the committed slots, then i's ancestors in depth order (what AR would have written): bit for bit. With
+    chunks of 64, some of these launches split and merge and some fit one chunk: the bits agree anyway."""
     T, Hq, Hkv, D = 24, 4, 2, 32
     parents = random_parents(T, seed=past)
     anc = ancestor_matrix(parents, T).to(DEVICE)
     chain, length = bi.ancestor_chain(anc)
     q = rand(Hq, T, D, dtype=dtype, seed=14)
     k, v = _cache(Hkv, past + T, D, dtype, seed=15)
-    tree = bi.chain_attention(q, k, v, past, chain, length)
+    tree = bi.chain_attention(q, k, v, past, chain, length, chunk=chunk)
     one = torch.ones(1, 1, dtype=torch.bool, device=DEVICE)
     for i in (0, 1, T // 2, T - 1):
         path = chain[i, :length[i]].long()
         ak, av = k[:, :past + len(path)].clone(), v[:, :past + len(path)].clone()
         ak[:, past:], av[:, past:] = k[:, past + path], v[:, past + path]
         pos = past + len(path) - 1  # the AR step: the query at its own position, seeing slots 0 … pos
-        ar = bi.chain_attention(q[:, i:i + 1], ak, av, pos, *bi.ancestor_chain(one))
+        ar = bi.chain_attention(q[:, i:i + 1], ak, av, pos, *bi.ancestor_chain(one), chunk=chunk)
         assert torch.equal(ar[:, 0], tree[:, i]), i
+
+
+def test_a_device_past_len_launches_for_its_bound_with_the_same_bits():
+    """Graphs pass past_len on the device and a bound (max_past): a bound of several chunks splits the launch,
+    and a query that fits one chunk keeps its bits."""
+    T, Hq, Hkv, D, past = 5, 4, 2, 16, 30
+    anc = ancestor_matrix(random_parents(T, seed=3), T).to(DEVICE)
+    q = rand(Hq, T, D, dtype=torch.float32, seed=16)
+    k, v = _cache(Hkv, 400, D, torch.float32, seed=17)
+    p = torch.tensor([past], device=DEVICE)
+    chain = bi.ancestor_chain(anc)
+    assert torch.equal(bi.chain_attention(q, k, v, p, *chain, max_past=300, chunk=64),
+                       bi.chain_attention(q, k, v, past, *chain, chunk=64))
 
 
 @gpu_only

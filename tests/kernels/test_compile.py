@@ -38,9 +38,10 @@ AUTO_SIGNATURE = {"Path": "*i64", "A": "*i64", "RoundIdx": "*i64", **AUTO_STATE_
 LINEAR_SIGNATURE = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                     "k_chunk": "i32", "s_xm": "i32", "s_wn": "i32", "s_ym": "i32", "s_ys": "i32"}
 CHAIN_ATTN_SIGNATURE = {
-    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Chain": "*i32", "ChainLen": "*i32", "PastPtr": "*i64",
-    "past_val": "i32", **{s: "i32" for s in ("s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot",
-                                             "s_chain")}, "qk_scale": "fp32"}
+    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32",
+    "Chain": "*i32", "ChainLen": "*i32", "PastPtr": "*i64", "past_val": "i32",
+    **{s: "i32" for s in ("s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot", "s_chain", "n_chunks")},
+    "qk_scale": "fp32"}
 
 CASES = [
     ("tree_build", "_beam_step_kernel",
@@ -121,9 +122,15 @@ CASES = [
      {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "N": "i32", "s_x": "i32", "s_y": "i32", "eps": "fp32"},
      {"BLOCK": 1024}),
     ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a device past_len (graphs), SmolLM2's heads
-     {"G": 3, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 64, "PAST_ON_DEVICE": True, "IEEE": False}),
-    ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a host past_len, wide heads
-     {"G": 4, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 128, "PAST_ON_DEVICE": False, "IEEE": False}),
+     {"G": 3, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 64, "CHUNK": 512, "SPLIT": True, "PAST_ON_DEVICE": True,
+      "IEEE": False}),
+    ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a host past_len, wide heads, one chunk
+     {"G": 4, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 128, "CHUNK": 512, "SPLIT": False, "PAST_ON_DEVICE": False,
+      "IEEE": False}),
+    ("batch_invariant", "_chain_merge_kernel",
+     {"Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32", "Out": "*bf16", "ChainLen": "*i32", "PastPtr": "*i64",
+      "past_val": "i32", "s_oh": "i32", "s_ot": "i32", "n_chunks": "i32"},
+     {"G": 3, "BLOCK_G": 16, "HEAD_D": 64, "CHUNK": 512, "PAST_ON_DEVICE": True}),
 ]
 
 FULL_ENV = "DDTREE_LAB_FULL_COMPILE"
