@@ -14,8 +14,9 @@ row's arithmetic, so a token computed alone, in any tree, or in a prefill gets t
 - `rms_norm`: one program per row, one block over the whole row.
 - `chain_attention`: one program per (query, KV head), the head group as the dot's rows. Query i's keys
   are walked in *logical* order: committed slots 0 … past_len-1, then its ancestors root first
-  (`chain`), in blocks of BLOCK_N aligned at logical position 0. An AR step at position p walks slots
-  0 … p, the same keys in the same blocks, so the online softmax makes the same roundings.
+  (`chain`), in blocks of BLOCK_N aligned at logical position 0 (and, past ATTENTION_CHUNK positions, in
+  chunks aligned there too, merged in order). An AR step at position p walks slots 0 … p, the same keys in
+  the same blocks and chunks, so the online softmax makes the same roundings.
 The cost is speed (no tuned tiles per shape, one query per program): docs/kernels.md has the figures.
 """
 from __future__ import annotations
