@@ -82,6 +82,9 @@ class Target(nn.Module):
         if backend == "invariant" and self.cfg.is_moe:
             raise ValueError("attention='invariant' covers dense targets; this one has MoE layers, whose fused "
                              "kernels tile by the number of tokens")
+        if backend == "invariant" and getattr(self, "tp", 1) > 2:  # a sum of two is the same in either order
+            raise ValueError(f"attention='invariant' takes tp ≤ 2: across {self.tp} processes the all-reduce sums "
+                             "in an order that follows the message's size")
         self.attention = backend
         set_batch_invariant(self, backend == "invariant")
 

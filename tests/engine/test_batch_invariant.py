@@ -84,6 +84,16 @@ def test_switching_back_restores_torchs_layers():
     assert not any(m.batch_invariant for m in target.modules() if hasattr(m, "batch_invariant"))
 
 
+def test_tensor_parallel_over_more_than_two_processes_is_refused():
+    target = Target(tiny_target_config("qwen3"))
+    target.tp = 4  # what parallel.make_parallel sets on a rank's share
+    with pytest.raises(ValueError, match="takes tp ≤ 2"):
+        target.set_attention("invariant")
+    target.tp = 2
+    target.set_attention("invariant")
+    assert target.attention == "invariant"
+
+
 def test_an_moe_target_is_refused_by_name():
     target = Target(tiny_target_config("qwen3_moe"))
     with pytest.raises(ValueError, match="covers dense targets; this one has MoE layers"):
