@@ -187,6 +187,16 @@ def ancestor_chain(anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return chain[:, :T].contiguous(), anc.sum(1).to(torch.int32)
 
 
+@triton.jit
+def _sequence(ChainLen, PastPtr, past_val, i, PAST_ON_DEVICE: tl.constexpr):
+    """-> (past_len, the length of query i's logical sequence: the past slots, then its ancestors-or-self)."""
+    if PAST_ON_DEVICE:
+        past = tl.load(PastPtr).to(tl.int32)
+    else:
+        past = past_val
+    return past, past + tl.load(ChainLen + i)
+
+
 @triton.jit(do_not_specialize=["past_val"])
 def _chain_attn_kernel(Q, K, V, Out, Part, PartM, PartL, Chain, ChainLen, PastPtr, past_val,
                        s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_chain, n_chunks, qk_scale,
@@ -195,11 +205,7 @@ def _chain_attn_kernel(Q, K, V, Out, Part, PartM, PartL, Chain, ChainLen, PastPt
     i = tl.program_id(0)  # the query (tree node)
     h = tl.program_id(1)  # the KV head; its G query heads are the dot's rows
     c = tl.program_id(2)  # SPLIT: the chunk of CHUNK logical positions this program sums
-    if PAST_ON_DEVICE:
-        past = tl.load(PastPtr).to(tl.int32)
-    else:
-        past = past_val
-    length = past + tl.load(ChainLen + i)  # keys on the logical sequence: past slots, then the ancestors
+    past, length = _sequence(ChainLen, PastPtr, past_val, i, PAST_ON_DEVICE)
     if SPLIT:
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, length)
@@ -251,11 +257,7 @@ def _chain_merge_kernel(Part, PartM, PartL, Out, ChainLen, PastPtr, past_val, s_
                         PAST_ON_DEVICE: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
-    if PAST_ON_DEVICE:
-        past = tl.load(PastPtr).to(tl.int32)
-    else:
-        past = past_val
-    length = past + tl.load(ChainLen + i)
+    past, length = _sequence(ChainLen, PastPtr, past_val, i, PAST_ON_DEVICE)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_D)
     m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
