@@ -115,6 +115,28 @@ def test_prompts_with_auto_variants_side_by_side(tmp_path, capsys):
         assert needle in capsys.readouterr().err
 
 
+def test_prompts_says_when_a_text_differs_from_ar_and_what_gives_ar_text(tmp_path, capsys, monkeypatch):
+    """A method whose text differs from AR's (as bf16 numerics do) is counted, and the line names the cure."""
+    import ddtree_lab.bench.e2e as e2e
+
+    real = e2e.generate
+
+    def one_token_off_for_dflash(pair, prompt, **kw):
+        res = real(pair, prompt, **kw)
+        if kw["method"] == "dflash" and len(res.tokens) > 2:
+            res.tokens = res.tokens[:2] + [(res.tokens[2] + 1) % pair.target.cfg.vocab_size] + res.tokens[3:]
+        return res
+
+    monkeypatch.setattr(e2e, "generate", one_token_off_for_dflash)
+    res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "1", "--budgets", "4",
+                "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa",
+                "--repeats", "1")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert not rows["dflash"]["lossless"] and rows["ddtree"]["lossless"]
+    err = capsys.readouterr().err
+    assert "texts: 1 of 2 methods differ from AR's" in err and "--attention invariant" in err
+
+
 def test_source_digest_is_stable():
     assert source_digest() == source_digest()
 
