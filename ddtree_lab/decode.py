@@ -110,7 +110,7 @@ class RoundProgram:
         if self.target.attention == "triton":
             self.ar_mask.bits  # packed now, once, outside any graph capture
         if self.target.attention == "invariant":
-            self.ar_mask.chain
+            self.ar_mask.chain  # its ancestor lists, likewise
         if method != "ar":
             self.T = 1 + tree_size(self.L, topk_width(topk, budget, self.target.cfg.vocab_size), budget)
             # The accepted nodes' target features, for the drafter's context at the next draft.

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
 from .config import TargetConfig
-from .layers import ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear, set_batch_invariant
+from .layers import (ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear,
+                     set_batch_invariant)
 from .moe import SparseMoE, expert_routing
 from .tree import use_triton
 

@@ -33,7 +33,7 @@ def random_parents(T, seed):
     return p
 
 
-SPLIT = {"K_CHUNK": 128, "SPLIT_BELOW_N_TILES": None, "BLOCK_K": 64}  # K summed in fixed chunks, then the chunks in order
+SPLIT = {"K_CHUNK": 128, "SPLIT_BELOW_N_TILES": None, "BLOCK_K": 64}  # fixed chunks of K, summed in order
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
