@@ -86,6 +86,19 @@ def test_collect_and_compare(study_dir):
     assert best["budget"] in (2, 4)  # never the lossy b8 run
 
 
+def test_a_16_bit_mismatch_points_to_the_invariant_target_unless_it_ran_there():
+    def run(method, tokens, **cfg):
+        return {"config": {"method": method, "temperature": 0.0, **cfg}, "summary": {"new_tokens": len(tokens)},
+                "prompts": [{"id": "p0", "tokens": tokens}]}
+
+    ar = run("ar", [1, 2, 3], dtype="bfloat16", attention="triton")
+    fast = R.losslessness(run("ddtree", [1, 2, 4], dtype="bfloat16", attention="triton"), ar)
+    assert fast["verdict"] == "mismatch" and "attention: invariant" in fast["detail"]
+    ar["config"]["attention"] = "invariant"  # there every run must equal AR: a mismatch is a fault, unexcused
+    inv = R.losslessness(run("ddtree", [1, 2, 4], dtype="bfloat16", attention="invariant"), ar)
+    assert inv["verdict"] == "mismatch" and inv["detail"] == "p0 diverges at token 2"
+
+
 def test_results_json_fields(study_dir):
     res = json.loads((study_dir / "ddtree-b4-k0-t0" / "results.json").read_text())
     for key in ("config", "models", "device", "versions", "commit", "prompts", "summary", "comparison"):
