@@ -226,6 +226,26 @@ def test_tokens_per_second_and_best_budget_on_a_study(tmp_path):
     assert "refused" in adv["measured_fit"]       # three budgets: too few for a fit
 
 
+def test_advice_says_whether_the_budgets_tau_come_from_one_text(tmp_path):
+    """In the synthetic study budget 4 emits AR's tokens and 16, 64 emit more: τ(B) then spans texts."""
+    adv = advise(make_study(tmp_path / "fp32"), machines=["h200"], model="random:qwen3-8b", n_boot=20)
+    texts = adv["texts"]
+    assert texts["verdicts"] == {4: "lossless", 16: "mismatch", 64: "mismatch"} and not texts["one_text"]
+    assert texts["differ"] == [16, 64] and "compares different texts" in texts["note"]
+    assert "attention: invariant" not in texts["note"]  # fp32: not a numerics effect
+    assert "texts: budgets 16, 64" in advice_table(adv)
+    bf16 = advise(make_study(tmp_path / "bf16", dtype="bfloat16", attention="triton"), machines=["h200"],
+                  model="random:qwen3-8b", n_boot=20)
+    assert "attention: invariant measures every budget on AR's text" in bf16["texts"]["note"]
+    d = tmp_path / "one" / "study"  # every budget emits AR's ten tokens a prompt, in fewer rounds
+    d.mkdir(parents=True)
+    _run(d, "ar-t0", "ar", None, {"p0": [1] * 10, "p1": [1] * 10})
+    _run(d, "ddtree-b4-k0-t0", "ddtree", 4, {"p0": [2] * 5, "p1": [2] * 5})
+    _run(d, "ddtree-b16-k0-t0", "ddtree", 16, {"p0": [5] * 2, "p1": [5, 5]})
+    one = advise(d, machines=["h200"], model="random:qwen3-8b", n_boot=20)
+    assert one["texts"]["one_text"] and one["texts"]["note"] is None and "texts:" not in advice_table(one)
+
+
 def test_bootstrap_band_collapses_when_prompts_agree_and_widens_when_they_differ():
     same = {4: {"a": (10, 5), "b": (10, 5)}, 16: {"a": (15, 5), "b": (15, 5)}}
     out = best_budget(same, {4: 1.0, 16: 1.2}, n_boot=100)

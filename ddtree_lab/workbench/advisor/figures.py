@@ -125,6 +125,8 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
              f"<code>{esc(advice['model'])}</code> on each machine (weights, KV, FLOPs, launches; efficiency "
              f"factors fitted once on H200), context {advice['context_tokens']} tokens. "
              f"<code>ddtree-lab advise</code> writes the same figures to advice.json.</div>")
+    if (advice.get("texts") or {}).get("note"):
+        page.add(f"<div class='callout'><b>Texts.</b> {esc(advice['texts']['note'])}.</div>")
     body = []
     for name, m in advice["machines"].items():
         b = m["best"]

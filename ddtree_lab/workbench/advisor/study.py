@@ -75,6 +75,9 @@ def study_taus(study_dir: str | os.PathLike) -> dict:
                      if cfg.get("target_dir") and cfg.get("drafter_dir") else None),
             "device": (res.get("device") or {}), "topk": key[0], "temperature": key[1], "context_tokens": ctx,
             "budgets": {b: _prompt_taus(r["results"]) for b, r in sorted(runs.items())},
+            # whether each budget emitted AR's text (results.losslessness): τ(B) compares one text only then
+            "texts": {b: (r.get("comparison") or {}).get("verdict") for b, r in sorted(runs.items())},
+            "numerics": {k: cfg.get(k) for k in ("dtype", "attention")},
             "dflash": _prompt_taus(dflash["results"]) if dflash else None,
             "auto": _auto_taus(autos.get(key)),
             "traces": {b: load_traces(r["dir"]) for b, r in sorted(runs.items())},
@@ -155,6 +158,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
            "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
            "tau_auto": ({"run": st["auto"]["run"], "tau": _tau(st["auto"]["taus"], all_ids),
                          "budget_share": st["auto"]["budget_share"]} if st["auto"] else None),
+           "texts": texts_note(st["texts"], st["numerics"]),
            "calibration": dataclasses.asdict(cal), "machines": {}}
     # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
     # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
@@ -193,6 +197,18 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     return out
 
 
+def texts_note(verdicts: dict, numerics: dict) -> dict:
+    """Whether the budgets' τ were measured on one text (every budget equal to AR's), and what to do if not."""
+    differ = [b for b, v in verdicts.items() if v == "mismatch"]
+    note = None
+    if differ:
+        note = (f"budget{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} emitted other text than AR "
+                "on some prompt, so τ(B) compares different texts")
+        if numerics.get("dtype") in ("bfloat16", "float16") and numerics.get("attention") != "invariant":
+            note += f" ({numerics['dtype']} numerics); attention: invariant measures every budget on AR's text"
+    return {"verdicts": verdicts, "one_text": not differ, "differ": differ, "note": note, **numerics}
+
+
 def write_advice(study_dir: str | os.PathLike, advice: dict, out: str | os.PathLike | None = None) -> Path:
     path = Path(out) if out else Path(study_dir) / ADVICE_FILE
     atomic_write_json(path, advice)
@@ -217,6 +233,8 @@ def advice_table(advice: dict) -> str:
         lines.append(f"  {name:<13} B={best['budget']:<5} {best['tokens_per_second']:8.1f} tok/s "
                      f"[{best['band'][0]:.1f}, {best['band'][1]:.1f}]  {best['speedup']:.2f}× AR  "
                      f"{A.PART_TITLES[best['dominant']]}")
+    if (advice.get("texts") or {}).get("note"):
+        lines.append(f"texts: {advice['texts']['note']}")
     auto = advice.get("tau_auto")
     if auto:
         share = ", ".join(f"{b}: {100 * v:.0f}%" for b, v in (auto.get("budget_share") or {}).items() if v)
