@@ -9,8 +9,9 @@ Why: a verify over T tree tokens and an AR step over one token are different lau
 for one token differ in the last bits between budgets, and a near tie can flip the greedy token: two
 budgets then emit different texts, and neither equals AR's. These ops fix every choice that decides a
 row's arithmetic, so a token computed alone, in any tree, or in a prefill gets the same bits:
-- `linear`: one tile shape for every M, the K loop in one order, fp32 accumulation, no split-K. A row's
-  dot products never meet another row's (an MMA's per-element sum does not depend on its neighbours).
+- `linear`: one tile shape for every M, the K loop in one order, fp32 accumulation, and a split of K only
+  where the matrix's shape alone asks for one. A row's dot products never meet another row's (an MMA's
+  per-element sum does not depend on its neighbours).
 - `rms_norm`: one program per row, one block over the whole row.
 - `chain_attention`: one program per (query, KV head), the head group as the dot's rows. Query i's keys
   are walked in *logical* order: committed slots 0 … past_len-1, then its ancestors root first
