@@ -13,30 +13,24 @@ from .config import RopeConfig, rope_inv_freq
 # run kernels/batch_invariant.py, whose result for a row does not depend on the other rows. As custom ops, a
 # compiled layer calls them whole (the compiler fuses around them, never into them: fusing would change
 # their arithmetic from shape to shape).
-@torch.library.custom_op("ddtree_lab::invariant_linear", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-def invariant_linear(x, weight, bias):
-    from .kernels.batch_invariant import linear
+def _invariant_op(name: str, schema: str, fake):
+    """kernels/batch_invariant.<name> as the custom op ddtree_lab::invariant_<name>, `fake` giving its output's
+    shape and dtype to the compiler."""
+    def run(*args):
+        from .kernels import batch_invariant
 
-    return linear(x, weight, bias)
+        return getattr(batch_invariant, name)(*args)
 
-
-@invariant_linear.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("ddtree_lab::invariant_rms_norm", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, float eps) -> Tensor")
-def invariant_rms_norm(x, weight, eps):
-    from .kernels.batch_invariant import rms_norm
-
-    return rms_norm(x, weight, eps)
+    op = torch.library.custom_op(f"ddtree_lab::invariant_{name}", run, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op
 
 
-@invariant_rms_norm.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+invariant_linear = _invariant_op("linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+                                 lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+invariant_rms_norm = _invariant_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor",
+                                   lambda x, weight, eps: x.new_empty(
+                                       x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)))
 
 
 class Linear(nn.Linear):

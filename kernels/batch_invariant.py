@@ -303,9 +303,10 @@ def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bound = (max_past if max_past is not None else S - T) + T if on_device else int(past_len) + T
     n_chunks = triton.cdiv(bound, chunk)
     split = n_chunks > 1
-    part = torch.empty(T * Hkv * n_chunks * BG, D if split else 1, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(T * Hkv * n_chunks * BG if split else 1, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    # the chunks' partial numerators, maxima and sums (one unused element each when one chunk does it all)
+    rows = T * Hkv * n_chunks * BG if split else 1
+    part = torch.empty(rows, D if split else 1, dtype=torch.float32, device=q.device)
+    part_m, part_l = torch.empty(2, rows, dtype=torch.float32, device=q.device)
     past_ptr, past_val = (past_len, 0) if on_device else (chain_len, int(past_len))
     _chain_attn_kernel[(T, Hkv, n_chunks if split else 1)](
         q, k_cache, v_cache, out, part, part_m, part_l, chain, chain_len, past_ptr, past_val,

@@ -392,18 +392,24 @@ def _check_runtime(study: Study, src: str | None) -> None:
 
 
 def _is_moe(study: Study) -> bool:
-    """Whether the study's target has mixture-of-experts layers (from its config.json or the random shape)."""
+    """Whether the study's target has mixture-of-experts layers."""
+    return bool((_target_config(study) or {}).get("num_experts"))
+
+
+def _target_config(study: Study) -> dict | None:
+    """The target's config: its random shape, or its config.json (None when unreadable: the loader names
+    what is wrong with the file)."""
     m = study.models
     if m.pair and m.pair.startswith(pairs.RANDOM_PREFIX):
         from ..pairs.random import RANDOM_SHAPES  # a torch-free table of sizes
 
-        return bool(RANDOM_SHAPES.get(m.pair[len(pairs.RANDOM_PREFIX):], {}).get("num_experts"))
+        return RANDOM_SHAPES.get(m.pair[len(pairs.RANDOM_PREFIX):])
     target = _target_dir(study)
     try:
-        cfg = json.loads((target / "config.json").read_text(encoding="utf-8")) if target else {}
+        cfg = json.loads((target / "config.json").read_text(encoding="utf-8")) if target else None
     except (OSError, ValueError):
-        return False  # the loader names what is wrong with the file
-    return isinstance(cfg, dict) and bool(cfg.get("num_experts"))
+        return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def _target_dir(study: Study) -> Path | None:
@@ -417,18 +423,16 @@ def _check_prompts_fit(study: Study, base: Path | None, src: str | None) -> None
     """Every run would fail on a prompt that does not fit the context with max_new_tokens, or on chat
     prompts for a checkpoint without a chat template: refuse them now, naming the prompt."""
     m, g = study.models, study.grid
-    target = _target_dir(study)
+    target, cfg = _target_dir(study), _target_config(study)
+    if cfg is None:
+        return  # the loader names what is wrong with the file; nothing to compare against here
+    try:
+        limit = int(cfg.get("max_position_embeddings") or 0)
+    except (TypeError, ValueError):
+        return
     if target is None:  # random weights: prompts go in as their UTF-8 bytes
-        from ..pairs.random import RANDOM_SHAPES  # a torch-free table of sizes
-
-        limit = RANDOM_SHAPES[m.pair[len(pairs.RANDOM_PREFIX):]]["max_position_embeddings"]
         count, template = (lambda text: len(text.encode("utf-8"))), True
     else:
-        try:
-            cfg = json.loads((target / "config.json").read_text(encoding="utf-8"))
-            limit = int(cfg.get("max_position_embeddings") or 0) if isinstance(cfg, dict) else 0
-        except (OSError, ValueError, TypeError):
-            return  # the loader names what is wrong with the file; nothing to compare against here
         tok_file, tcfg_file = target / "tokenizer.json", target / "tokenizer_config.json"
         count = None
         if tok_file.is_file():
