@@ -1,8 +1,12 @@
 """What budget="auto" costs beyond the rounds it runs, on a GPU: a fixed budget against auto over that one
-budget (the same rounds plus the choice's kernel and reads), over it and one more priced equal (so it runs the
-larger, through a shared state), and over a wide set (learning). Same prompts, interleaved repeats.
+budget (the same rounds plus the choice's update and reads), over it and a larger one priced out (the same
+rounds again, a larger cache and a second candidate's graphs), over it and one more priced equal (so it runs the
+larger, through a shared state), and over a wide set (learning). With --pools each auto run also runs with a
+memory pool per candidate, as before 85f45d8, beside the one pool the candidates share. Same prompts,
+interleaved repeats.
 
-    python tools/auto_overhead.py --pair lab --prompts lab:code --n-prompts 8 --budget 64 --out auto_overhead.json
+    python tools/auto_overhead.py --pair lab --prompts lab:code --n-prompts 32 --budget 32 --attention invariant \
+        --pools --repeats 6 --out auto_overhead.json
 """
 from __future__ import annotations
 
@@ -11,8 +15,14 @@ import json
 import statistics
 
 import ddtree_lab as dl
+from ddtree_lab import decode, graphs
 from ddtree_lab.environment import environment
 from ddtree_lab.prompts import read_prompt_set
+
+
+def a_pool_each(program, pool=None):
+    """A runner that keeps its own memory pool whatever it is given (the rule before 85f45d8)."""
+    return graphs.GraphRunner(program)
 
 
 def main() -> None:
@@ -23,39 +33,71 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--attention", default="triton")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (no graphs, no pools)")
+    ap.add_argument("--pools", action="store_true", help="also run each auto with a memory pool per candidate")
     ap.add_argument("--out", default="auto_overhead.json")
     args = ap.parse_args()
-    pair = dl.load_pair(args.pair, device="cuda", dtype="bfloat16", attention="triton", compile=True)
+    pair = dl.load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
+                       compile=args.device == "cuda")
     prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
     b = args.budget
-    runs = {f"fixed {b}": b, f"auto over ({b},)": dl.AutoBudget(budgets=(b,)),
-            f"auto over ({b // 2}, {b}) priced equal": dl.AutoBudget(budgets=(b // 2, b), costs=(1e-3, 1e-3)),
-            "auto over 16..256": dl.AutoBudget(budgets=(16, 32, 64, 128, 256))}
-    out = {name: {"tokens_per_second_per_repeat": []} for name in runs}
-    for budget in runs.values():  # untimed: compile, capture, a first pass of learning
+    autos = {f"auto over ({b},)": dl.AutoBudget(budgets=(b,)),
+             f"auto over ({b}, {8 * b}), {8 * b} priced out": dl.AutoBudget(budgets=(b, 8 * b), costs=(1e-4, 1.0)),
+             f"auto over ({b}, {2 * b}), {2 * b} priced out": dl.AutoBudget(budgets=(b, 2 * b), costs=(1e-4, 1.0)),
+             f"auto over ({b // 2}, {b}) priced equal": dl.AutoBudget(budgets=(b // 2, b), costs=(1e-3, 1e-3)),
+             "auto over 16..256": dl.AutoBudget(budgets=(16, 32, 64, 128, 256))}
+    runs = {f"fixed {b}": (b, None), f"fixed {2 * b}": (2 * b, None)}
+    for name, auto in autos.items():
+        runs[name] = (auto, "one pool")
+        if args.pools:
+            runs[name + ", a pool each"] = (auto, "a pool each")
+    kept = {"one pool": {}, "a pool each": {}}  # each way's captured programs, swapped in before its calls
+    one_pool_runner = decode.GraphRunner
+
+    def call(name, prompt):
+        budget, pools = runs[name]
+        if pools is not None:
+            decode.GraphRunner = one_pool_runner if pools == "one pool" else a_pool_each
+            pair.__dict__["_auto_programs"] = kept[pools]
+        return dl.generate(pair, prompt, budget=budget, max_new_tokens=args.max_new_tokens, trace=False, stop=[])
+
+    for p in prompts:  # every prompt length once: a compiled model specialises on shapes
+        dl.generate(pair, p, method="ar", max_new_tokens=2, trace=False, stop=[])
+    for name in runs:  # untimed: compile, capture, a first pass of learning
         for p in prompts:
-            dl.generate(pair, p, budget=budget, max_new_tokens=args.max_new_tokens, trace=False, stop=[])
+            call(name, p)
+    out = {name: {"tokens_per_second_per_repeat": [], "us_per_round_per_repeat": []} for name in runs}
+    reference = {}
     for _ in range(args.repeats):
-        for name, budget in runs.items():
-            tokens = rounds = 0
+        for name in runs:
+            tokens = rounds = alike = 0
             seconds, stages, share = 0.0, {}, {}
-            for p in prompts:
-                r = dl.generate(pair, p, budget=budget, max_new_tokens=args.max_new_tokens, trace=False, stop=[])
+            for i, p in enumerate(prompts):
+                r = call(name, p)
                 tokens, seconds, rounds = tokens + len(r.tokens), seconds + r.wall_seconds, rounds + len(r.acceptance_lengths)
                 for s, v in r.stage_seconds.items():
                     stages[s] = stages.get(s, 0.0) + v
                 for x in r.round_budgets:
                     share[x] = share.get(x, 0) + 1
+                alike += r.tokens == reference.setdefault(i, r.tokens)
             row = out[name]
             row["tokens_per_second_per_repeat"].append(tokens / seconds)
-            row.update(tokens_per_round=tokens / rounds, budget_rounds=share,
+            row["us_per_round_per_repeat"].append(seconds / rounds * 1e6)
+            row.update(tokens_per_round=tokens / rounds, budget_rounds=share, prompts_alike_first_run=alike,
                        stage_us_per_round={s: v / rounds * 1e6 for s, v in stages.items()})
+    base = out[f"fixed {b}"]["tokens_per_second_per_repeat"]
     for name, row in out.items():
         row["tokens_per_second"] = statistics.median(row["tokens_per_second_per_repeat"])
-        print(f"{name:32s} {row['tokens_per_second']:8.0f} tok/s  {row['tokens_per_round']:.2f} tokens/round  "
+        row["vs_fixed_per_repeat"] = [x / y for x, y in zip(row["tokens_per_second_per_repeat"], base)]
+        row["vs_fixed"] = statistics.median(row["vs_fixed_per_repeat"])
+        print(f"{name:44s} {row['tokens_per_second']:8.0f} tok/s  ÷ fixed {b}: {row['vs_fixed']:.4f}  "
+              f"{row['tokens_per_round']:.3f} tokens/round  {row['prompts_alike_first_run']} alike  "
               f"{row['budget_rounds']}")
     with open(args.out, "w") as f:
-        json.dump({"environment": environment(), "pair": args.pair, "prompts": args.prompts, "runs": out}, f, indent=1)
+        json.dump({"environment": environment(), "pair": args.pair, "prompts": args.prompts, "n_prompts": args.n_prompts,
+                   "attention": args.attention, "dtype": args.dtype, "runs": out}, f, indent=1)
 
 
 if __name__ == "__main__":
