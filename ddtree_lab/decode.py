@@ -23,7 +23,7 @@ from . import options
 from .attention import TreeMask
 from .auto_budget import AutoBudget, AutoState, measure_costs, resolve_budget, source_round
 from .checkpoint import Pair
-from .graphs import GraphPool, GraphRunner, kept, padded_prefill, prefill_for, then
+from .graphs import GraphRunner, kept, padded_prefill, prefill_for, then
 from .names import MAX_BUDGET, METHODS, STAGES, topk_width
 from .prompts import encode_prompt
 from .trace import GenerationResult, RoundTrace, StageClock
@@ -306,8 +306,7 @@ def _auto_programs_for(pair: Pair, auto: AutoBudget, topk, temperature, draft_wi
         for j in reversed(range(len(auto.budgets))):
             programs[j] = RoundProgram(pair, "ddtree", auto.budgets[j], topk, temperature, out_capacity, max_rounds,
                                        share=programs[-1], auto=state, auto_index=j)
-        pool = GraphPool()  # the candidates run one at a time
-        return programs, [GraphRunner(p, pool) for p in programs] if graphs else [None] * len(programs), state
+        return programs, [GraphRunner(p) for p in programs] if graphs else [None] * len(programs), state
 
     def release(entry):
         for runner in entry[1]:

@@ -41,25 +41,13 @@ def warm_up(fn, times: int = 2) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
-class GraphPool:
-    """One memory pool for the graphs of runners that never replay at once (its handle once the first captures).
-
-    Sharing is safe where every tensor a round carries to the next was allocated before any capture (the
-    programs' state, the caches): what a capture allocates is then either kept alive by its program, or a
-    temporary that its own round writes before it reads. budget="auto"'s candidates share one, which keeps the
-    round's memory in one place whichever candidate runs (docs/performance.md: one pool for auto's candidates)."""
-
-    def __init__(self):
-        self.handle = None
-
-
 class GraphRunner:
-    """Captures each stage of a RoundProgram as a CUDA graph, into `pool` (its own unless given), and replays them."""
+    """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
 
-    def __init__(self, program, pool: GraphPool | None = None):  # program: a decode.RoundProgram
+    def __init__(self, program):  # a decode.RoundProgram
         self.program = program
         self.graphs: list[tuple[str, torch.cuda.CUDAGraph, object]] = []
-        self.pool = pool or GraphPool()
+        self.pool = None
 
     def capture(self) -> None:
         p = self.program
@@ -74,9 +62,9 @@ class GraphRunner:
         with capturing():
             for name, fn, pre in p.stages:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool.handle):
+                with torch.cuda.graph(g, pool=self.pool):
                     fn()
-                self.pool.handle = self.pool.handle or g.pool()
+                self.pool = self.pool or g.pool()
                 self.graphs.append((name, g, pre))
         p.restore_state(saved)
 
@@ -86,7 +74,7 @@ class GraphRunner:
     def release(self) -> None:
         """Destroy the graphs now (their memory goes back), not whenever a garbage collection finds them."""
         self.graphs.clear()
-        self.pool.handle = None
+        self.pool = None
 
 
 PREFILL_BUCKET = 64  # a captured prefill pads the prompt to a multiple of this many tokens (one graph each)

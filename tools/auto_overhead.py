@@ -1,9 +1,9 @@
 """What budget="auto" costs beyond the rounds it runs, on a GPU: a fixed budget against auto over that one
 budget (the same rounds plus the choice's update and reads), over it and a larger one priced out (the same
 rounds again, a larger cache and a second candidate's graphs), over it and one more priced equal (so it runs the
-larger, through a shared state), and over a wide set (learning). With --pools each auto run also runs with a
-memory pool per candidate, as before 85f45d8, beside the one pool the candidates share. Same prompts,
-interleaved repeats.
+larger, through a shared state), and over a wide set (learning). Each candidate's graphs keep a memory pool of
+their own; with --pools each auto run also runs with one pool for all its candidates (they never run at once),
+the arrangement 85f45d8 tried and 1d80cb8's file measured. Same prompts, interleaved repeats.
 
     python tools/auto_overhead.py --pair lab --prompts lab:code --n-prompts 32 --budget 32 --attention invariant \
         --pools --repeats 6 --out auto_overhead.json
@@ -20,9 +20,16 @@ from ddtree_lab.environment import environment
 from ddtree_lab.prompts import read_prompt_set
 
 
-def a_pool_each(program, pool=None):
-    """A runner that keeps its own memory pool whatever it is given (the rule before 85f45d8)."""
-    return graphs.GraphRunner(program)
+class OnePoolRunner(graphs.GraphRunner):
+    """A runner whose graphs go into the pool of the first runner captured for the same auto state."""
+
+    pools: dict = {}
+
+    def capture(self) -> None:
+        key = id(self.program.auto)
+        self.pool = self.pools.get(key)
+        super().capture()
+        self.pools[key] = self.pool
 
 
 def main() -> None:
@@ -36,7 +43,7 @@ def main() -> None:
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script (no graphs, no pools)")
-    ap.add_argument("--pools", action="store_true", help="also run each auto with a memory pool per candidate")
+    ap.add_argument("--pools", action="store_true", help="also run each auto with one memory pool for its candidates")
     ap.add_argument("--out", default="auto_overhead.json")
     args = ap.parse_args()
     pair = dl.load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
@@ -50,16 +57,16 @@ def main() -> None:
              "auto over 16..256": dl.AutoBudget(budgets=(16, 32, 64, 128, 256))}
     runs = {f"fixed {b}": (b, None), f"fixed {2 * b}": (2 * b, None)}
     for name, auto in autos.items():
-        runs[name] = (auto, "one pool")
+        runs[name] = (auto, "a pool each")
         if args.pools:
-            runs[name + ", a pool each"] = (auto, "a pool each")
+            runs[name + ", one pool"] = (auto, "one pool")
     kept = {"one pool": {}, "a pool each": {}}  # each way's captured programs, swapped in before its calls
-    one_pool_runner = decode.GraphRunner
+    runner_of = {"a pool each": decode.GraphRunner, "one pool": OnePoolRunner}
 
     def call(name, prompt):
         budget, pools = runs[name]
         if pools is not None:
-            decode.GraphRunner = one_pool_runner if pools == "one pool" else a_pool_each
+            decode.GraphRunner = runner_of[pools]
             pair.__dict__["_auto_programs"] = kept[pools]
         return dl.generate(pair, prompt, budget=budget, max_new_tokens=args.max_new_tokens, trace=False, stop=[])
 

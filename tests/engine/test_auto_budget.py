@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 import ddtree_lab as dl  # noqa: E402
 from ddtree_lab.auto_budget import source_round  # noqa: E402
+from ddtree_lab.prompts import read_prompt_set  # noqa: E402
 
 PROMPT = [3, 9, 27, 81, 243]
 CHEAP = dl.AutoBudget(budgets=(1, 7, 64), costs=(1e-3, 1.1e-3, 1.3e-3))
@@ -98,21 +99,19 @@ def test_auto_refused_where_it_cannot_run(tiny_pair, kwargs, needle):
 @pytest.mark.parametrize("trace", [True, False])
 def test_auto_in_cuda_graphs_equals_ar(trace):
     pair = dl.load_pair("lab", device="cuda", dtype="float32", attention="triton")
-    prompt = "def quicksort(items):"
-    ar = dl.generate(pair, prompt, method="ar", max_new_tokens=64, stop=[])
-    # a fresh table and a high prior: the larger candidates get tried, so candidates alternate
-    for kept in ("_auto_programs", "_auto_learned"):
+    prompts = ["def quicksort(items):"] + [p["prompt"] for p in read_prompt_set("lab:code", 6)]
+    ars = [dl.generate(pair, p, method="ar", max_new_tokens=64, stop=[]).tokens for p in prompts]
+    for kept in ("_auto_programs", "_auto_learned"):  # a fresh table, which tries the larger candidates
         pair.__dict__.pop(kept, None)
-    auto = dl.AutoBudget(budgets=(16, 32, 64), explore=4.0)
+    auto = dl.AutoBudget(budgets=(16, 32, 64))
     ran = set()
     for _ in range(3):  # captured once, replayed after
-        res = dl.generate(pair, prompt, budget=auto, max_new_tokens=64, stop=[], trace=trace)
-        assert res.tokens == ar.tokens and res.settings["cuda_graphs"]
-        assert set(res.round_budgets) <= set(auto.budgets)
-        ran |= set(res.round_budgets)
-    assert len(ran) > 1  # they alternated over their one memory pool
-    (_, runners, _), = pair.__dict__["_auto_programs"].values()
-    assert runners[0].pool.handle is not None and all(r.pool is runners[0].pool for r in runners)
+        for prompt, ar in zip(prompts, ars):
+            res = dl.generate(pair, prompt, budget=auto, max_new_tokens=64, stop=[], trace=trace)
+            assert res.tokens == ar and res.settings["cuda_graphs"]
+            assert set(res.round_budgets) <= set(auto.budgets)
+            ran |= set(res.round_budgets)
+    assert len(ran) > 1  # the candidates' graphs alternated over one decoding state
     costs = res.settings["auto"]["costs"]
     assert res.settings["auto"]["costs_measured"] and all(0 < c < 0.1 for c in costs)
 
