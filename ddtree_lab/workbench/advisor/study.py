@@ -19,7 +19,7 @@ import dataclasses
 from ...atomic import atomic_write_json
 from .. import advisor as A
 from ..figures import grid_rows, run_config
-from ..results import collect_study, load_traces
+from ..results import collect_study, load_traces, text_can_drift
 from ..runs import is_fixed
 
 ADVICE_FILE = "advice.json"
@@ -204,7 +204,7 @@ def texts_note(verdicts: dict, numerics: dict) -> dict:
     if differ:
         note = (f"budget{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} emitted other text than AR "
                 "on some prompt, so τ(B) compares different texts")
-        if numerics.get("dtype") in ("bfloat16", "float16") and numerics.get("attention") != "invariant":
+        if text_can_drift(numerics):
             note += f" ({numerics['dtype']} numerics); attention: invariant measures every budget on AR's text"
     return {"verdicts": verdicts, "one_text": not differ, "differ": differ, "note": note, **numerics}
 
