@@ -16,6 +16,7 @@ import statistics
 
 import ddtree_lab as dl
 from ddtree_lab import decode, graphs
+from ddtree_lab.cli import check_runtime
 from ddtree_lab.environment import environment
 from ddtree_lab.prompts import read_prompt_set
 
@@ -46,6 +47,10 @@ def main() -> None:
     ap.add_argument("--pools", action="store_true", help="also run each auto with one memory pool for its candidates")
     ap.add_argument("--out", default="auto_overhead.json")
     args = ap.parse_args()
+    try:
+        check_runtime(args.device, args.attention)  # the CLI's refusal, in one line
+    except ValueError as err:
+        raise SystemExit(f"auto_overhead: {err}") from None
     pair = dl.load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
                        compile=args.device == "cuda")
     prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
