@@ -3,7 +3,8 @@ budget (the same rounds plus the choice's update and reads), over it and a large
 rounds again, a larger cache and a second candidate's graphs), over it and one more priced equal (so it runs the
 larger, through a shared state), and over a wide set (learning). Each candidate's graphs keep a memory pool of
 their own; with --pools each auto run also runs with one pool for all its candidates (they never run at once),
-the arrangement 85f45d8 tried and 1d80cb8's file measured. Same prompts, interleaved repeats.
+the arrangement 85f45d8 tried and 1d80cb8's file measured. Same prompts, interleaved repeats
+(each in an order rotated by one, as `bench prompts` runs them).
 
     python tools/auto_overhead.py --pair lab --prompts lab:code --n-prompts 32 --budget 32 --attention invariant \
         --pools --repeats 6 --out auto_overhead.json
@@ -16,6 +17,7 @@ import statistics
 
 import ddtree_lab as dl
 from ddtree_lab import decode, graphs
+from ddtree_lab.bench.e2e import repeat_order
 from ddtree_lab.cli import check_runtime
 from ddtree_lab.environment import environment
 from ddtree_lab.prompts import read_prompt_set
@@ -82,8 +84,9 @@ def main() -> None:
             call(name, p)
     out = {name: {"tokens_per_second_per_repeat": [], "us_per_round_per_repeat": []} for name in runs}
     reference = {}
-    for _ in range(args.repeats):
-        for name in runs:
+    names = list(runs)
+    for rep in range(args.repeats):
+        for name in (names[i] for i in repeat_order(len(names), rep)):
             tokens = rounds = alike = 0
             seconds, stages, share = 0.0, {}, {}
             for i, p in enumerate(prompts):

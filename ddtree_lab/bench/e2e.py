@@ -122,12 +122,18 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
     return out
 
 
+def repeat_order(n: int, rep: int) -> list[int]:
+    """The order repeat `rep` runs `n` methods in: rotated by one each repeat, so that no method always runs in
+    the same slot, after the same neighbour (a clock or cache drift within a pass would favour one)."""
+    return [(i + rep) % n for i in range(n)]
+
+
 def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max_new_tokens: int = 96,
                   cuda_graphs: bool | None = None, progress=True, repeats: int = 3) -> dict:
     """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup.
 
-    Each repeat runs every method over all prompts in turn, so drift (clocks, a busy host) touches
-    all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
+    Each repeat runs every method over all prompts in turn, in an order rotated each repeat
+    (`repeat_order`), so drift (clocks, a busy host) touches all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
     Tokens/s counts the whole `generate` call, prefill included; `decode_tokens_per_second` leaves the
     prefill out, and `stage_seconds` splits the median repeat's time by stage (events between stages)."""
     fixed = [b for b in budgets if not is_auto_label(b)]
@@ -145,8 +151,9 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
             generate(pair, prompt, **kw)
     rows = [{"method": m, "budget": b, "seconds_per_repeat": [], "prefill_seconds_per_repeat": [],
              "stage_seconds_per_repeat": []} for m, b in runs]
-    for rep in range(max(1, repeats)):
-        for row, kw in zip(rows, kws):
+    orders = [repeat_order(len(rows), rep) for rep in range(max(1, repeats))]
+    for order in orders:
+        for row, kw in ((rows[i], kws[i]) for i in order):
             tokens, seconds, prefill, stages, taus, outputs, per_prompt = 0, 0.0, 0.0, {}, [], [], []
             for prompt in prompts:
                 res = generate(pair, prompt, **kw)
@@ -168,7 +175,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
             row.setdefault("mean_tau_per_repeat", []).append(sum(taus) / len(taus))
             row["prefill_seconds_per_repeat"].append(prefill)
             row["stage_seconds_per_repeat"].append(stages)
-            if rep == 0:  # tokens are the same every repeat (T = 0); so is τ but for auto's, which learns
+            if "tokens" not in row:  # tokens are the same every repeat (T = 0); so is τ but for auto's, which learns
                 row.update(tokens=tokens, mean_tau=sum(taus) / len(taus), outputs=outputs)
     for row in rows:
         per_repeat = [row["tokens"] / s for s in row["seconds_per_repeat"]]
@@ -214,7 +221,9 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         row["vs_best_fixed_same_outputs"] = same or None
     for r in rows:
         r["tokens_per_prompt"] = [len(o) for o in r.pop("outputs")]
-    out = {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats)}
+    out = {"rows": rows, "best_budget": best and best["budget"], "repeats": max(1, repeats),
+           "order_per_repeat": [[f"{runs[i][0]}" + (f" {runs[i][1]}" if runs[i][0] == "ddtree" else "") for i in o]
+                                for o in orders]}
     for row in auto_rows:  # each auto against the best fixed budget of the same run, and repeat by repeat
         row["vs_best_fixed"] = row["tokens_per_second"] / best["tokens_per_second"]
         row["vs_best_fixed_per_repeat"] = [

@@ -59,6 +59,10 @@ def test_prompts_speedup_and_equality_counts(tmp_path):
         assert len(r["tokens_per_second_per_repeat"]) == 3 and res["repeats"] == 3
         assert sorted(r["tokens_per_second_per_repeat"])[1] == r["tokens_per_second"]
     assert set(rows) == {("ar", None), ("dflash", None), ("ddtree", 8)}
+    orders = res["order_per_repeat"]  # rotated: over three repeats each method ran once in each slot
+    assert orders[0] == ["ar", "dflash", "ddtree 8"]
+    assert all(sorted(o) == sorted(orders[0]) for o in orders)
+    assert all(len({o[slot] for o in orders}) == 3 for slot in range(3))
     assert rows[("ar", None)]["speedup_over_ar"] == 1.0
     for r in rows.values():  # float32: every method reproduces AR's tokens
         assert r["lossless"] and r["prompts_equal_to_ar"] == 2
