@@ -7,9 +7,9 @@ bin, m_i = mean τ_0 + the mean gains up to i, λ the achieved tokens per second
 a tree of budget b is the first b nodes of any larger one (tree.py's order) and node indices grow along a path;
 gains are measured on the same rounds, so m_i never falls below m_{i-1}. An untried gain counts as `explore`
 tokens, so a larger budget is tried only while it could pay. In torch this is ~40 small kernels (a few % of a
-small pair's round on a GPU); here it is one program body, `auto_round`, which the commit kernel runs at the end
-of its own launch (kernels/commit.py), so a round pays no launch for it. Reference: the rule itself,
-`ddtree_lab.auto_budget.auto_update_reference` (torch only, so budget="auto" runs where Triton is absent).
+small pair's round on a GPU); here it is one program body, `auto_round`, which the commit kernel runs in a
+second program of its own launch (kernels/commit.py), so a round pays no launch for it. Reference: the rule
+itself, `ddtree_lab.auto_budget.auto_update_reference` (torch only, so budget="auto" runs where Triton is absent).
 """
 from __future__ import annotations
 

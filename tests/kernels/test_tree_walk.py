@@ -113,3 +113,32 @@ def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_op
                    for x, y in zip(state["ref"], state["kernel"]))
     if autos:  # the update ran: every round is in the ring, its bin and proposal among the real ones
         assert int(autos["kernel"].table_count.sum()) > 0 and int(autos["kernel"].bin_ring[4]) >= 1
+
+
+def test_commit_bench_checks_each_version_against_this_one(tmp_path):
+    """bench/commit.py: fixed and auto launches side by side; a baseline copy of the kernel file (its
+    auto_budget.py beside it) reaches this kernel's state, and a version that writes another τ is caught."""
+    import shutil
+    import types
+
+    from ddtree_lab.bench import commit as bench_commit
+    from ddtree_lab.kernels import auto_budget, commit
+
+    for f in (commit.__file__, auto_budget.__file__):
+        shutil.copy(f, tmp_path)
+    copy = bench_commit.load_baseline(str(tmp_path / "commit.py"))
+    rows = bench_commit.bench_commit(budgets=(4, 8), block=6, accepted=3, baseline=copy, device=DEVICE, reps=3)
+    assert [r["variant"] for r in rows] == ["fixed", "auto", "baseline fixed", "baseline auto"]
+    assert all(r["same_state"] for r in rows)
+    assert all(r["us"] > 0 and r["over_fixed"] > 0 if DEVICE == "cuda" else r["us"] is None for r in rows)
+
+    def off_by_one(*args):  # the same launch, then τ written one higher
+        commit.advance_round(*args)
+        args[8][0] += 1
+    rows = bench_commit.bench_commit(budgets=(4, 8), block=6, accepted=3, device=DEVICE, reps=3,
+                                     baseline=types.SimpleNamespace(advance_round=off_by_one))
+    assert [r["same_state"] for r in rows] == [True, True, False, False]
+    with pytest.raises(SystemExit):
+        bench_commit.main(["--baseline", str(tmp_path / "missing.py")])
+    with pytest.raises(SystemExit):
+        bench_commit.main(["--accepted", "1"])
