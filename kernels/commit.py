@@ -28,6 +28,7 @@ def _advance_kernel(Tokens, Path, A, Choice, N, Bonus, Out, OutLen, Taus, RoundI
     # path [L+1] root first, a accepted nodes; emit path[1..a-1]'s tokens then the bonus (the target's
     # choice at the deepest accepted node) at out[out_len …]; the drafter gets positions n … n+L.
     a = tl.load(A)
+    r = tl.load(RoundIdx)  # under auto the second program's alone: the first reads it early but never uses it
     if tl.program_id(0) == 0:
         n = tl.load(N)
         out_len = tl.load(OutLen)
@@ -36,7 +37,7 @@ def _advance_kernel(Tokens, Path, A, Choice, N, Bonus, Out, OutLen, Taus, RoundI
         bonus = tl.load(Choice + tl.load(Path + a - 1))
         chain = tl.load(Tokens + tl.load(Path + k + 1, mask=k < L, other=0), mask=k < L, other=0)
         emit = tl.where(k == a - 1, bonus, chain)
-        # n and out_len are read above and written below: every thread reads before any writes
+        # n, out_len and round_idx are read above and written below: every thread reads before any writes
         tl.debug_barrier()
         tl.store(Out + out_len + k, emit, mask=live)
         tl.store(CtxPos + k, n + k, mask=live)
@@ -44,12 +45,14 @@ def _advance_kernel(Tokens, Path, A, Choice, N, Bonus, Out, OutLen, Taus, RoundI
         tl.store(Bonus, bonus)
         tl.store(N, n + a)
         tl.store(OutLen, out_len + a)
-    if (tl.program_id(0) == 1) | (not AUTO):  # the round's count: program 1 under auto, else the only one
-        r = tl.load(RoundIdx)
-        tl.debug_barrier()
-        tl.store(Taus + r, a)
-        tl.store(RoundIdx, r + 1)
-        if AUTO:  # reads only the walk's path and the tree's scores, none of program 0's writes
+        if not AUTO:
+            tl.store(Taus + r, a)
+            tl.store(RoundIdx, r + 1)
+    if AUTO:
+        if tl.program_id(0) == 1:  # the round's count and the choice: reads none of the first program's writes
+            tl.debug_barrier()
+            tl.store(Taus + r, a)
+            tl.store(RoundIdx, r + 1)
             auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals,
                        Schedule, j, n_conf, explore, weight, decay, max_tau, J, NB, BLOCK_P, BLOCK_C, BLOCK_J,
                        BLOCK_R)
