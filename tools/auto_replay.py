@@ -14,6 +14,8 @@ budget and every pass decodes).
         --costs-from docs/bench/prompts_smollm2_all_auto.json --passes 6
 
 `--explore` and `--memory` take several values: the rule's settings replayed on the one trace, each pair in turn.
+The output's `ceiling` (`advisor.auto_ceiling`) is what any choice could reach on the same rounds: each round at
+its best budget in hindsight, and one budget per confidence bin, at the host's read lag and without it.
 """
 from __future__ import annotations
 
@@ -70,12 +72,17 @@ def main() -> None:
             print(f"pass {i}: {tps:.0f} tokens/s, {ratio:.4f} of budget {best}")
         print("last pass's rounds:", {b: f"{100 * v:.0f} %" for b, v in rep["budget_share"].items()})
         runs.append({"settings": settings, **rep})
+    ceiling = advisor.auto_ceiling(rows, costs, lag=args.lag)
+    print(f"ceiling on these rounds, ÷ budget {ceiling['best_fixed']}: each round's best budget "
+          f"{ceiling['per_round']:.4f}; one per confidence bin at the read lag {ceiling['per_bin']:.4f} "
+          f"({ceiling['per_bin_choice']}), on the round's own confidence {ceiling['same_round']:.4f}")
     if args.out:
-        head = {"pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from, "costs": costs,
-                "lag": args.lag}
+        head = {"command": " ".join(["python tools/auto_replay.py", *sys.argv[1:]]), "pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from, "costs": costs,
+                "lag": args.lag, "ceiling": ceiling}
         with open(args.out, "w") as f:
             json.dump({**head, **runs[0]} if len(runs) == 1 and not runs[0]["settings"] else {**head, "runs": runs},
                       f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -5,4 +5,25 @@
   tree_build.py  the one-launch tree build's warps (python -m ddtree_lab.bench.tree_build)
   vocab_topk.py  the per-depth top-K kernel vs torch (python -m ddtree_lab.bench.vocab_topk)
   fused_moe.py   the MoE block vs torch's grouped path vs its floor (python -m ddtree_lab.bench.fused_moe)
+  commit.py      the commit launch, fixed against budget="auto"'s (python -m ddtree_lab.bench.commit)
+
+A micro-benchmark's `--baseline FILE` times another version of its kernel file beside this one
+(`load_kernel_file`).
 """
+from __future__ import annotations
+
+
+def load_kernel_file(path: str, name: str):
+    """A kernel file from elsewhere (`git show REV:kernels/X.py > old.py`) as a module of its own, `name`. A
+    neighbour it imports as a lone file (`from auto_budget import …`) is found beside it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -13,15 +13,14 @@ Command line (GPU): python -m ddtree_lab.bench.commit [--baseline old_commit.py]
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from ..auto_budget import AutoBudget, AutoState
 from ..kernels import commit as this_commit
+from . import load_kernel_file
 from .attention import time_cuda_graph
 
 
@@ -86,11 +85,7 @@ def bench_commit(budgets=(16, 32, 64), block: int = 16, accepted: int = 5, basel
 
 def load_baseline(path: str):
     """A commit.py from elsewhere as a module of its own; its `from auto_budget import …` finds the file beside it."""
-    sys.path.insert(0, str(Path(path).resolve().parent))
-    spec = importlib.util.spec_from_file_location("commit_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel_file(path, "commit_baseline")
 
 
 def main(argv=None):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from . import load_kernel_file
 from .attention import time_cuda_graph
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768, layers=48)
@@ -118,12 +119,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
 
 def load_baseline(path: str):
     """A fused_moe.py from elsewhere (`git show REV:kernels/fused_moe.py > old.py`) as a module of its own."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fused_moe_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel_file(path, "fused_moe_baseline")
 
 
 def main(argv=None):

@@ -21,6 +21,9 @@ def test_replay_tool_traces_every_round_and_reports_each_pass(tmp_path, load_too
     # 4 nodes cost a hundredth of 32 per round: the best fixed budget, and what the rule runs once learned
     assert rep["best_fixed"] == 4 and len(rep["passes_vs_best_fixed"]) == 2
     assert rep["budget_share"].get("4", 0) > 0.8 and rep["vs_best_fixed"] > 0.9
+    ceiling = rep["ceiling"]  # any choice's bound on the same rounds: hindsight ≥ either binned choice ≥ fixed
+    assert ceiling["best_fixed"] == 4 and ceiling["rounds"] == len(rows)
+    assert ceiling["per_round"] >= max(ceiling["per_bin"], ceiling["same_round"]) >= 1.0
 
 
 def test_replay_tool_runs_a_grid_of_settings_on_one_trace(tmp_path, load_tool, monkeypatch, capsys):

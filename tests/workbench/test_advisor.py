@@ -442,3 +442,74 @@ def test_bench_rows_at_budget_auto_are_not_priced(tmp_path):
     chk = A.check_bench([path])
     assert chk["checked"] and "auto" not in [r["budget"] for r in chk["checked"][0]["rows"]]
     assert "auto" not in A.bench_points(b)
+
+
+def _brute_force(rounds, groups, costs):
+    """An independent reference: every assignment of a budget to each group, the best Σ τ / Σ cost."""
+    import itertools
+
+    keys = sorted(set(groups))
+    best = 0.0
+    for pick in itertools.product(sorted(costs), repeat=len(keys)):
+        choice = dict(zip(keys, pick))
+        tau = sum(t[choice[g]] for t, g in zip(rounds, groups))
+        best = max(best, tau / sum(costs[choice[g]] for g in groups))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_grouped_choice_is_the_brute_force_maximum(seed):
+    rng = random.Random(seed)
+    costs = {4: 1.0, 8: 1.0 + rng.random(), 16: 2.0 + rng.random()}
+    rounds = []
+    for _ in range(9):
+        t4 = rng.randint(1, 5)
+        t8 = t4 + rng.randint(0, 3)
+        rounds.append({4: t4, 8: t8, 16: t8 + rng.randint(0, 4)})
+    for groups in (list(range(9)), [i % 3 for i in range(9)], [0] * 9):
+        got, choice = A.best_grouped_choice(rounds, groups, costs)
+        assert got == pytest.approx(_brute_force(rounds, groups, costs), rel=1e-12)
+        assert got == pytest.approx(sum(t[choice[g]] for t, g in zip(rounds, groups))
+                                    / sum(costs[choice[g]] for g in groups), rel=1e-12)
+
+
+def _scored_round(index, prompt, confident, accepted_at):
+    """A traced round whose draft is confident (scores near 0) or not, and whose accepted path reaches node
+    indices `accepted_at` (so a budget ≥ the largest takes all of them)."""
+    score = -0.01 if confident else -3.0
+    return {"index": index, "prompt_id": prompt, "accepted": [0, *accepted_at],
+            "tree": {"scores": [score] * 16}}
+
+
+def test_auto_ceiling_finds_the_gain_a_confidence_bin_predicts():
+    """Confident rounds accept within 4 nodes, unsure ones need 16: hindsight and the round's own bin both
+    split them (4 for the confident, 16 for the rest) and beat every fixed budget; with the host's read lag the
+    bin belongs to a round two back, drawn independently here, so it predicts less (the brute force agrees)."""
+    costs = {4: 1.0, 16: 1.5}
+    rng, rows = random.Random(1), []
+    for p in range(4):
+        for i in range(12):
+            confident = rng.random() < 0.5
+            rows.append(_scored_round(i, f"p{p}", confident, [1, 2, 3] if confident else [1, 5, 9, 14]))
+    c = A.auto_ceiling(rows, costs, lag=1, edges=(1.5, 3.0))
+    assert c["rounds"] == 48 and c["per_round"] > 1.05
+    assert c["same_round"] == pytest.approx(c["per_round"])
+    lagged_rounds = [{b: A.tau_at(r["accepted"], b) for b in costs} for r in rows]
+    assert c["per_bin"] == pytest.approx(_brute_force(lagged_rounds, _lagged_bins(rows, 1, (1.5, 3.0)), costs)
+                                         / c["fixed_tokens_per_second"][c["best_fixed"]])
+    assert c["per_bin"] < c["same_round"]
+    assert A.auto_ceiling([], costs) is None
+
+
+def _lagged_bins(rows, lag, edges):
+    """Each round's bin as the host sees it: that of round i − lag − 1 of its call, bin 0 before any."""
+    out = []
+    for r in rows:
+        src = r["index"] - lag - 1
+        if src < 0:
+            out.append(0)
+            continue
+        prev = next(x for x in rows if x["prompt_id"] == r["prompt_id"] and x["index"] == src)
+        conf = sum(math.exp(s) for s in prev["tree"]["scores"][:4])
+        out.append(1 + sum(conf >= e for e in edges))
+    return out

@@ -5,14 +5,15 @@ stage times (a `bench e2e` JSON or a study's runs) with leave-one-out error; and
 principles for a named machine (weights read, dense or through the expert union of MoE layers and their row
 blocks' re-reads; KV and activation bytes; FLOPs; kernel launches), with efficiency factors fitted once on H200 data
 (`check.calibrate`, stored in machines.json) and checked against bench measurements (`check.check_bench`).
-`auto.replay_auto` replays the engine's own budget="auto" rule on a study's traces. `study` applies a
+`auto.replay_auto` replays the engine's own budget="auto" rule on a study's traces, and `auto.auto_ceiling`
+bounds what any choice could gain on them. `study` applies a
 study's measured τ to the model (`ddtree-lab advise`, advice.json); `figures` is the report's section.
-Torch-free below `study` (but for `replay_auto`, which runs the engine's rule): shapes come from configs,
+Torch-free below `study` (but for `replay_auto` and `auto_ceiling`, which read the engine's rule): shapes come from configs,
 stage times from JSON.
 """
 from __future__ import annotations
 
-from .auto import expert_load, replay_auto, tau_at, tau_calibration
+from .auto import auto_ceiling, best_grouped_choice, expert_load, replay_auto, tau_at, tau_calibration
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, repo_bench_dir
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
@@ -20,7 +21,7 @@ from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machi
                        load_calibration, machines_data)
 from .shapes import ExpertLoad, ModelShape, model_shape, moe_row_height, shape_from_configs, shape_from_dirs
 
-__all__ = ["AdvisorError", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
+__all__ = ["AdvisorError", "auto_ceiling", "best_grouped_choice", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
            "FittedCost", "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
            "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "draft_terms",
            "expert_load", "fit_bench", "fit_stage_times", "get_machine", "known_machines",

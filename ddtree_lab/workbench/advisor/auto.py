@@ -127,3 +127,67 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
     return {"rounds": len(rounds), "tokens_per_second": tps, "fixed_tokens_per_second": fixed, "best_fixed": best,
             "vs_best_fixed": tps / fixed[best], "passes_vs_best_fixed": [t / fixed[best] for t, _ in history],
             "budget_share": {b: c / len(rounds) for b, c in sorted(picks.items())}}
+
+
+def auto_ceiling(trace_rows: Sequence[Mapping], costs: Mapping[int, float], lag: int = 1,
+                 edges: Sequence[float] | None = None) -> dict | None:
+    """What any choice among `costs`' budgets could gain on these traced rounds (of the largest budget), as
+    tokens/s ÷ the best fixed budget's, each round priced at its budget's cost:
+    - `per_round`: every round at its best budget in hindsight (a perfect predictor of acceptance);
+    - `per_bin`: one budget per confidence bin of the round whose proposal the host has read (round
+      r − lag − 1, as `source_round`), the most a rule binned as budget="auto"'s can reach; `per_bin_choice`;
+    - `same_round`: one budget per bin of the round's own confidence (a choice with no read lag).
+    The bins and the confidence are the rule's (`AutoBudget.edges`; Σ exp(score) over the smallest budget's
+    nodes). Each figure is the exact maximum of Σ τ / Σ cost over its choices (Dinkelbach's iteration on λ).
+    None without scored rounds."""
+    from ...auto_budget import AutoBudget, source_round
+
+    calls = _calls(trace_rows)
+    budgets = sorted(costs)
+    if not calls or not budgets:
+        return None
+    edges = list(AutoBudget().edges if edges is None else edges)
+
+    def bin_of(row) -> int:
+        scores = row["tree"]["scores"][:budgets[0]]
+        return 1 + sum(sum(math.exp(x) for x in scores) >= e for e in edges)
+
+    rounds, lagged, own = [], [], []
+    for call in calls:
+        bins = [bin_of(r) for r in call]
+        for i, r in enumerate(call):
+            rounds.append({b: tau_at(r["accepted"], b) for b in budgets})
+            src = source_round(i, lag, 1)
+            lagged.append(bins[src] if src >= 0 else 0)
+            own.append(bins[i])
+    fixed = {b: sum(t[b] for t in rounds) / (len(rounds) * costs[b]) for b in budgets}
+    best = max(fixed, key=lambda b: (fixed[b], -b))
+    per_round, _ = best_grouped_choice(rounds, list(range(len(rounds))), costs)
+    per_bin, choice = best_grouped_choice(rounds, lagged, costs)
+    same_round, _ = best_grouped_choice(rounds, own, costs)
+    return {"rounds": len(rounds), "best_fixed": best, "fixed_tokens_per_second": fixed, "lag": lag, "edges": edges,
+            "per_round": per_round / fixed[best], "per_bin": per_bin / fixed[best],
+            "same_round": same_round / fixed[best], "per_bin_choice": dict(sorted(choice.items()))}
+
+
+def best_grouped_choice(rounds: Sequence[Mapping[int, int]], groups: Sequence, costs: Mapping[int, float]):
+    """max over one budget per group of Σ τ / Σ cost (rounds[i]: {budget: τ}, groups[i]: round i's group) ->
+    (that tokens/s, {group: budget}). At a fixed λ the best choice of each group is its own argmax of
+    Σ (τ − λ·cost), and λ ← the choice's tokens/s rises until the choice repeats: the maximum (Dinkelbach)."""
+    budgets = sorted(costs)
+    members: dict = {}
+    for t, g in zip(rounds, groups):
+        members.setdefault(g, []).append(t)
+    sums = {g: {b: sum(t[b] for t in ts) for b in budgets} for g, ts in members.items()}
+    count = {g: len(ts) for g, ts in members.items()}
+
+    def rate(choice):
+        return sum(sums[g][b] for g, b in choice.items()) / sum(count[g] * costs[b] for g, b in choice.items())
+
+    choice = {g: budgets[0] for g in members}
+    lam = rate(choice)
+    while True:
+        new = {g: max(budgets, key=lambda b: (sums[g][b] - lam * count[g] * costs[b], -b)) for g in members}
+        if new == choice or rate(new) <= lam:
+            return lam, choice
+        choice, lam = new, rate(new)
