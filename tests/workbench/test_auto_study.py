@@ -50,6 +50,22 @@ def test_auto_run_records_its_choice(auto_study):
     assert "auto" not in fixed["summary"] and "round_budgets" not in fixed["prompts"][0]
 
 
+def test_advice_bounds_what_any_choice_could_gain_on_the_studys_rounds(auto_study):
+    """advise: per machine, auto's rule replayed on the largest budget's traces and the ceiling of any choice on
+    them; hindsight is at least either binned choice, which is at least the best fixed budget."""
+    from ddtree_lab.workbench.advisor.study import advice_table, advise
+
+    out, _, _ = auto_study
+    adv = advise(out, machines=["h200", "rtx-pro-6000"], model="random:qwen3-8b", n_boot=20)
+    for m in adv["machines"].values():
+        ceiling, replay = m["auto_ceiling"], m["auto_replay"]
+        assert ceiling["rounds"] == replay["rounds"] > 0 and ceiling["best_fixed"] == replay["best_fixed"]
+        assert ceiling["per_round"] >= max(ceiling["per_bin"], ceiling["same_round"]) >= 1.0
+        assert replay["vs_best_fixed"] <= ceiling["per_round"] + 1e-12  # no rule beats hindsight
+        assert set(ceiling["per_bin_choice"].values()) <= {2, 8}
+    assert advice_table(adv).count("each round's best in hindsight") == 2
+
+
 def test_sweep_and_report_show_auto_apart_from_the_budgets(auto_study):
     out, summary, _ = auto_study
     sweep = json.loads((out / "budget_sweep" / "sweep.json").read_text())

@@ -109,6 +109,12 @@ def _auto_cell(rep: dict | None) -> str:
     return f"{rep['vs_best_fixed']:.3f}× (B={rep['best_fixed']}); chose {esc(share)}"
 
 
+def _ceiling_cell(ceiling: dict | None) -> str:
+    if not ceiling:
+        return "<span class='na'>no scored traces</span>"
+    return f"{ceiling['per_bin']:.3f}× / {ceiling['per_round']:.3f}×"
+
+
 def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     """The "Advisor" section; a study the advisor cannot use gets its reason, never an exception."""
     page.section("advisor", "Advisor: the best budget per machine (a projection)")
@@ -136,13 +142,17 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
                      f'<td class="num">{b["band"][0]:.1f} – {b["band"][1]:.1f}</td>',
                      f'<td class="num">{fmt_num(b["speedup"])}×</td>',
                      f'<td class="num">{b["cost_seconds"] * 1e3:.2f}</td>',
-                     esc(A.PART_TITLES[b["dominant"]]), esc(freq), _auto_cell(m.get("auto_replay"))])
+                     esc(A.PART_TITLES[b["dominant"]]), esc(freq), _auto_cell(m.get("auto_replay")),
+                     _ceiling_cell(m.get("auto_ceiling"))])
     page.add(html_table(["machine", "profile", "best B", "tokens/s", "90 % band", "vs AR", "round ms",
-                         "dominates", "bootstrap: best budget", "auto (replayed) vs best fixed"], body))
+                         "dominates", "bootstrap: best budget", "auto (replayed) vs best fixed",
+                         "any choice: per bin / hindsight"], body))
     page.add("<p class='sub'>auto (replayed): the engine's own budget=\"auto\" rule run over the traced rounds "
              "of the largest budget, three passes (it learns across prompts), each round priced at its budget's "
              "modelled cost; the last pass against the best fixed budget on the same rounds — an estimate "
-             "(docs/workbench.md, \"The budget advisor\").</p>")
+             "(docs/workbench.md, \"The budget advisor\"). Any choice: the most a rule with one budget per "
+             "confidence bin (the bin the host has read, as auto's) could reach on the same rounds, and each "
+             "round at its best budget in hindsight, both against the best fixed budget.</p>")
     page.figure(tau_figure(advice))
     page.figure(cost_figure(advice))
     page.figure(tps_figure(advice))

@@ -170,8 +170,9 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     for name in names:
         m = A.get_machine(name, measured, cal)
         costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, load) for b in budgets}
+        round_seconds = {b: c.seconds for b, c in costs.items()}
         ar = A.round_cost(shape, m, "ar", None, ctx, cal, load)
-        bb = best_budget(st["budgets"], {b: c.seconds for b, c in costs.items()}, n_boot, seed)
+        bb = best_budget(st["budgets"], round_seconds, n_boot, seed)
         ar_tps = 1.0 / ar.seconds
         rows = [{"budget": b, "tau": out["tau"][b], "cost_seconds": c.seconds, "stages": c.stages, "parts": c.parts,
                  "dominant": c.dominant, "tokens_per_second": bb["tokens_per_second"][b], "band": bb["band"][b],
@@ -182,8 +183,8 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                                           "dominant": ar.dominant},
                                  "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
                                  "prompts": bb["prompts"], "n_boot": n_boot,
-                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]],
-                                                              {b: c.seconds for b, c in costs.items()})}
+                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]], round_seconds),
+                                 "auto_ceiling": A.auto_ceiling(st["traces"][budgets[-1]], round_seconds)}
     try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
         fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
         out["measured_fit"] = {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
@@ -246,6 +247,10 @@ def advice_table(advice: dict) -> str:
             lines.append(f"  auto (replayed on B={advice['budgets'][-1]} traces) on {name}: "
                          f"{rep['tokens_per_second']:.1f} tok/s, {rep['vs_best_fixed']:.3f}× the best fixed "
                          f"(B={rep['best_fixed']}); budgets chosen {share}")
+        ceiling = mach.get("auto_ceiling")
+        if ceiling:
+            lines.append(f"    any choice on those rounds, ÷ the best fixed: one budget per confidence bin "
+                         f"{ceiling['per_bin']:.3f}×, each round's best in hindsight {ceiling['per_round']:.3f}×")
     chk = advice.get("check") or {}
     if chk.get("checked"):
         lines.append("model check (ddtree budgets %d–%d within %d %%): %s" % (
