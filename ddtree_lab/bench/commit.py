@@ -34,7 +34,8 @@ class CommitInputs:
         self.tokens = torch.randint(0, 1000, (T,), generator=g).to(device)
         self.choice = torch.randint(0, 1000, (T,), generator=g).to(device)
         path = torch.zeros(self.L + 1, dtype=torch.long)
-        path[1:accepted] = torch.arange(1, accepted) * 3   # nodes of growing index along the path
+        step = min(3, (T - 1) // (accepted - 1))           # nodes of growing index along the path, all < T
+        path[1:accepted] = torch.arange(1, accepted) * step
         self.path, self.a = path.to(device), torch.tensor([accepted], **long)
         self.scores = (-torch.sort(torch.rand(T - 1, generator=g) * 4).values).to(device)
         self.state = [torch.zeros(1, **long) for _ in range(3)]        # n, bonus, out_len
@@ -98,8 +99,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.baseline and not Path(a.baseline).is_file():
         ap.error(f"--baseline {a.baseline}: no such file")
-    if not 2 <= a.accepted <= a.block:
-        ap.error(f"--accepted {a.accepted}: give 2..{a.block} (the root and at least one node, at most the block)")
+    if not 2 <= a.accepted <= min(a.block, 1 + max(a.budgets)):
+        ap.error(f"--accepted {a.accepted}: give 2..{min(a.block, 1 + max(a.budgets))} (the root and at least one "
+                 "node, at most the block and the largest budget's nodes)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = bench_commit(a.budgets, a.block, a.accepted, load_baseline(a.baseline) if a.baseline else None, device)
     if a.out:

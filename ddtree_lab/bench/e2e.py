@@ -133,7 +133,8 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     """Tokens/s of AR, DFlash and DDTree on real prompts (same prompts, same run), and the speedup.
 
     Each repeat runs every method over all prompts in turn, in an order rotated each repeat
-    (`repeat_order`), so drift (clocks, a busy host) touches all methods alike; a method's tokens/s is its median over the repeats (each repeat's is kept).
+    (`repeat_order`), so drift (clocks, a busy host) touches all methods alike; a method's tokens/s
+    is its median over the repeats (each repeat's is kept).
     Tokens/s counts the whole `generate` call, prefill included; `decode_tokens_per_second` leaves the
     prefill out, and `stage_seconds` splits the median repeat's time by stage (events between stages)."""
     fixed = [b for b in budgets if not is_auto_label(b)]

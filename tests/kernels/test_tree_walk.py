@@ -140,5 +140,6 @@ def test_commit_bench_checks_each_version_against_this_one(tmp_path):
     assert [r["same_state"] for r in rows] == [True, True, False, False]
     with pytest.raises(SystemExit):
         bench_commit.main(["--baseline", str(tmp_path / "missing.py")])
-    with pytest.raises(SystemExit):
-        bench_commit.main(["--accepted", "1"])
+    for bad in (["--accepted", "1"], ["--budgets", "4", "--accepted", "6"]):
+        with pytest.raises(SystemExit):
+            bench_commit.main(bad)

@@ -162,12 +162,15 @@ def auto_ceiling(trace_rows: Sequence[Mapping], costs: Mapping[int, float], lag:
             own.append(bins[i])
     fixed = {b: sum(t[b] for t in rounds) / (len(rounds) * costs[b]) for b in budgets}
     best = max(fixed, key=lambda b: (fixed[b], -b))
-    per_round, _ = best_grouped_choice(rounds, list(range(len(rounds))), costs)
-    per_bin, choice = best_grouped_choice(rounds, lagged, costs)
-    same_round, _ = best_grouped_choice(rounds, own, costs)
+
+    def over_fixed(groups):  # the best fixed budget is one of the choices: ≥ 1 exactly, not to the last bit
+        tps, choice = best_grouped_choice(rounds, groups, costs)
+        return max(tps / fixed[best], 1.0), choice
+
+    (per_round, _), (per_bin, choice), (same_round, _) = map(over_fixed, (range(len(rounds)), lagged, own))
     return {"rounds": len(rounds), "best_fixed": best, "fixed_tokens_per_second": fixed, "lag": lag, "edges": edges,
-            "per_round": per_round / fixed[best], "per_bin": per_bin / fixed[best],
-            "same_round": same_round / fixed[best], "per_bin_choice": dict(sorted(choice.items()))}
+            "per_round": per_round, "per_bin": per_bin, "same_round": same_round,
+            "per_bin_choice": dict(sorted(choice.items()))}
 
 
 def best_grouped_choice(rounds: Sequence[Mapping[int, int]], groups: Sequence, costs: Mapping[int, float]):
