@@ -201,6 +201,12 @@ def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, m
     return pick
 
 
+def confidence_bin(scores: torch.Tensor, n_conf: int, edges: torch.Tensor) -> torch.Tensor:
+    """A round's bin: 1 + the edges its confidence reaches, the confidence being the draft's expected accepted
+    nodes, Σ exp(score) over its first n_conf nodes (bin 0 stands for "no proposal read yet"); -> [] long."""
+    return 1 + (scores[:n_conf].float().exp().sum() >= edges).sum()
+
+
 def auto_update_reference(path, a, round_idx, scores, j: int, budgets, costs, edges, table_sum, table_count, totals,
                           bin_ring, proposals, schedule, n_conf: int, explore: float, weight: float, decay: float,
                           max_tau: float) -> None:
@@ -221,8 +227,7 @@ def auto_update_reference(path, a, round_idx, scores, j: int, budgets, costs, ed
     table_sum.mul_(decay).add_(torch.where(credit, gain[None, :], 0.0))
     table_count.mul_(decay).add_(credit.float())
     totals.mul_(decay).add_(torch.stack([a[0].float(), costs[j]]))
-    conf = scores[:n_conf].float().exp().sum()
-    bin_ = 1 + (conf >= edges).sum()
+    bin_ = confidence_bin(scores, n_conf, edges)
     lam = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1e-30), torch.zeros_like(totals[0]))
     pick = propose_reference(table_sum[bin_], table_count[bin_], costs, lam, explore, weight, max_tau)
     first = propose_reference(table_sum[0], table_count[0], costs, lam, explore, weight, max_tau)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import ddtree_lab as dl
 from ddtree_lab import decode, graphs
@@ -111,7 +112,8 @@ def main() -> None:
               f"{row['tokens_per_round']:.3f} tokens/round  {row['prompts_alike_first_run']} alike  "
               f"{row['budget_rounds']}")
     with open(args.out, "w") as f:
-        json.dump({"environment": environment(), "pair": args.pair, "prompts": args.prompts, "n_prompts": args.n_prompts,
+        json.dump({"command": " ".join(["python tools/auto_overhead.py", *sys.argv[1:]]),
+                   "environment": environment(), "pair": args.pair, "prompts": args.prompts, "n_prompts": args.n_prompts,
                    "attention": args.attention, "dtype": args.dtype, "runs": out}, f, indent=1)
 
 

@@ -8,7 +8,7 @@
   commit.py      the commit launch, fixed against budget="auto"'s (python -m ddtree_lab.bench.commit)
 
 A micro-benchmark's `--baseline FILE` times another version of its kernel file beside this one
-(`load_kernel_file`).
+(`load_kernel_file`); each writes its rows with `write_bench_json`.
 """
 from __future__ import annotations
 
@@ -27,3 +27,15 @@ def load_kernel_file(path: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def write_bench_json(path: str, rows: list, **meta) -> None:
+    """A micro-benchmark's rows as JSON after the machine, the library versions and `meta`, written atomically."""
+    import torch
+    import triton
+
+    from ..atomic import atomic_write_json
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
+    atomic_write_json(path, {"device": device, "torch": torch.__version__, "triton": triton.__version__, **meta,
+                             "rows": rows})

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -24,6 +23,7 @@ from ..checkpoint import torch_dtype
 from ..kernels.tree_attention import pack_mask, tree_attention
 from ..names import STUDY_DTYPES
 from ..tree import ancestor_matrix
+from . import write_bench_json
 
 
 def random_tree_parents(T: int, gen: torch.Generator, max_children_depth: int = 16) -> torch.Tensor:
@@ -307,14 +307,7 @@ def main(argv=None):
                                 triton_configs=configs, progress=True, on_row=on_row,
                                 deadline_s=a.deadline, timing=a.timing)
     if a.out:
-        import triton
-
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    triton=triton.__version__, copy_gbps=copy_gbps)
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
-        os.replace(tmp, a.out)
+        write_bench_json(a.out, rows, copy_gbps=copy_gbps)
     print(summary_table(rows))
     return rows
 

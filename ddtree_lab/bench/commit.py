@@ -13,14 +13,13 @@ Command line (GPU): python -m ddtree_lab.bench.commit [--baseline old_commit.py]
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from ..auto_budget import AutoBudget, AutoState
 from ..kernels import commit as this_commit
-from . import load_kernel_file
+from . import load_kernel_file, write_bench_json
 from .attention import time_cuda_graph
 
 
@@ -45,9 +44,12 @@ class CommitInputs:
         auto = AutoBudget(budgets=tuple(budgets), costs=tuple(1e-4 * (1 + b / 64) for b in budgets))
         self.auto = AutoState(auto, self.L, calls, device)
 
+    def written(self) -> list[torch.Tensor]:
+        """What a call may write: the decoding state and auto's."""
+        return self.state + [self.out, self.taus, self.round_idx, self.ctx_pos, self.ctx_count, *self.auto.tensors()]
+
     def reset(self) -> None:
-        for t in self.state + [self.out, self.taus, self.round_idx, self.ctx_pos, self.ctx_count,
-                               *self.auto.tensors()]:
+        for t in self.written():
             t.zero_()
 
     def call(self, module, auto: bool) -> None:
@@ -57,8 +59,7 @@ class CommitInputs:
                              self.auto.update_args(self.scores, len(self.auto.auto.budgets) - 1) if auto else None)
 
     def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.state + [self.out, self.taus, self.round_idx, self.ctx_pos,
-                                                self.ctx_count, *self.auto.tensors()]]
+        return [t.clone() for t in self.written()]
 
 
 def bench_commit(budgets=(16, 32, 64), block: int = 16, accepted: int = 5, baseline=None, device: str = "cuda",
@@ -105,12 +106,7 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = bench_commit(a.budgets, a.block, a.accepted, load_baseline(a.baseline) if a.baseline else None, device)
     if a.out:
-        import triton
-        meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                    triton=triton.__version__, budgets=a.budgets, block=a.block, accepted=a.accepted,
-                    baseline=a.baseline)
-        with open(a.out, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_bench_json(a.out, rows, budgets=a.budgets, block=a.block, accepted=a.accepted, baseline=a.baseline)
     return rows
 
 

@@ -24,13 +24,12 @@ Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [-
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from . import load_kernel_file
+from . import load_kernel_file, write_bench_json
 from .attention import time_cuda_graph
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768, layers=48)
@@ -154,14 +153,8 @@ def main(argv=None):
     rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw,
                            config=config or None, baseline=load_baseline(a.baseline) if a.baseline else None)
     if a.out:
-        import triton
-
-        meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-                    torch=torch.__version__, triton=triton.__version__, shape=shape, similarity=a.similarity, config=config,
-                    baseline=a.baseline,
-                    dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
-        with open(a.out, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_bench_json(a.out, rows, shape=shape, similarity=a.similarity, config=config, baseline=a.baseline,
+                         dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
     return rows
 
 

@@ -12,13 +12,13 @@ Command line (GPU): python -m ddtree_lab.bench.tree_build --out tree_build.json
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from ..kernels import tree_build
 from ..tree import beam_candidates, build_tree, tree_size
+from . import write_bench_json
 from .attention import time_cuda_graph
 
 
@@ -57,10 +57,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rows = bench_fused_tree(a.widths, a.warps)
     if a.out:
-        import triton
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-        with open(a.out, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_bench_json(a.out, rows)
     return rows
 
 

@@ -12,11 +12,11 @@ Command line (GPU): python -m ddtree_lab.bench.vocab_topk --out vocab_topk.json
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from ..kernels.vocab_topk import MAX_VOCAB, vocab_topk, vocab_topk_reference
+from . import write_bench_json
 from .attention import time_cuda_graph
 
 
@@ -58,11 +58,7 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = bench_vocab_topk(a.vocabs, a.ks, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     if a.out:
-        import triton
-        meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                    triton=triton.__version__)
-        with open(a.out, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+        write_bench_json(a.out, rows)
     return rows
 
 

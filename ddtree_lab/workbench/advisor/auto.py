@@ -99,8 +99,7 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
     if not calls or not 1 <= len(budgets) <= 8:
         return None
     rounds = [r for c in calls for r in c]
-    fixed = {b: sum(tau_at(r["accepted"], b) for r in rounds) / (len(rounds) * costs[b]) for b in budgets}
-    best = max(fixed, key=lambda b: (fixed[b], -b))
+    fixed, best = _fixed_rates([{b: tau_at(r["accepted"], b) for b in budgets} for r in rounds], costs)
     auto = AutoBudget(budgets=tuple(budgets), costs=tuple(float(costs[b]) for b in budgets), **dict(settings or {}))
     depth = max(max(r["tree"].get("depths") or [len(r["accepted"])]) for r in rounds)
     state = AutoState(auto, int(depth), max(len(c) for c in calls) + 1, "cpu")
@@ -140,17 +139,19 @@ def auto_ceiling(trace_rows: Sequence[Mapping], costs: Mapping[int, float], lag:
     The bins and the confidence are the rule's (`AutoBudget.edges`; Σ exp(score) over the smallest budget's
     nodes). Each figure is the exact maximum of Σ τ / Σ cost over its choices (Dinkelbach's iteration on λ).
     None without scored rounds."""
-    from ...auto_budget import AutoBudget, source_round
+    import torch
+
+    from ...auto_budget import AutoBudget, confidence_bin, source_round
 
     calls = _calls(trace_rows)
     budgets = sorted(costs)
     if not calls or not budgets:
         return None
     edges = list(AutoBudget().edges if edges is None else edges)
+    edge_t = torch.tensor(edges, dtype=torch.float32)
 
-    def bin_of(row) -> int:
-        scores = row["tree"]["scores"][:budgets[0]]
-        return 1 + sum(sum(math.exp(x) for x in scores) >= e for e in edges)
+    def bin_of(row) -> int:  # the engine's own bin (float32, as on the device)
+        return int(confidence_bin(torch.tensor(row["tree"]["scores"], dtype=torch.float32), budgets[0], edge_t))
 
     rounds, lagged, own = [], [], []
     for call in calls:
@@ -160,8 +161,7 @@ def auto_ceiling(trace_rows: Sequence[Mapping], costs: Mapping[int, float], lag:
             src = source_round(i, lag, 1)
             lagged.append(bins[src] if src >= 0 else 0)
             own.append(bins[i])
-    fixed = {b: sum(t[b] for t in rounds) / (len(rounds) * costs[b]) for b in budgets}
-    best = max(fixed, key=lambda b: (fixed[b], -b))
+    fixed, best = _fixed_rates(rounds, costs)
 
     def over_fixed(groups):  # the best fixed budget is one of the choices: ≥ 1 exactly, not to the last bit
         tps, choice = best_grouped_choice(rounds, groups, costs)
@@ -171,6 +171,12 @@ def auto_ceiling(trace_rows: Sequence[Mapping], costs: Mapping[int, float], lag:
     return {"rounds": len(rounds), "best_fixed": best, "fixed_tokens_per_second": fixed, "lag": lag, "edges": edges,
             "per_round": per_round, "per_bin": per_bin, "same_round": same_round,
             "per_bin_choice": dict(sorted(choice.items()))}
+
+
+def _fixed_rates(rounds: Sequence[Mapping[int, int]], costs: Mapping[int, float]) -> tuple[dict, int]:
+    """Tokens/s of each fixed budget over the rounds ({budget: τ} each), and the best (ties: the smaller)."""
+    fixed = {b: sum(t[b] for t in rounds) / (len(rounds) * costs[b]) for b in sorted(costs)}
+    return fixed, max(fixed, key=lambda b: (fixed[b], -b))
 
 
 def best_grouped_choice(rounds: Sequence[Mapping[int, int]], groups: Sequence, costs: Mapping[int, float]):

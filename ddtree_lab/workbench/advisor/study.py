@@ -167,6 +167,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
     out["experts_touched"] = dict(load.touched) if load else None
     out["expert_row_blocks"] = dict(load.row_blocks) if load and load.row_blocks else None
     load = load if shape_name == st["pair"] else None
+    largest = st["traces"][budgets[-1]]  # the rounds auto's replay and ceiling read (smaller trees are prefixes)
     for name in names:
         m = A.get_machine(name, measured, cal)
         costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, load) for b in budgets}
@@ -183,8 +184,8 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                                           "dominant": ar.dominant},
                                  "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
                                  "prompts": bb["prompts"], "n_boot": n_boot,
-                                 "auto_replay": A.replay_auto(st["traces"][budgets[-1]], round_seconds),
-                                 "auto_ceiling": A.auto_ceiling(st["traces"][budgets[-1]], round_seconds)}
+                                 "auto_replay": A.replay_auto(largest, round_seconds),
+                                 "auto_ceiling": A.auto_ceiling(largest, round_seconds)}
     try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
         fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
         out["measured_fit"] = {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
