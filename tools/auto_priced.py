@@ -19,12 +19,28 @@ from ddtree_lab.prompts import read_prompt_set
 
 
 def gpu_costs(path: str) -> dict[int, float]:
-    """Seconds per round of each fixed DDTree budget of a `bench prompts` JSON (median repeat)."""
-    out = {}
-    for r in json.load(open(path))["rows"]:
-        if r["method"] == "ddtree" and isinstance(r["budget"], int):
-            out[r["budget"]] = r["seconds"] / (r["tokens"] / r["mean_tau"])
+    """Seconds per round of each fixed DDTree budget of a `bench prompts` JSON (median repeat); a file that is
+    not one is refused with a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)["rows"]
+        out = {r["budget"]: r["seconds"] / (r["tokens"] / r["mean_tau"]) for r in rows
+               if r["method"] == "ddtree" and isinstance(r["budget"], int)}
+    except OSError as e:
+        raise ValueError(f"--costs-from {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError, ZeroDivisionError):
+        raise ValueError(f"--costs-from {path}: not a `ddtree-lab bench prompts` JSON") from None
+    if not out:
+        raise ValueError(f"--costs-from {path}: no fixed DDTree budget in its rows")
     return out
+
+
+def costs_or_exit(ap: argparse.ArgumentParser, path: str) -> dict[int, float]:
+    """gpu_costs, a bad file refused in one line by the tool's parser."""
+    try:
+        return gpu_costs(path)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def priced_args(description: str, passes: int) -> argparse.ArgumentParser:
@@ -41,8 +57,9 @@ def priced_args(description: str, passes: int) -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = priced_args(__doc__.splitlines()[0], passes=3).parse_args()
-    costs = gpu_costs(args.costs_from)
+    ap = priced_args(__doc__.splitlines()[0], passes=3)
+    args = ap.parse_args()
+    costs = costs_or_exit(ap, args.costs_from)
     pair = dl.load_pair(args.pair)
     prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
     kw = dict(max_new_tokens=args.max_new_tokens, trace=False, stop=[])

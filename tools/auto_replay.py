@@ -28,7 +28,7 @@ from ddtree_lab.prompts import read_prompt_set
 from ddtree_lab.workbench import advisor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: the sibling tool's reader
-from auto_priced import gpu_costs, priced_args  # noqa: E402
+from auto_priced import costs_or_exit, priced_args  # noqa: E402
 
 
 def traced_rows(pair, prompts, budget: int, max_new_tokens: int) -> list[dict]:
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--memory", type=int, nargs="+", default=[None],
                     help="AutoBudget.memory values to replay on the same trace (default: the rule's own)")
     args = ap.parse_args()
-    costs = gpu_costs(args.costs_from)
+    costs = costs_or_exit(ap, args.costs_from)
     grid = [{k: v for k, v in (("explore", e), ("memory", m)) if v is not None}
             for e in args.explore for m in args.memory]
     for settings in grid:  # refused before the trace is taken

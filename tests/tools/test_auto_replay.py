@@ -47,3 +47,19 @@ def test_replay_tool_runs_a_grid_of_settings_on_one_trace(tmp_path, load_tool, m
     with pytest.raises(SystemExit):
         tool.main()
     assert "memory" in capsys.readouterr().err
+
+
+def test_a_costs_file_that_is_not_a_bench_prompts_json_is_refused_in_one_line(tmp_path, load_tool, monkeypatch,
+                                                                              capsys):
+    import pytest
+
+    tool = load_tool("auto_replay")
+    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"method": "ar", "budget": None}]}))
+    (tmp_path / "broken.json").write_text("{")
+    for name, says in (("missing.json", "No such file"), ("broken.json", "not a `ddtree-lab bench prompts` JSON"),
+                       ("other.json", "no fixed DDTree budget")):
+        monkeypatch.setattr("sys.argv", ["auto_replay.py", "--costs-from", str(tmp_path / name)])
+        with pytest.raises(SystemExit):
+            tool.main()
+        err = capsys.readouterr().err
+        assert says in err and name in err and "Traceback" not in err
