@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .names import AUTO, AUTO_CANDIDATES, MAX_BUDGET
+from .tree import use_triton
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class AutoState:
         self.max_tau = float(L + 1)
         self.decay = 1.0 - 1.0 / auto.memory
         self.timing = self.learned()["timing"]
+        self.side = None  # the CUDA stream the update runs on beside the commit (update_beside)
 
     def place_proposals(self, buffer: torch.Tensor) -> None:
         """Keep the proposals in `buffer` (the round program's read-back, after its tokens, so that one copy
@@ -181,9 +183,32 @@ class AutoState:
                 self.max_tau)
 
     def update(self, path, a, round_idx, scores, j: int) -> None:
-        """After round j's commit, in torch: credit and propose. With the Triton tree kernels the commit kernel
-        runs the same update (kernels/auto_budget.py) in its own launch instead (decode.RoundProgram.commit)."""
-        auto_update_reference(path, a, round_idx, *self.update_args(scores, j))
+        """After round j's walk, before its commit counts it: credit and propose, in one Triton launch where the
+        tree kernels run in Triton (kernels/auto_budget.py), else in torch."""
+        if use_triton(path.device):
+            from .kernels.auto_budget import auto_update
+
+            auto_update(path, a, round_idx, *self.update_args(scores, j))
+        else:
+            auto_update_reference(path, a, round_idx, *self.update_args(scores, j))
+
+    def update_beside(self, path, a, round_idx, scores, j: int) -> None:
+        """`update` on a CUDA stream of its own, forked here (after the walk has written path and a), so it
+        runs beside what the commit does until `join`: that work must not write anything the update reads (the
+        KV compaction does not; the round count comes after `join`). Elsewhere it simply runs in order."""
+        if path.device.type != "cuda":
+            self.update(path, a, round_idx, scores, j)
+            return
+        if self.side is None:
+            self.side = torch.cuda.Stream(path.device)
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            self.update(path, a, round_idx, scores, j)
+
+    def join(self) -> None:
+        """The commit's stream waits for `update_beside` (in a captured graph the fork's branch joins here)."""
+        if self.side is not None and torch.cuda.is_available():
+            torch.cuda.current_stream().wait_stream(self.side)
 
 
 def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, max_tau: float) -> torch.Tensor:
@@ -210,10 +235,10 @@ def confidence_bin(scores: torch.Tensor, n_conf: int, edges: torch.Tensor) -> to
 def auto_update_reference(path, a, round_idx, scores, j: int, budgets, costs, edges, table_sum, table_count, totals,
                           bin_ring, proposals, schedule, n_conf: int, explore: float, weight: float, decay: float,
                           max_tau: float) -> None:
-    """After round r ran at candidate j: credit the round, then propose (the contract of kernels/auto_budget.py).
-    Tensor ops only (no host reads, so it also runs inside a captured graph); the Triton kernel does the same
-    in one launch."""
-    r = round_idx - 1                                                          # [1]
+    """After round r = round_idx (not yet counted) ran at candidate j: credit the round, then propose (the
+    contract of kernels/auto_budget.py). Tensor ops only (no host reads, so it also runs inside a captured graph);
+    the Triton kernel does the same in one launch."""
+    r = round_idx                                                              # [1]
     lag, every = schedule[0], schedule[1]
     src = (torch.div(r, every, rounding_mode="floor") - lag) * every - 1
     src_bin = torch.where(src >= 0, bin_ring.index_select(0, src.clamp(min=0)), torch.zeros_like(src))

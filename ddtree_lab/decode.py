@@ -203,21 +203,21 @@ class RoundProgram:
         noise = None if self.choose.noise is None else self.choose.noise[:self.logits.shape[0]]
         choice = self.choose(self.logits, noise)                                  # [T]
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
+        if self.auto is not None:  # budget="auto": credit this round, propose the next budget, beside the commit
+            self.auto.update_beside(self.path, self.a, self.round_idx, self.tree.scores, self.auto_index)
         # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
         self.target.compact_cache(self.n, self.path, self.a)
         # gather, not index_select, whose CUDA kernel walks the path's 16 rows one after another
         torch.gather(self.hidden, 0, self.path[:, None].expand(-1, self.hidden.shape[1]), out=self.ctx_hidden)
+        if self.auto is not None:
+            self.auto.join()  # the update read the round index: only now is the round counted
         if use_triton(self.device):
             from .kernels.commit import advance_round
 
-            # budget="auto": the choice's update (credit this round, propose the next budget) in the same launch
-            auto = self.auto.update_args(self.tree.scores, self.auto_index) if self.auto is not None else None
             advance_round(self.tokens, self.path, self.a, choice, self.n, self.bonus, self.out, self.out_len,
-                          self.taus, self.round_idx, self.ctx_pos, self.ctx_count, self.L, auto)
+                          self.taus, self.round_idx, self.ctx_pos, self.ctx_count, self.L)
         else:
             self.advance_reference(choice)
-            if self.auto is not None:  # credit this round, propose the next budget (auto_budget.py)
-                self.auto.update(self.path, self.a, self.round_idx, self.tree.scores, self.auto_index)
 
     def advance_reference(self, choice: torch.Tensor) -> None:
         """Emit the matched chain, then the next bonus (the target's choice at the deepest accepted

@@ -7,9 +7,11 @@ bin, m_i = mean τ_0 + the mean gains up to i, λ the achieved tokens per second
 a tree of budget b is the first b nodes of any larger one (tree.py's order) and node indices grow along a path;
 gains are measured on the same rounds, so m_i never falls below m_{i-1}. An untried gain counts as `explore`
 tokens, so a larger budget is tried only while it could pay. In torch this is ~40 small kernels (a few % of a
-small pair's round on a GPU); here it is one program body, `auto_round`, which the commit kernel runs in a
-second program of its own launch (kernels/commit.py), so a round pays no launch for it. Reference: the rule
-itself, `ddtree_lab.auto_budget.auto_update_reference` (torch only, so budget="auto" runs where Triton is absent).
+small pair's round on a GPU); here it is one program, launched on a stream forked after the walk
+(`AutoState.update_beside`), so it runs beside the KV compaction and the commit's own launch and a round waits
+for it only where it outlasts them. It reads the round index before the commit counts the round. Reference: the
+rule itself, `ddtree_lab.auto_budget.auto_update_reference` (torch only, so budget="auto" runs where Triton is
+absent).
 """
 from __future__ import annotations
 
@@ -43,11 +45,11 @@ def _propose(s, n, rows, jj, cost, bin_, lam, explore, weight, max_tau, J: tl.co
 
 
 @triton.jit
-def auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals, Schedule,
-               j, n_conf, explore, weight, decay, max_tau,
-               J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-               BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The contract above for round r, inside any one-program launch (the commit kernel calls it too)."""
+def _auto_kernel(Path, A, RoundIdx, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals,
+                 Schedule, j, n_conf, explore, weight, decay, max_tau,
+                 J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    r = tl.load(RoundIdx)                           # this round (the commit counts it after, on its own stream)
     lag = tl.load(Schedule)
     every = tl.load(Schedule + 1)
     src = (r // every - lag) * every - 1            # the round whose proposal the host used for round r
@@ -91,18 +93,8 @@ def auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, 
     tl.store(Proposals, first)
 
 
-@triton.jit
-def _auto_kernel(Path, A, RoundIdx, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals,
-                 Schedule, j, n_conf, explore, weight, decay, max_tau,
-                 J: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
-    r = tl.load(RoundIdx) - 1                       # this round (advance_round has counted it)
-    auto_round(r, Path, A, Scores, Budgets, Costs, Edges, TableSum, TableCount, Totals, BinRing, Proposals, Schedule,
-               j, n_conf, explore, weight, decay, max_tau, J, NB, BLOCK_P, BLOCK_C, BLOCK_J, BLOCK_R)
-
-
 def launch_sizes(path, budgets, edges, n_conf: int) -> dict:
-    """auto_round's compile-time sizes."""
+    """_auto_kernel's compile-time sizes."""
     NB = edges.shape[0] + 1
     return dict(J=budgets.shape[0], NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
                 BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
@@ -111,8 +103,9 @@ def launch_sizes(path, budgets, edges, n_conf: int) -> dict:
 
 def auto_update(path, a, round_idx, scores, j: int, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
                 proposals, schedule, n_conf: int, explore: float, weight: float, decay: float, max_tau: float) -> None:
-    """All tensors on one device; table_sum/table_count [bins + 1, J], totals [2], bin_ring [R] and proposals
-    [1 + R] (bin 0's proposal, for rounds before any read, then round r's at 1 + r) are updated."""
+    """All tensors on one device; round_idx [1] is round r's index (read, not advanced); table_sum/table_count
+    [bins + 1, J], totals [2], bin_ring [R] and proposals [1 + R] (bin 0's proposal, for rounds before any read,
+    then round r's at 1 + r) are updated."""
     _auto_kernel[(1,)](path, a, round_idx, scores, budgets, costs, edges, table_sum, table_count, totals, bin_ring,
                        proposals, schedule, j, n_conf, explore, weight, decay, max_tau,
                        **launch_sizes(path, budgets, edges, n_conf), num_warps=1)

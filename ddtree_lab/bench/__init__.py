@@ -5,7 +5,7 @@
   tree_build.py  the one-launch tree build's warps (python -m ddtree_lab.bench.tree_build)
   vocab_topk.py  the per-depth top-K kernel vs torch (python -m ddtree_lab.bench.vocab_topk)
   fused_moe.py   the MoE block vs torch's grouped path vs its floor (python -m ddtree_lab.bench.fused_moe)
-  commit.py      the commit launch, fixed against budget="auto"'s (python -m ddtree_lab.bench.commit)
+  commit.py      the commit after the walk, fixed and with budget="auto"'s update (python -m ddtree_lab.bench.commit)
 
 A micro-benchmark's `--baseline FILE` times another version of its kernel file beside this one
 (`load_kernel_file`); each writes its rows with `write_bench_json`.

@@ -116,6 +116,23 @@ def test_auto_in_cuda_graphs_equals_ar(trace):
     assert res.settings["auto"]["costs_measured"] and all(0 < c < 0.1 for c in costs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the update's own stream exists on a GPU only; the CPU "
+                    "twin is test_kernel_path_equals_torch_path (the same kernel under the interpreter, in order)")
+def test_update_beside_the_commit_equals_the_torch_rule(use_options):
+    """In CUDA graphs the kernel's update runs on a forked stream beside the KV compaction; the rounds it chooses
+    (given costs, so no timing enters) are those of the torch rule run in order on the commit's own stream."""
+    pair = dl.load_pair("lab", device="cuda", dtype="float32", attention="triton")
+    prompts = [p["prompt"] for p in read_prompt_set("lab:code", 4)]
+    auto = dl.AutoBudget(budgets=(16, 32, 64), costs=(1.0e-3, 1.04e-3, 1.12e-3))
+    runs = {}
+    for kernels in ("torch", "triton"):
+        use_options(tree_kernels=kernels)  # part of the programs' and the table's key: each starts afresh
+        runs[kernels] = [(r.tokens, r.round_budgets) for r in (
+            dl.generate(pair, p, budget=auto, max_new_tokens=64, stop=[], trace=False) for p in prompts * 2)]
+    assert runs["torch"] == runs["triton"]
+    assert len({b for _, budgets in runs["triton"] for b in budgets}) > 1
+
+
 def test_auto_runs_without_triton():
     """budget="auto" on a machine without Triton (`pip install -e .` alone): the torch rule, no import of the
     kernel module. A fresh process, so that Triton can be made unimportable before anything loads it."""

@@ -36,10 +36,10 @@ def _run(fn, budgets, edges, lag, every, rounds, seed):
     for r in range(rounds):
         j = int(torch.randint(0, len(budgets), (1,), generator=g))
         path, a, scores = _round(g, budgets[j])
-        round_idx += 1
         fn(path, a, round_idx, scores, j, state.budgets, state.costs, state.edges, state.table_sum,
            state.table_count, state.totals, state.bin_ring, state.proposals, state.schedule,
            min(budgets[0], budgets[j]), auto.explore, auto.weight, state.decay, float(L + 1))
+        round_idx += 1  # the commit counts the round after the update
     return state
 
 
@@ -61,7 +61,7 @@ def test_credit_goes_to_the_source_rounds_bin_and_every_smaller_budget():
     state = AutoState(AutoBudget(budgets=budgets, costs=(1.0, 1.0, 1.0), edges=(1.5,), memory=10 ** 9), L, 8, DEVICE)
     state.schedule.copy_(torch.tensor([1, 1]))
     state.bin_ring[0] = 2   # round 0 was confident
-    round_idx = torch.tensor([3], device=DEVICE)  # this is round 2; the host chose it from round 0
+    round_idx = torch.tensor([2], device=DEVICE)  # this is round 2 (not yet counted); the host chose it from round 0
     path = torch.zeros(L + 1, dtype=torch.long, device=DEVICE)
     path[1:4] = torch.tensor([2, 9, 30])          # accepted nodes 2, 9, 30: τ = 2 at budget 4, 3 at 16, 4 at 64
     scores = torch.full((16,), -20.0, device=DEVICE)  # an unconfident draft: bin 1
@@ -88,10 +88,10 @@ def test_proposal_follows_the_cost(fn):
             j = r % 2
             path = torch.zeros(L + 1, dtype=torch.long, device=DEVICE)
             path[1:4] = torch.tensor([1, 3, 40 if j == 1 else 5])   # budget 64 accepts one node more
-            round_idx += 1
             fn(path, torch.tensor([4], device=DEVICE), round_idx, torch.zeros(budgets[j], device=DEVICE), j,
                state.budgets, state.costs, state.edges, state.table_sum, state.table_count, state.totals,
                state.bin_ring, state.proposals, state.schedule, 16, 0.5, 2.0, state.decay, 16.0)
+            round_idx += 1
         assert int(state.proposals[1 + 63]) == want == int(state.proposals[0])  # bin 0 alone: the same
 
 

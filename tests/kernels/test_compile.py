@@ -32,8 +32,7 @@ AUTO_STATE_SIGNATURE = {
     "j": "i32", "n_conf": "i32", "explore": "fp32", "weight": "fp32", "decay": "fp32", "max_tau": "fp32"}
 ADVANCE_SIGNATURE = {
     "Tokens": "*i64", "Path": "*i64", "A": "*i64", "Choice": "*i64", "N": "*i64", "Bonus": "*i64", "Out": "*i64",
-    "OutLen": "*i64", "Taus": "*i64", "RoundIdx": "*i64", "CtxPos": "*i64", "CtxCount": "*i64", "L": "i32",
-    **AUTO_STATE_SIGNATURE}
+    "OutLen": "*i64", "Taus": "*i64", "RoundIdx": "*i64", "CtxPos": "*i64", "CtxCount": "*i64", "L": "i32"}
 AUTO_SIGNATURE = {"Path": "*i64", "A": "*i64", "RoundIdx": "*i64", **AUTO_STATE_SIGNATURE}
 LINEAR_SIGNATURE = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                     "k_chunk": "i32", "s_xm": "i32", "s_wn": "i32", "s_ym": "i32", "s_ys": "i32"}
@@ -104,10 +103,7 @@ CASES = [
       "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32", "s_ht": "i32", "s_we": "i32",
       "s_wn": "i32", "s_yt": "i32"},
      {"IEEE": False, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
-    ("commit", "_advance_kernel", ADVANCE_SIGNATURE,  # with budget="auto"'s update in the same launch
-     {"BLOCK": 16, "AUTO": True, "J": 5, "NB": 3, "BLOCK_P": 16, "BLOCK_C": 16, "BLOCK_J": 8, "BLOCK_R": 4}),
-    ("commit", "_advance_kernel", ADVANCE_SIGNATURE,
-     {"BLOCK": 16, "AUTO": False, "J": 1, "NB": 1, "BLOCK_P": 16, "BLOCK_C": 16, "BLOCK_J": 16, "BLOCK_R": 2}),
+    ("commit", "_advance_kernel", ADVANCE_SIGNATURE, {"BLOCK": 16}),
     ("auto_budget", "_auto_kernel", AUTO_SIGNATURE,
      {"J": 8, "NB": 8, "BLOCK_P": 16, "BLOCK_C": 1024, "BLOCK_J": 8, "BLOCK_R": 16}),
     ("batch_invariant", "_linear_kernel", LINEAR_SIGNATURE,  # the GPU's tiles; one pass straight to bf16

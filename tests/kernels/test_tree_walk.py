@@ -63,24 +63,14 @@ def device_pair(tiny_dirs):
     return dl.load_pair(target=tiny_dirs[0], drafter=tiny_dirs[1], device=DEVICE)  # kernels need its device
 
 
-@pytest.mark.parametrize("auto_budgets", [None, (4,), (4, 8, 12)])
-def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_options, auto_budgets):
-    """The commit kernel vs RoundProgram.advance_reference on random round outcomes; with budget="auto"'s
-    update in the same launch, vs the reference advance followed by the torch update, round after round."""
-    from ddtree_lab.auto_budget import AutoBudget, AutoState
+def test_advance_round_equals_torch_bookkeeping(device_pair, use_options):
+    """The commit kernel vs RoundProgram.advance_reference on random round outcomes."""
     from ddtree_lab.decode import RoundProgram
     from ddtree_lab.kernels.commit import advance_round
 
     use_options(tree_kernels="torch")
     prog = RoundProgram(device_pair, "ddtree", 12, None, 0.0, out_capacity=80, max_rounds=20)
     L, T = prog.L, prog.T
-    autos = {}
-    if auto_budgets:
-        auto = AutoBudget(budgets=auto_budgets, costs=tuple(1e-3 * (1 + b / 8) for b in auto_budgets), edges=(1.5,),
-                          memory=8)
-        autos = {name: AutoState(auto, L, 20, DEVICE) for name in ("ref", "kernel")}
-        for st in autos.values():
-            st.schedule.copy_(torch.tensor([0, 1]))  # each round credits the bin of the round before
     g = torch.Generator().manual_seed(3)
     for trial in range(5):
         parents, depths = random_tree(T, L, g)
@@ -88,8 +78,6 @@ def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_op
         choice = torch.randint(0, 50, (T,), generator=g).to(DEVICE)
         anc = tree.ancestor_matrix(parents, L)
         prog.path, prog.a = tree.accept_path(prog.tokens, parents, depths, choice, anc, L)
-        scores = -torch.sort(torch.rand(T - 1, generator=g) * 4).values.to(DEVICE)
-        j = trial % len(auto_budgets or (0,))
         start = [torch.tensor([10 + trial]), torch.tensor([7]), torch.tensor([3 + 2 * trial]), torch.tensor([trial])]
         state = {}
         for name in ("ref", "kernel"):
@@ -99,47 +87,36 @@ def test_advance_round_equals_torch_bookkeeping(device_pair, monkeypatch, use_op
                 t.zero_()
             if name == "ref":
                 prog.advance_reference(choice)
-                if autos:
-                    autos[name].update(prog.path, prog.a, prog.round_idx, scores, j)
             else:
                 advance_round(prog.tokens, prog.path, prog.a, choice, prog.n, prog.bonus, prog.out, prog.out_len,
-                              prog.taus, prog.round_idx, prog.ctx_pos, prog.ctx_count, L,
-                              autos[name].update_args(scores, j) if autos else None)
+                              prog.taus, prog.round_idx, prog.ctx_pos, prog.ctx_count, L)
             state[name] = [t.clone() for t in (prog.n, prog.bonus, prog.out, prog.out_len, prog.taus,
                                                prog.round_idx, prog.ctx_pos, prog.ctx_count)]
-            if autos:
-                state[name] += [t.clone() for t in autos[name].tensors()]
-        assert all(torch.allclose(x, y) if x.is_floating_point() else torch.equal(x, y)
-                   for x, y in zip(state["ref"], state["kernel"]))
-    if autos:  # the update ran: every round is in the ring, its bin and proposal among the real ones
-        assert int(autos["kernel"].table_count.sum()) > 0 and int(autos["kernel"].bin_ring[4]) >= 1
+        assert all(torch.equal(x, y) for x, y in zip(state["ref"], state["kernel"]))
 
 
-def test_commit_bench_checks_each_version_against_this_one(tmp_path):
-    """bench/commit.py: fixed and auto launches side by side; a baseline copy of the kernel file (its
-    auto_budget.py beside it) reaches this kernel's state, and a version that writes another τ is caught."""
-    import shutil
-    import types
-
+def test_commit_bench_checks_each_auto_variant_against_the_in_line_one(monkeypatch):
+    """bench/commit.py: the commit fixed, with auto's update in line and beside, side by side; the auto variants
+    reach the same state, and one whose update writes another table is caught."""
+    from ddtree_lab.auto_budget import AutoState
     from ddtree_lab.bench import commit as bench_commit
-    from ddtree_lab.kernels import auto_budget, commit
 
-    for f in (commit.__file__, auto_budget.__file__):
-        shutil.copy(f, tmp_path)
-    copy = bench_commit.load_baseline(str(tmp_path / "commit.py"))
-    rows = bench_commit.bench_commit(budgets=(4, 8), block=6, accepted=3, baseline=copy, device=DEVICE, reps=3)
-    assert [r["variant"] for r in rows] == ["fixed", "auto", "baseline fixed", "baseline auto"]
+    kw = dict(budgets=(4, 8), block=6, accepted=3, layers=2, kv_heads=1, head_dim=16, features=8, device=DEVICE,
+              reps=3)
+    rows = bench_commit.bench_commit(**kw)
+    assert [r["variant"] for r in rows] == list(bench_commit.VARIANTS)
     assert all(r["same_state"] for r in rows)
     assert all(r["us"] > 0 and r["over_fixed"] > 0 if DEVICE == "cuda" else r["us"] is None for r in rows)
 
-    def off_by_one(*args):  # the same launch, then τ written one higher
-        commit.advance_round(*args)
-        args[8][0] += 1
-    rows = bench_commit.bench_commit(budgets=(4, 8), block=6, accepted=3, device=DEVICE, reps=3,
-                                     baseline=types.SimpleNamespace(advance_round=off_by_one))
-    assert [r["same_state"] for r in rows] == [True, True, False, False]
-    with pytest.raises(SystemExit):
-        bench_commit.main(["--baseline", str(tmp_path / "missing.py")])
-    for bad in (["--accepted", "1"], ["--budgets", "4", "--accepted", "6"]):
+    update = AutoState.update_beside
+
+    def off_by_one(self, *args):  # the same update, then one more round counted in the table
+        update(self, *args)
+        self.join()
+        self.table_count[1, 0] += 1
+    monkeypatch.setattr(AutoState, "update_beside", off_by_one)
+    rows = bench_commit.bench_commit(**kw)
+    assert [r["same_state"] for r in rows] == [True, True, False]
+    for bad in (["--accepted", "1"], ["--budgets", "4", "--accepted", "6"], ["--layers", "0"]):
         with pytest.raises(SystemExit):
             bench_commit.main(bad)

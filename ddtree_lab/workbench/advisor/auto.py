@@ -116,7 +116,7 @@ def replay_auto(trace_rows: Sequence[Mapping], costs: Mapping[int, float], passe
                 path[:len(accepted)] = torch.tensor(accepted)
                 a = tau_at(accepted, budgets[j])
                 scores = torch.tensor(r["tree"]["scores"], dtype=torch.float32)
-                state.update(path, torch.tensor([a]), torch.tensor([i + 1]), scores, j)
+                state.update(path, torch.tensor([a]), torch.tensor([i]), scores, j)  # round i, not yet counted
                 tokens += a
                 seconds += costs[budgets[j]]
                 picks[budgets[j]] = picks.get(budgets[j], 0) + 1
