@@ -254,7 +254,9 @@ def auto_update_reference(path, a, round_idx, scores, j: int, budgets, costs, ed
     totals.mul_(decay).add_(torch.stack([a[0].float(), costs[j]]))
     bin_ = confidence_bin(scores, n_conf, edges)
     lam = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1e-30), torch.zeros_like(totals[0]))
-    pick = propose_reference(table_sum[bin_], table_count[bin_], costs, lam, explore, weight, max_tau)
+    row = bin_.view(1)  # index_select: a tensor index would read its value on the host, which a capture forbids
+    pick = propose_reference(table_sum.index_select(0, row)[0], table_count.index_select(0, row)[0], costs, lam,
+                             explore, weight, max_tau)
     first = propose_reference(table_sum[0], table_count[0], costs, lam, explore, weight, max_tau)
     bin_ring.index_copy_(0, r, bin_.view(1))
     proposals.index_copy_(0, r + 1, pick.view(1))
