@@ -13,6 +13,7 @@ round, and the choice only selects which captured round runs next, so the output
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -192,23 +193,23 @@ class AutoState:
         else:
             auto_update_reference(path, a, round_idx, *self.update_args(scores, j))
 
-    def update_beside(self, path, a, round_idx, scores, j: int) -> None:
-        """`update` on a CUDA stream of its own, forked here (after the walk has written path and a), so it
-        runs beside what the commit does until `join`: that work must not write anything the update reads (the
-        KV compaction does not; the round count comes after `join`). Elsewhere it simply runs in order."""
+    @contextlib.contextmanager
+    def update_beside(self, path, a, round_idx, scores, j: int):
+        """`with update_beside(...): work` runs `update` on a CUDA stream of its own, forked on entry (after the
+        walk has written path and a), beside `work`, and joins it on exit (in a captured graph the fork's branch
+        joins there). `work` must not write what the update reads: the KV compaction does not, and the round is
+        counted after the block. Elsewhere the update simply runs first."""
         if path.device.type != "cuda":
             self.update(path, a, round_idx, scores, j)
+            yield
             return
         if self.side is None:
             self.side = torch.cuda.Stream(path.device)
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
             self.update(path, a, round_idx, scores, j)
-
-    def join(self) -> None:
-        """The commit's stream waits for `update_beside` (in a captured graph the fork's branch joins here)."""
-        if self.side is not None and torch.cuda.is_available():
-            torch.cuda.current_stream().wait_stream(self.side)
+        yield
+        torch.cuda.current_stream().wait_stream(self.side)
 
 
 def propose_reference(s_row, n_row, costs, lam, explore: float, weight: float, max_tau: float) -> torch.Tensor:

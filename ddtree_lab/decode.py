@@ -14,6 +14,7 @@ and budget = block_size-1; AR is a one-stage round of the target alone.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -203,14 +204,14 @@ class RoundProgram:
         noise = None if self.choose.noise is None else self.choose.noise[:self.logits.shape[0]]
         choice = self.choose(self.logits, noise)                                  # [T]
         self.path, self.a = accept_path(self.tokens, self.parents, self.depths, choice, self.anc, self.L)
-        if self.auto is not None:  # budget="auto": credit this round, propose the next budget, beside the commit
-            self.auto.update_beside(self.path, self.a, self.round_idx, self.tree.scores, self.auto_index)
-        # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
-        self.target.compact_cache(self.n, self.path, self.a)
-        # gather, not index_select, whose CUDA kernel walks the path's 16 rows one after another
-        torch.gather(self.hidden, 0, self.path[:, None].expand(-1, self.hidden.shape[1]), out=self.ctx_hidden)
-        if self.auto is not None:
-            self.auto.join()  # the update read the round index: only now is the round counted
+        # budget="auto": credit this round and propose the next budget beside the compaction and the gather (the
+        # update reads the round index, so the round is counted after them)
+        with (self.auto.update_beside(self.path, self.a, self.round_idx, self.tree.scores, self.auto_index)
+              if self.auto is not None else contextlib.nullcontext()):
+            # Commit: accepted KV to positions n … n+a-1; their features wait for the next draft.
+            self.target.compact_cache(self.n, self.path, self.a)
+            # gather, not index_select, whose CUDA kernel walks the path's 16 rows one after another
+            torch.gather(self.hidden, 0, self.path[:, None].expand(-1, self.hidden.shape[1]), out=self.ctx_hidden)
         if use_triton(self.device):
             from .kernels.commit import advance_round
 

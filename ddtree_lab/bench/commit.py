@@ -15,6 +15,8 @@ Command line (GPU): python -m ddtree_lab.bench.commit [--layers N --kv-heads H -
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 import torch
 
@@ -67,15 +69,12 @@ class CommitInputs:
     def call(self, variant: str) -> None:
         """One commit as RoundProgram.commit runs it after the walk."""
         n, bonus, out_len = self.state
-        j = len(self.auto.auto.budgets) - 1
-        if variant == "auto beside":
-            self.auto.update_beside(self.path, self.a, self.round_idx, self.scores, j)
-        elif variant == "auto in line":
-            self.auto.update(self.path, self.a, self.round_idx, self.scores, j)
-        compact_kv(self.kv, self.PAST, self.path, self.a)  # the same slots every call (a timing replays many)
-        torch.gather(self.hidden, 0, self.path[:, None].expand(-1, self.hidden.shape[1]), out=self.ctx_hidden)
-        if variant == "auto beside":
-            self.auto.join()
+        args = (self.path, self.a, self.round_idx, self.scores, len(self.auto.auto.budgets) - 1)
+        if variant == "auto in line":
+            self.auto.update(*args)
+        with self.auto.update_beside(*args) if variant == "auto beside" else contextlib.nullcontext():
+            compact_kv(self.kv, self.PAST, self.path, self.a)  # the same slots every call (a timing replays many)
+            torch.gather(self.hidden, 0, self.path[:, None].expand(-1, self.hidden.shape[1]), out=self.ctx_hidden)
         advance_round(self.tokens, self.path, self.a, self.choice, n, bonus, self.out, out_len, self.taus,
                       self.round_idx, self.ctx_pos, self.ctx_count, self.L)
 
@@ -125,6 +124,8 @@ def main(argv=None):
     if min(a.layers, a.kv_heads, a.features) < 1:
         ap.error("--layers, --kv-heads and --features must be ≥ 1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("no CUDA device: time it on a GPU, or set TRITON_INTERPRET=1 for a correctness run on the CPU")
     rows = bench_commit(a.budgets, a.block, a.accepted, a.layers, a.kv_heads, a.head_dim, a.features, device)
     if a.out:
         write_bench_json(a.out, rows, budgets=a.budgets, block=a.block, accepted=a.accepted, layers=a.layers,

@@ -1,5 +1,6 @@
 """Tree-walk kernels (kernels/tree_walk.py) vs their torch references: the ancestor masks (dense and
 packed) and the accepted path. Without a GPU the kernels run under the Triton interpreter."""
+import contextlib
 import os
 
 import pytest
@@ -110,9 +111,10 @@ def test_commit_bench_checks_each_auto_variant_against_the_in_line_one(monkeypat
 
     update = AutoState.update_beside
 
+    @contextlib.contextmanager
     def off_by_one(self, *args):  # the same update, then one more round counted in the table
-        update(self, *args)
-        self.join()
+        with update(self, *args):
+            yield
         self.table_count[1, 0] += 1
     monkeypatch.setattr(AutoState, "update_beside", off_by_one)
     rows = bench_commit.bench_commit(**kw)
@@ -120,3 +122,7 @@ def test_commit_bench_checks_each_auto_variant_against_the_in_line_one(monkeypat
     for bad in (["--accepted", "1"], ["--budgets", "4", "--accepted", "6"], ["--layers", "0"]):
         with pytest.raises(SystemExit):
             bench_commit.main(bad)
+    if DEVICE == "cpu":  # nothing to time on, and no interpreter asked for: refused, not a traceback
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(SystemExit):
+            bench_commit.main(["--layers", "2"])
