@@ -79,6 +79,22 @@ def check_backend(name: str) -> str:
     return name
 
 
+def static_cache(cache: torch.Tensor | None, shape: tuple, device, dtype) -> torch.Tensor:
+    """A KV cache of `shape` [..., S, D] (S slots along dim -2): `cache` itself where it matches and holds at
+    least S slots, else a new zeroed one. A cache only grows: moving it would void every captured round and
+    prefill kept on its address (graphs.kept), so runs that alternate budgets or prompt lengths would
+    capture again each time. Slots past the bound a caller passes (max_past) are never read."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    fits = (cache is not None and cache.device == device and cache.dtype == dtype and cache.dim() == len(shape)
+            and cache.shape[:-2] == torch.Size(shape[:-2]) and cache.shape[-1] == shape[-1]
+            and cache.shape[-2] >= shape[-2]
+            # one made under inference mode takes no in-place write outside it (the other way round is fine)
+            and (not cache.is_inference() or torch.is_inference_mode_enabled()))
+    return cache if fits else torch.zeros(shape, device=device, dtype=dtype)
+
+
 def cache_slots(past_len, T: int, device):
     """The slots past_len … past_len+T-1 of T new tokens, made once per forward (not per layer):
     an int start when past_len is an int, else an index tensor [T] (past_len a device tensor)."""
@@ -115,13 +131,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return chain_attention(q, k_cache, v_cache, past_len, *mask.chain, max_past=max_past)
     if backend == "flex" and window is None and not isinstance(past_len, torch.Tensor):
         return _flex_attention(q, k_cache, v_cache, past_len, mask.anc)
-    return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window)
+    return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window, max_past)
 
 
-def _sdpa_attention(q, k_cache, v_cache, past_len, mask: TreeMask, window):
+def _sdpa_attention(q, k_cache, v_cache, past_len, mask: TreeMask, window, max_past: int | None = None):
     T = q.shape[1]
-    # eager: only the used slots; fixed shapes: the whole cache, masked
-    kv_len = k_cache.shape[1] if isinstance(past_len, torch.Tensor) else past_len + T
+    # eager: only the used slots; fixed shapes: the slots up to the bound (the whole cache without one), masked
+    if isinstance(past_len, torch.Tensor):
+        kv_len = k_cache.shape[1] if max_past is None else min(k_cache.shape[1], max_past + T)
+    else:
+        kv_len = past_len + T
     dense = mask.dense(past_len, kv_len, window)  # [T, kv_len]
     out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :kv_len], v_cache[None, :, :kv_len],
                                          attn_mask=dense, enable_gqa=q.shape[0] != k_cache.shape[0])

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
+from .attention import TreeMask, cache_slots, check_backend, static_cache, tree_attention, write_slots
 from .config import DrafterConfig
 from .layers import ROPE_SLACK, DecoderLayer, RMSNorm, Rotary, compile_fn, compiled_layer_ops
 
@@ -83,8 +83,9 @@ class Drafter(nn.Module):
         c, p = self.cfg, self.fc.weight
         device = device or p.device
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len + c.block_size, c.head_dim)
-        if self.kv is None or self.kv.shape != shape or self.kv.device != torch.device(device):
-            self.kv = torch.zeros(shape, device=device, dtype=dtype or p.dtype)
+        kv = static_cache(self.kv, shape, device, dtype or p.dtype)  # a larger one already held stays
+        if kv is not self.kv:
+            self.kv = kv
             self.ctx_len = torch.zeros(1, dtype=torch.long, device=device)
         self.ctx_len.zero_()  # in place: captured graphs hold this tensor
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, cache_slots, check_backend, tree_attention, write_slots
+from .attention import TreeMask, cache_slots, check_backend, static_cache, tree_attention, write_slots
 from .config import TargetConfig
 from .layers import (ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear,
                      set_batch_invariant)
@@ -66,14 +66,14 @@ class Target(nn.Module):
         return F.linear(h, weight)
 
     def setup_cache(self, max_len: int, device=None, dtype=None, max_past: int | None = None) -> None:
-        """A static cache of max_len slots; max_past (if given) bounds the committed context, the rest being
-        room for a tree (the attention kernel's launch follows the bound, not the cache's size)."""
+        """A static cache of at least max_len slots (a larger one already held stays: attention.static_cache);
+        max_past (if given) bounds the committed context, the rest being room for a tree (the attention
+        kernel's launch follows the bound, not the cache's size)."""
         self.max_past = max_past
         c = self.cfg
         p = self.embed_tokens.weight
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim)
-        if self.kv is None or self.kv.shape != shape or self.kv.device != (device or p.device):
-            self.kv = torch.zeros(shape, device=device or p.device, dtype=dtype or p.dtype)
+        self.kv = static_cache(self.kv, shape, device or p.device, dtype or p.dtype)
 
     def set_attention(self, backend: str) -> None:
         """"invariant" also moves every linear and norm to kernels/batch_invariant.py: then a token's logits
