@@ -276,3 +276,40 @@ def test_the_cache_only_grows_so_alternating_runs_keep_their_programs(tiny_pair)
     assert tiny_pair.target.kv is kv and tiny_pair.drafter.kv is ctx
     assert tiny_pair.__dict__["_programs"] == programs
     assert tiny_pair.target.cache_len >= tiny_pair.target.max_past + 129  # a short prompt keeps the long one's room
+
+
+def test_a_static_cache_grows_along_its_slots_only():
+    from ddtree_lab.attention import static_cache
+
+    held = static_cache(None, (2, 2, 3, 64, 8), "cpu", torch.float32)
+    assert static_cache(held, (2, 2, 3, 40, 8), "cpu", torch.float32) is held      # fewer slots: kept
+    grown = static_cache(held, (2, 2, 3, 65, 8), "cpu", torch.float32)
+    assert grown is not held and grown.shape[3] == 65                            # more: a new one
+    for other in ((2, 2, 4, 40, 8), (2, 2, 3, 40, 16), (3, 2, 3, 40, 8)):          # heads, head size, layers
+        assert static_cache(grown, other, "cpu", torch.float32).shape == other
+    assert static_cache(grown, (2, 2, 3, 40, 8), "cpu", torch.float64).dtype == torch.float64
+    with torch.inference_mode():
+        inference = static_cache(None, (1, 2, 1, 16, 4), "cpu", torch.float32)
+        assert static_cache(inference, (1, 2, 1, 8, 4), "cpu", torch.float32) is inference
+    again = static_cache(inference, (1, 2, 1, 8, 4), "cpu", torch.float32)      # outside: it could not be written
+    assert again is not inference and not again.is_inference()
+
+
+def test_fixed_shape_sdpa_reads_up_to_the_bound_only():
+    # The bound leaves out slots no query can see: the same result as attending the whole (masked) cache.
+    from ddtree_lab.attention import tree_attention
+
+    gen = torch.Generator().manual_seed(3)
+    Hq, Hkv, T, D, past, S = 4, 2, 5, 16, 11, 200
+    q = torch.randn(Hq, T, D, generator=gen)
+    k, v = torch.randn(Hkv, S, D, generator=gen), torch.randn(Hkv, S, D, generator=gen)
+    anc = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    anc[3, 1:3] = False
+    past_t = torch.tensor([past])
+    bounded = tree_attention(q, k, v, past_t, TreeMask(anc), "sdpa", max_past=past + 3)
+    whole = tree_attention(q, k, v, past_t, TreeMask(anc), "sdpa")
+    eager = tree_attention(q, k, v, past, TreeMask(anc), "sdpa")
+    torch.testing.assert_close(bounded, whole)
+    torch.testing.assert_close(bounded, eager)
+    k[:, past + 3 + T:], v[:, past + 3 + T:] = float("nan"), float("nan")  # past the bound: never read
+    assert not tree_attention(q, k, v, past_t, TreeMask(anc), "sdpa", max_past=past + 3).isnan().any()
