@@ -18,10 +18,10 @@ import sys
 
 import ddtree_lab as dl
 from ddtree_lab import decode, graphs
-from ddtree_lab.bench.e2e import repeat_order, tree_room
+from ddtree_lab.bench.e2e import grow_caches, repeat_order
 from ddtree_lab.cli import check_runtime
 from ddtree_lab.environment import environment
-from ddtree_lab.prompts import encode_prompt, read_prompt_set
+from ddtree_lab.prompts import read_prompt_set
 
 
 class OnePoolRunner(graphs.GraphRunner):
@@ -78,8 +78,7 @@ def main() -> None:
             pair.__dict__["_auto_programs"] = kept[pools]
         return dl.generate(pair, prompt, budget=budget, max_new_tokens=args.max_new_tokens, trace=False, stop=[])
 
-    # untimed, first: the widest tree on the longest prompt grows the caches to the run's size (they only grow)
-    call(max(runs, key=lambda n: tree_room("ddtree", runs[n][0])), max(prompts, key=lambda p: len(encode_prompt(pair, p))))
+    grow_caches(pair, prompts, [budget for budget, _ in runs.values()], args.max_new_tokens)
     for p in prompts:  # every prompt length once: a compiled model specialises on shapes
         dl.generate(pair, p, method="ar", max_new_tokens=2, trace=False, stop=[])
     for name in runs:  # untimed: compile, capture, a first pass of learning

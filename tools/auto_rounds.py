@@ -18,9 +18,9 @@ import torch
 
 import ddtree_lab as dl
 from ddtree_lab import graphs, trace
-from ddtree_lab.bench.e2e import repeat_order, tree_room
+from ddtree_lab.bench.e2e import grow_caches, repeat_order
 from ddtree_lab.environment import environment
-from ddtree_lab.prompts import encode_prompt, read_prompt_set
+from ddtree_lab.prompts import read_prompt_set
 
 STAGES = ("draft", "tree_build", "verify", "commit", "other")
 
@@ -69,7 +69,7 @@ def main() -> None:
         return dl.generate(pair, prompt, budget=runs[name], max_new_tokens=args.max_new_tokens, trace=False, stop=[])
 
     # untimed: the caches grown to the run's size, every shape compiled, every program captured, a pass of learning
-    call(max(runs, key=lambda n: tree_room("ddtree", runs[n])), max(prompts, key=lambda p: len(encode_prompt(pair, p))))
+    grow_caches(pair, prompts, list(runs.values()), args.max_new_tokens)
     for name in runs:
         for p in prompts:
             call(name, p)

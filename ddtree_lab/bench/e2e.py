@@ -129,11 +129,15 @@ def repeat_order(n: int, rep: int) -> list[int]:
     return [(i + rep) % n for i in range(n)]
 
 
-def tree_room(method: str, budget) -> int:
-    """How many tree slots a run of `method` at `budget` (an int or an AutoBudget) asks the cache for."""
-    if method != "ddtree":
-        return 0
-    return max(budget.budgets) if isinstance(budget, AutoBudget) else int(budget)
+def grow_caches(pair: Pair, prompts: list, budgets, max_new_tokens: int, cuda_graphs: bool | None = None) -> None:
+    """Untimed, before a bench's warm-up: DDTree at the largest tree among `budgets` (ints or AutoBudgets) on the
+    longest prompt, so the caches, which only grow, have the run's size before anything is captured, and no
+    program is captured again when the runs alternate. Without a DDTree budget, nothing."""
+    rooms = [max(b.budgets) if isinstance(b, AutoBudget) else b for b in budgets]
+    if rooms:  # a fixed budget sizes the cache as an auto whose largest candidate it is
+        longest = max(prompts, key=lambda p: len(encode_prompt(pair, p)))
+        generate(pair, longest, method="ddtree", budget=max(rooms), max_new_tokens=max_new_tokens, trace=False,
+                 cuda_graphs=cuda_graphs, stop=[])
 
 
 def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max_new_tokens: int = 96,
@@ -153,10 +157,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
     runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in fixed + labels]
     kws = [dict(method=m, budget=autos.get(b, b) or 16, max_new_tokens=max_new_tokens, trace=False,
                 cuda_graphs=cuda_graphs, stop=[]) for m, b in runs]
-    # untimed, first: the widest tree on the longest prompt grows the caches to this run's size (they only grow),
-    # so nothing captured from here on is captured again when the methods alternate
-    longest = max(prompts, key=lambda p: len(encode_prompt(pair, p)))
-    generate(pair, longest, **max(kws, key=lambda kw: tree_room(kw["method"], kw["budget"])))
+    grow_caches(pair, prompts, fixed + list(autos.values()), max_new_tokens, cuda_graphs)
     for prompt in prompts:  # every prompt length once, untimed: a compiled model specialises on shapes
         generate(pair, prompt, method="ar", max_new_tokens=2, trace=False, cuda_graphs=cuda_graphs, stop=[])
     for kw in kws:  # warm-up, untimed: kernels compiled, graphs captured; auto's costs measured and a first

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ddtree_lab as dl
-from ddtree_lab.attention import TreeMask
+from ddtree_lab.attention import TreeMask, static_cache, tree_attention
 from ddtree_lab.testing import exact_first_tokens
 
 PROMPTS = {1: [7], 5: [3, 9, 27, 81, 243], 23: [(i * 37 + 11) % 290 for i in range(23)]}
@@ -279,8 +279,6 @@ def test_the_cache_only_grows_so_alternating_runs_keep_their_programs(tiny_pair)
 
 
 def test_a_static_cache_grows_along_its_slots_only():
-    from ddtree_lab.attention import static_cache
-
     held = static_cache(None, (2, 2, 3, 64, 8), "cpu", torch.float32)
     assert static_cache(held, (2, 2, 3, 40, 8), "cpu", torch.float32) is held      # fewer slots: kept
     grown = static_cache(held, (2, 2, 3, 65, 8), "cpu", torch.float32)
@@ -297,8 +295,6 @@ def test_a_static_cache_grows_along_its_slots_only():
 
 def test_fixed_shape_sdpa_reads_up_to_the_bound_only():
     # The bound leaves out slots no query can see: the same result as attending the whole (masked) cache.
-    from ddtree_lab.attention import tree_attention
-
     gen = torch.Generator().manual_seed(3)
     Hq, Hkv, T, D, past, S = 4, 2, 5, 16, 11, 200
     q = torch.randn(Hq, T, D, generator=gen)
