@@ -5,7 +5,8 @@ than a quickstart run spends generating. So the kernel is started once (lazily, 
 and kept; before each notebook the user namespace is reset (`%reset -f`), the execution counter set
 back to 1 and the working directory changed to that notebook's run directory, so one notebook cannot
 see another's variables while imported modules stay loaded (that is the saving). A kernel that died,
-timed out or was interrupted is shut down and the next notebook starts a fresh one.
+timed out or was interrupted is shut down and the next notebook starts a fresh one. After a Ctrl-C,
+`after_interrupt` shuts every kernel down without a word.
 
 The kernel talks over IPC sockets (local files) rather than TCP, so it neither opens a port nor warns
 about unencrypted TCP traffic.
@@ -13,7 +14,10 @@ about unencrypted TCP traffic.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -55,8 +59,8 @@ class SharedKernel:
             self._ipc_dir = tempfile.mkdtemp(prefix="ddtree-kernel-")
             km = AsyncKernelManager(kernel_name=self.kernel_name, transport="ipc",
                                     ip=os.path.join(self._ipc_dir, "kernel"))
+            self.km, self.env = km, dict(env)  # before the start: an interrupted start is shut down too
             run_sync(km.start_kernel)(env=env, cwd=tempfile.gettempdir())
-            self.km, self.env = km, dict(env)
             self.starts += 1
         return self.km
 
@@ -93,6 +97,21 @@ def shared_kernel(kernel_name: str = "python3") -> SharedKernel:
 def _shutdown_all() -> None:
     for k in _SHARED.values():
         k.shutdown()
+
+
+@contextlib.contextmanager
+def after_interrupt():
+    """Shut every shared kernel down after a Ctrl-C, quietly, then run the body: a further Ctrl-C is ignored
+    meanwhile, and asyncio's logger stays silent for the rest of the process, since the interrupted
+    notebook's pending tasks, collected later, would each report the kernel's death with a traceback.
+    Main thread only (signal handlers can be set there alone)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("asyncio").disabled = True
+    try:
+        _shutdown_all()
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _PreludeClient(PapermillNotebookClient):

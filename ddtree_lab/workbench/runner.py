@@ -221,6 +221,15 @@ def record_lost_run(job: RunJob, error: str) -> RunOutcome:
     return RunOutcome(job.name, "failed", 0.0, error)
 
 
+def grid_state(runs: list[RunParams], per_run: list[Path], study_dir: Path, retry_failed: bool):
+    """For each grid run: (params, the digests of what it reads, its fingerprint, why it must run again or
+    None when a re-run skips it)."""
+    for params in runs:
+        inputs = input_digests(params, per_run)
+        fp = run_fingerprint(params, inputs)
+        yield params, inputs, fp, why_rerun(study_dir / params.run_name, fp, retry_failed, inputs)
+
+
 def run_study(study: Study, study_dir: str | os.PathLike | None = None, *, retry_failed: bool = True,
               progress: bool = True, log=print, executor=None) -> StudySummary:
     """Execute a validated study; see the module docstring. `executor` (workbench/executors.py) runs the
@@ -250,11 +259,8 @@ def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: boo
     by_name: dict[str, RunOutcome] = {}
     total = len(runs) + len(study.notebooks.per_study)
     jobs = []
-    for i, params in enumerate(runs, 1):
+    for i, (params, inputs, fp, why) in enumerate(grid_state(runs, per_run, study_dir, retry_failed), 1):
         rdir = study_dir / params.run_name
-        inputs = input_digests(params, per_run)
-        fp = run_fingerprint(params, inputs)
-        why = why_rerun(rdir, fp, retry_failed, inputs)
         if why is None:
             log(f"[{i}/{total}] {params.run_name}: complete, skipped")
             by_name[params.run_name] = RunOutcome(params.run_name, "skipped")
@@ -339,10 +345,11 @@ def add_study_args(p) -> None:
 
 
 def run_study_cli(args) -> int:
+    study = out = None
     try:
+        study = load_study(args.params)
+        out = Path(args.out or Path("outputs") / study.name)
         if args.check:
-            study = load_study(args.params)
-            out = Path(args.out or Path("outputs") / study.name)
             if out.exists() and not out.is_dir():
                 raise StudyError("--out", f"{out} is a file, not a folder")
             for r in expand_grid(study, out):
@@ -350,8 +357,7 @@ def run_study_cli(args) -> int:
             print(f"ok: {len(expand_grid(study))} runs -> {out}")
             return 0
         executor = make_executor(args.executor, args.address, args.gpus_per_run)
-        s = main_study(args.params, args.out, retry_failed=not args.no_retry_failed,
-                       progress=not args.quiet, executor=executor)
+        s = run_study(study, out, retry_failed=not args.no_retry_failed, progress=not args.quiet, executor=executor)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -359,6 +365,8 @@ def run_study_cli(args) -> int:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         print(f"error: {e.strerror or e}{where}; finished runs are kept, a re-run resumes", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted(study, out)
     # Count the grid's runs as the report does; the once-per-study notebooks are named apart.
     grid = set(json.loads((s.study_dir / STUDY_FILE).read_text()).get("runs", []))
     runs = [o for o in s.outcomes if o.name in grid]
@@ -370,3 +378,18 @@ def run_study_cli(args) -> int:
     if s.report:
         print(f"report: {s.report}")
     return 1 if s.count("failed") else 0
+
+
+def _interrupted(study: Study | None, out: Path | None) -> int:
+    """After a Ctrl-C: nothing is lost (runs are written atomically), so one line says what is kept."""
+    from .kernels import after_interrupt
+
+    kept = "nothing ran yet"
+    with after_interrupt():
+        if study is not None and out is not None and out.is_dir():
+            runs = expand_grid(study, out.resolve())
+            per_run = [find_notebook(n, study.path.parent if study.path else None) for n in study.notebooks.per_run]
+            skipped = sum(why is None for *_, why in grid_state(runs, per_run, out.resolve(), retry_failed=True))
+            kept = f"{skipped} of {len(runs)} runs complete are kept"
+    print(f"ddtree-lab study: interrupted; {kept}, re-run the same command to resume", file=sys.stderr)
+    return 130
