@@ -28,6 +28,7 @@ from ..names import AUTO, RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
 from .advisor.auto import row_blocks_at_height
+from .measurement import conditions, describe, load_average, timing_caveats, timing_record
 from .runs import RunParams, auto_candidates, input_digests, is_fixed, read_run_status, run_name
 
 SCHEMA = "ddtree_lab.results/1"
@@ -226,6 +227,7 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
     # their range. The first pass gives the tokens, traces and stage times; all passes give timings.
     results, rows, ntok, pass_seconds = [], [], [], []
     inputs = [prompt_input(pair, p["prompt"]) for p in prompts]
+    load_before = load_average()
     for rep in range(max(1, int(params.repeats))):
         wall = 0.0
         for i, (p, x) in enumerate(zip(prompts, inputs)):
@@ -242,9 +244,11 @@ def generate_run(params: RunParams, pair: Any = None, progress: bool = True) -> 
                 print(f"{params.run_name} prompt {i + 1}/{len(prompts)}: {len(res.tokens)} tokens, "
                       f"{len(taus)} rounds, {res.wall_seconds:.2f}s", flush=True)
         pass_seconds.append(wall)
+    conditions_now = timing_record(load_before, load_average())
     timing = "untraced call (trees from a second, traced call)" if separate else "traced call"
     timing += f"; median of {len(pass_seconds)} pass(es) over the prompts"
-    out = build_results(params, pair, prompts, results, ntok, extra={"timing": timing}, pass_seconds=pass_seconds)
+    out = build_results(params, pair, prompts, results, ntok, pass_seconds=pass_seconds,
+                        extra={"timing": timing, "timing_conditions": conditions_now})
     out["summary"].update(verify_reads(pair, rows))
     auto = auto_summary(results)
     if auto is not None:
@@ -286,13 +290,19 @@ def write_run(run_dir: str | os.PathLike, results: dict, rows: list[dict]) -> No
 def ensure_results(params: RunParams, pair: Any = None, progress: bool = True) -> dict:
     """Load this run's results.json from params.run_dir, or generate and write it.
 
-    Results written for other parameters are regenerated. If the study's AR run already exists,
+    Results written for other parameters, or timed with another thread count than this process has, are
+    regenerated; results reused say when and how they were timed. If the study's AR run already exists,
     the comparison (speedup, losslessness) is added right away; the report recomputes it anyway."""
     run_dir = Path(params.run_dir or ".")
     inputs = input_digests(params)
     old, _ = read_results(run_dir)
     if old is not None and old.get("fingerprint") == params.fingerprint() and old.get("inputs") == inputs:
-        return old
+        threads = conditions(old)["threads"]
+        if threads in (None, torch.get_num_threads()):
+            print(f"{params.run_name}: stored results reused, {describe(old)}", flush=True)
+            return old
+        print(f"{params.run_name}: stored results were timed with {threads} threads, this process has "
+              f"{torch.get_num_threads()}: timing it again", flush=True)
     results, rows = generate_run(params, pair, progress)
     results["fingerprint"] = params.fingerprint()
     results["inputs"] = inputs  # the prompt file and checkpoints it read: an edit in place regenerates
@@ -371,7 +381,8 @@ def overview(results: dict) -> str:
              f"  {s.get('new_tokens')} tokens in {s.get('rounds')} rounds, mean tau "
              f"{s.get('mean_tau') or 0:.2f}, {tps or 0:.1f} tokens/s ({(spt or 0) * 1e3:.1f} ms/token)",
              f"  speedup over AR: {c.get('speedup'):.2f}x" if c.get("speedup") else "  speedup over AR: n/a",
-             f"  losslessness: {c.get('verdict')} ({c.get('detail')})"]
+             f"  losslessness: {c.get('verdict')} ({c.get('detail')})",
+             f"  {describe(results)}"]
     return "\n".join(lines)
 
 
@@ -592,7 +603,8 @@ def recommend(rows: list[dict]) -> list[dict]:
     its speedup spread (timed passes), the runner-up, and whether its margin over AR (when it beats
     AR) or over the runner-up is within the spread of the passes (`within_noise`, `noise_against`).
     The best is a fixed budget's run; an `auto` run is set against it (`auto`, see `versus_auto`), and
-    is the best itself only where no fixed budget ran."""
+    is the best itself only where no fixed budget ran. `timing_caveats` says why the timings behind it do not
+    compare as they stand (measurement.py): some taken under contention, or with different thread counts."""
     by_t: dict[float, list[dict]] = {}
     autos: dict[float, list[dict]] = {}
     ar: dict[float, dict] = {}
@@ -629,6 +641,8 @@ def recommend(rows: list[dict]) -> list[dict]:
             if other and other[1] >= mine[0]:
                 rec.update(within_noise=True, noise_against=second["name"])
         rec["auto"] = versus_auto(best, autos.get(t, [])) if t in by_t else None
+        compared = [r for r in [ar.get(t), *by_t.get(t, []), *autos.get(t, [])] if r is not None]
+        rec["timing_caveats"] = timing_caveats({r["name"]: r["results"] for r in compared})
         out.append(rec)
     return out
 
@@ -682,4 +696,7 @@ def recommendation_text(rec: dict) -> str:
         text += (f" Budget auto ({auto['run']}, choosing among {among}) ran at {auto['vs_best_fixed']:.2f}× the "
                  f"tokens/s of budget {rec['budget']}: {won}"
                  + (", within noise (their timed passes overlap)." if auto["within_noise"] else "."))
+    if rec.get("timing_caveats"):
+        text += (f" Its timings do not compare as they stand: {'; '.join(rec['timing_caveats'])}. Time the runs "
+                 "again on an idle machine, with one thread count, before acting on it.")
     return text

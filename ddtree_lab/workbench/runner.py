@@ -28,6 +28,7 @@ from .report import build_report
 from .runs import (RunParams, base_params, changed_inputs, expand_grid, input_digests, read_run_status,
                    run_fingerprint, study_params)
 from .executors import EXECUTORS, SequentialExecutor, WorkerDied, make_executor
+from .measurement import study_kernel_env
 from .spec import Study, StudyError, find_notebook, load_study
 
 KERNEL = "python3"
@@ -55,11 +56,7 @@ def _kernel_env() -> dict:
     # The kernel must import this very package even when it is not pip-installed.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    # One CPU thread unless the user says otherwise: the lab pair's matrices are too small to gain from
-    # more, and OpenMP threads stall (10-1000x slower ops) whenever another process holds a core,
-    # which would make CPU timings of a study meaningless. GPU runs do not depend on it.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return study_kernel_env(env)  # the CPU threads every timing uses, notebooks run alone included
 
 
 def _short_error(exc: BaseException) -> str:
