@@ -6,10 +6,13 @@
 Formats (see docs/workbench.md, "Results from serving stacks"; recognised in `formats`): the
 serving benchmark's `--output-file` JSON lines (three field sets), the one-batch server benchmark's
 JSON lines, and the `bench serve --save-result` JSON document. Files are streamed (`jsonstream`), so
-their size does not matter. This module imports neither torch nor the engine.
+their size does not matter. A file or folder whose name is not UTF-8 is not read: one message names it
+(escaped), as external.json and the page could not hold the name itself. This module imports neither
+torch nor the engine.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import string
@@ -44,6 +47,9 @@ RUN_KEYS = ("file", "line", "engine", "tool", "verdict", "reason", "model", "met
             "draft_window", "concurrency", "tp", "completed", "failed", "output_throughput", "mean_tpot_ms",
             "accept_length", "speedup_over_ar", "sources")
 _PUNCT = set(string.punctuation) | set("…–—‘’“”«»·•¡¿")
+# A head with a larger share of bytes that are not UTF-8 is no text: random bytes come out about 40 %
+# undecodable, a Latin-1 text a few % (its odd characters are read as U+FFFD).
+BINARY_UNDECODABLE_SHARE = 0.25
 
 
 def degenerate_reason(text: str) -> str | None:
@@ -232,7 +238,7 @@ def ingest_file(path: Path, root: Path | None) -> tuple[list[Run], list[dict]]:
         size = path.stat().st_size
         with _open(name) as f:
             head = f.read(8192)
-            binary = b"\0" in head or not _utf8_prefix(head)
+            binary = _is_binary(head)
     except OSError as e:
         return [], [{"file": name, "reason": f"unreadable: {e.strerror or e}"}]
     names = name_settings(path, root)
@@ -282,12 +288,32 @@ def _bare_run(name: str, line: int, names: dict) -> Run:
     return run
 
 
-def _utf8_prefix(head: bytes) -> bool:
-    try:
-        head.decode("utf-8")
+def _is_binary(head: bytes) -> bool:
+    """NUL bytes, or mostly bytes that are not UTF-8; a few stray ones are text (jsonstream repairs them)."""
+    if b"\0" in head:
         return True
-    except UnicodeDecodeError as e:
-        return e.start >= len(head) - 3  # only a character cut by the 8 KiB boundary
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(head)  # a character cut at the end waits
+    undecodable = text.count("\ufffd") - head.count("\ufffd".encode())
+    return undecodable > BINARY_UNDECODABLE_SHARE * len(head)
+
+
+def shown(path) -> str:
+    """A path as text every sink takes (JSON, HTML, a terminal): the bytes of a name that are not UTF-8
+    as \\xNN (Python holds them as lone surrogates, which no UTF-8 writer accepts)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _is_text(path) -> bool:
+    try:
+        str(path).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+# A path that is not UTF-8 cannot be written into external.json or the page as itself: not ingested.
+NOT_UTF8 = "name is not valid UTF-8: not ingested (rename it)"
+NOT_UTF8_FOLDER = "folder name is not valid UTF-8: nothing under it ingested (rename it)"
 
 
 def _parse(f, head: bytes):
@@ -317,7 +343,9 @@ def walk(paths: list, skip: Path | None = None) -> tuple[list[tuple[Path, Path]]
     """Files under the given paths (recursively, following links once) -> ([(file, root)], messages)."""
     files, notes, seen = [], [], set()
     for p in map(Path, paths):
-        if p.is_symlink() and not p.exists():
+        if (p.exists() or p.is_symlink()) and not _is_text(p):
+            notes.append({"file": shown(p), "reason": NOT_UTF8_FOLDER if p.is_dir() else NOT_UTF8})
+        elif p.is_symlink() and not p.exists():
             notes.append({"file": str(p), "reason": _link_problem(p)})
         elif p.is_file():
             files.append((p, p.parent))
@@ -337,11 +365,15 @@ def walk(paths: list, skip: Path | None = None) -> tuple[list[tuple[Path, Path]]
                     dirnames[:] = []
                     continue
                 dirnames[:] = sorted(x for x in dirnames if not x.startswith("."))
+                notes += [{"file": shown(d / x), "reason": NOT_UTF8_FOLDER} for x in dirnames if not _is_text(x)]
+                dirnames[:] = [x for x in dirnames if _is_text(x)]
                 for fn in sorted(filenames):
                     fp = d / fn
                     if fn.startswith("."):
                         continue
-                    if fp.is_symlink() and not fp.exists():
+                    if not _is_text(fn):
+                        notes.append({"file": shown(fp), "reason": NOT_UTF8})
+                    elif fp.is_symlink() and not fp.exists():
                         notes.append({"file": str(fp), "reason": _link_problem(fp)})
                     elif not fp.is_file():
                         notes.append({"file": str(fp), "reason": "not a regular file"})
@@ -354,7 +386,7 @@ def walk(paths: list, skip: Path | None = None) -> tuple[list[tuple[Path, Path]]
         elif p.exists():
             notes.append({"file": str(p), "reason": "not a regular file or folder"})
         else:
-            raise FileNotFoundError(f"no such file or folder: {p}")
+            raise FileNotFoundError(f"no such file or folder: {shown(p)}")
     return files, notes
 
 
@@ -396,7 +428,7 @@ def study_external(study_dir: Path, study: dict) -> dict | None:
         try:
             doc = json.loads(f.read_text())
         except (OSError, ValueError) as e:
-            return {"schema": SCHEMA, "runs": [], "unrecognised": [{"file": str(f), "reason": f"unreadable: {e}"}]}
+            return {"schema": SCHEMA, "runs": [], "unrecognised": [{"file": shown(f), "reason": f"unreadable: {e}"}]}
         return doc if isinstance(doc, dict) and isinstance(doc.get("runs"), list) else None
     return None
 
@@ -412,7 +444,7 @@ def add_ingest_args(p) -> None:
 def run_ingest_cli(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        print(f"ddtree-lab ingest: error: --out {out} is a file, not a folder", file=sys.stderr)
+        print(f"ddtree-lab ingest: error: --out {shown(out)} is a file, not a folder", file=sys.stderr)
         return 2
     try:
         doc = ingest(args.paths, skip=out if out.exists() else None)
@@ -422,19 +454,19 @@ def run_ingest_cli(args) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        print(f"ddtree-lab ingest: error: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
+        print(f"ddtree-lab ingest: error: cannot create --out {shown(out)}: {e.strerror or e}", file=sys.stderr)
         return 2
     from . import external  # plotly only when a page is written
     try:
         atomic_write_json(out / EXTERNAL_FILE, doc)
         page = external.write_page(doc, out / REPORT_FILE, THRESHOLDS)
     except OSError as e:
-        print(f"ddtree-lab ingest: error: cannot write into {out}: {e.strerror or e}", file=sys.stderr)
+        print(f"ddtree-lab ingest: error: cannot write into {shown(out)}: {e.strerror or e}", file=sys.stderr)
         return 2
     counts = {v: sum(r["verdict"] == v for r in doc["runs"]) for v in VERDICTS}
     print(f"{len(doc['runs'])} run(s): " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
           + f"; {len(doc['unrecognised'])} message(s)")
     for n in doc["unrecognised"]:
         print(f"  {n['file']}: {n['reason']}", file=sys.stderr)
-    print(f"external: {out / EXTERNAL_FILE}\nreport: {page}")
+    print(f"external: {shown(out / EXTERNAL_FILE)}\nreport: {shown(page)}")
     return 0

@@ -5,11 +5,15 @@ level or under `details`), which are summarised while they stream past (`Details
 many GB needs memory for one generated text at a time, not for the file.
 
 Serving benchmarks write Python's `json.dumps` output, which allows the non-standard tokens
-`NaN`, `Infinity` and `-Infinity`. `_NanFilter` rewrites them outside strings into marker strings
-before the strict parser sees them, and the builder turns the markers back into floats.
+`NaN`, `Infinity` and `-Infinity`, and escapes a lone surrogate (text decoded with surrogateescape) as
+`\\udcXX`. `_Prefilter` rewrites the tokens outside strings into marker strings, which the builder turns
+back into floats, and a lone surrogate escape into U+FFFD, before the strict parser sees them. Bytes
+that are not UTF-8 (a Latin-1 é in a generated text) become U+FFFD too (`_Utf8Repair`): one odd
+character must not cost a record.
 """
 from __future__ import annotations
 
+import codecs
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -30,9 +34,24 @@ _UNMARK = {"\x00NaN": float("nan"), "\x00Infinity": float("inf"), "\x00-Infinity
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(")?|-?Infinity|NaN')  # group 1: the closing quote
 
 
-class _NanFilter:
-    """Byte stream -> the same stream with NaN / ±Infinity outside strings made marker strings.
-    Keeps back an unfinished string or a possibly cut token for the next chunk."""
+# In a string: a surrogate pair (kept), a lone surrogate (replaced) or any other escape (kept; consuming
+# it whole keeps an escaped backslash from being read as the start of an escape).
+_ESCAPES = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                      rb"|(\\u[dD][89a-fA-F][0-9a-fA-F]{2})|\\.")
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_lone_surrogates(string: bytes) -> bytes:
+    # the parser would hand a lone surrogate on as bytes that are not UTF-8 and fail the whole file
+    if not _MAYBE_SURROGATE.search(string):
+        return string
+    return _ESCAPES.sub(lambda m: b"\\ufffd" if m.group(1) else m.group(), string)
+
+
+class _Prefilter:
+    """Byte stream -> the same stream with NaN / ±Infinity outside strings made marker strings and lone
+    surrogate escapes inside strings made U+FFFD. Keeps back an unfinished string or a possibly cut
+    token for the next chunk."""
 
     def __init__(self):
         self.carry = b""
@@ -47,6 +66,10 @@ class _NanFilter:
                     out.append(buf[pos:m.start()])  # a string cut by the chunk end: keep it whole
                     self.carry = buf[m.start():]
                     return b"".join(out)
+                fixed = _no_lone_surrogates(tok)
+                if fixed is not tok:
+                    out += [buf[pos:m.start()], fixed]
+                    pos = m.end()
                 continue
             out.append(buf[pos:m.start()])
             out.append(_MARK[tok])
@@ -56,6 +79,17 @@ class _NanFilter:
         out.append(buf[pos:cut])
         self.carry = buf[cut:]
         return b"".join(out)
+
+
+class _Utf8Repair:
+    """Byte stream -> the same stream with every byte sequence that is not UTF-8 made U+FFFD (the
+    parser refuses them, and with them the whole record); a character cut by the chunk end waits."""
+
+    def __init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, data: bytes, final: bool = False) -> bytes:
+        return self.decoder.decode(data, final).encode("utf-8")
 
 
 @dataclass
@@ -199,11 +233,11 @@ def _drain(events, builder) -> None:
 def read_lines(f, judge_text) -> Iterator[Parsed]:
     """JSON lines from a binary file object: one Parsed per non-blank line, in bounded memory."""
     line_no = 0
-    state = None  # (coro, events, builder, filter, size, blank)
+    state = None  # [coro, events, builder, filter, size, blank, error, repair]
 
     def start():
         events = ijson.sendable_list()
-        return [_parser(events), events, RecordBuilder(judge_text), _NanFilter(), 0, True, None]
+        return [_parser(events), events, RecordBuilder(judge_text), _Prefilter(), 0, True, None, _Utf8Repair()]
 
     def send(st, data: bytes, final: bool = False) -> None:
         st[4] += len(data)
@@ -211,7 +245,7 @@ def read_lines(f, judge_text) -> Iterator[Parsed]:
             st[5] = False
         if st[6] is not None:
             return  # this line already failed; skip the rest of it
-        out = st[3].feed(data, final)
+        out = st[3].feed(st[7].feed(data, final), final)  # each line repaired on its own: none spills over
         try:
             if out:  # an empty send means end of input to the parser
                 st[0].send(out)
@@ -255,7 +289,7 @@ def read_document(f, judge_text) -> Iterator[Parsed]:
     """The whole file as one or more JSON documents (pretty-printed, several per file)."""
     events = ijson.sendable_list()
     coro = ijson.parse_coro(events, use_float=True, multiple_values=True)
-    flt, n, size = _NanFilter(), 0, 0
+    flt, fix, n, size = _Prefilter(), _Utf8Repair(), 0, 0
     builder = RecordBuilder(judge_text)
     err = None
 
@@ -272,7 +306,7 @@ def read_document(f, judge_text) -> Iterator[Parsed]:
     while err is None:
         chunk = f.read(CHUNK)
         size += len(chunk)
-        out = flt.feed(chunk, final=not chunk)
+        out = flt.feed(fix.feed(chunk, final=not chunk), final=not chunk)
         try:
             if out:  # an empty send means end of input to the parser
                 coro.send(out)

@@ -258,6 +258,69 @@ def test_bad_input_one_message_each(tmp_path, monkeypatch):
     assert I.ingest([locked])["unrecognised"][0] == {"file": str(locked), "reason": "unreadable folder: Permission denied"}
 
 
+def test_a_name_that_is_not_utf8_is_one_message_and_the_rest_is_ingested(tmp_path, capsys):
+    good = S.jsonl(S.serving(info=S.server_info()))
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "good.jsonl").write_text(good)
+    bad_file = src / os.fsdecode(b"run_\xff.json")     # Python holds the byte as a lone surrogate
+    bad_file.write_text(good)
+    bad_folder = src / os.fsdecode(b"c\xe9")
+    bad_folder.mkdir()
+    (bad_folder / "inner.jsonl").write_text(good)
+    out = tmp_path / "out"
+    assert cli.main(["ingest", str(src), "--out", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    got = json.loads((out / "external.json").read_text(encoding="utf-8"))
+    assert [Path(r["file"]).name for r in got["runs"]] == ["good.jsonl"]
+    assert sorted(Path(n["file"]).name for n in got["unrecognised"]) == ["c\\xe9", "run_\\xff.json"]
+    assert len(err) == 2 and any("run_\\xff.json" in line for line in err) and any("c\\xe9" in line for line in err)
+    assert (out / "report.html").read_text(encoding="utf-8").count("run_\\xff.json") >= 1
+    # named on the command line itself
+    doc = I.ingest([bad_file])
+    assert doc["runs"] == [] and [n["file"] for n in doc["unrecognised"]] == [I.shown(bad_file)]
+
+
+def test_a_stray_latin1_byte_is_a_replacement_character_not_a_binary_file(tmp_path):
+    texts = S.good_texts(4)
+    latin = S.jsonl(S.serving(info=S.server_info(model="caf_model"), detail=S.details(4, 4, texts=texts)))
+    (tmp_path / "sglang.jsonl").write_bytes(latin.encode().replace(b"caf_model", b"caf\xe9"))
+    serve = json.dumps(S.bench_serve(detail=S.details(4, 4)), indent=2).encode()
+    (tmp_path / "vllm.json").write_bytes(serve.replace(b"meta-llama/", b"m\xe9ta/", 1))
+    # a text Python decoded with surrogateescape: json.dumps writes its byte as a lone surrogate escape
+    escaped = json.dumps(S.serving(info=S.server_info(), detail=S.details(4, 4, texts=["ab\udcffcd " * 30] * 4)))
+    (tmp_path / "escaped.jsonl").write_text(escaped + "\n")
+    (tmp_path / "noise.bin").write_bytes(bytes(b for b in os.urandom(16384) if b)[:8192])  # no NUL byte
+    doc = I.ingest([tmp_path])
+    runs = _by_name(doc)
+    assert {k: r["verdict"] for k, r in runs.items()} == {("sglang.jsonl", 1): "ok", ("vllm.json", 1): "ok",
+                                                          ("escaped.jsonl", 1): "ok"}
+    assert runs["sglang.jsonl", 1]["model"] == "caf\ufffd"
+    assert runs["vllm.json", 1]["model"] == "m\ufffdta/Llama-3.1-8B-Instruct"
+    assert [(n["file"].endswith("noise.bin"), n["reason"].startswith("binary")) for n in doc["unrecognised"]] \
+        == [(True, True)]
+
+
+def test_stray_bytes_and_lone_surrogates_at_chunk_boundaries():
+    import io
+    rec = {"model_id": "naïve <stray>", "tag": "é" * 50 + "<lone>", "generated_texts": ["é" * 50, "<stray>"],
+           "errors": ["", "boom"]}
+    data = json.dumps(rec, ensure_ascii=False).encode().replace(b"<stray>", b"\xe9").replace(b"<lone>", b"\\udcff")
+    data += b"\n"
+    ref = next(jsonstream.read_lines(io.BytesIO(data), I.degenerate_reason))
+    assert ref.error is None and ref.value["model_id"] == "naïve \ufffd" and ref.value["tag"] == "é" * 50 + "\ufffd"
+    assert ref.details.texts == 2 and ref.details.errors == 1
+    for chunk in (1, 2, 3, 7, 64):
+        old, jsonstream.CHUNK = jsonstream.CHUNK, chunk
+        try:
+            lines = next(jsonstream.read_lines(io.BytesIO(data), I.degenerate_reason))
+            doc = next(jsonstream.read_document(io.BytesIO(data), I.degenerate_reason))
+        finally:
+            jsonstream.CHUNK = old
+        for got in (lines, doc):  # a character cut by a chunk end is whole again, the stray byte U+FFFD
+            assert repr(got.value) == repr(ref.value) and got.details == ref.details, chunk
+
+
 def test_appended_file_cut_in_its_last_record(tmp_path):
     whole = S.jsonl(S.serving(concurrency=1), S.serving(concurrency=2), S.serving(concurrency=4))
     (tmp_path / "sweep.jsonl").write_text(whole[: len(whole) - 300])
