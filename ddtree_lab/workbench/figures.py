@@ -29,9 +29,24 @@ def stage_color(stage: str) -> str:
 
 
 def budget_axis(budgets) -> dict:
-    """A log2 budget axis with a tick at every budget swept (powers of two or not)."""
+    """A log budget axis labelled at every budget swept (powers of two or not): plotly's own log ticks
+    label the minor ones with bare digits ("4 5 6 7 8 9 10 2 3")."""
     ticks = sorted({b for b in budgets if is_fixed(b) and b})
     return dict(type="log", tickvals=ticks, ticktext=[str(b) for b in ticks]) if ticks else dict(type="log")
+
+
+def log_axis(values) -> dict:
+    """A log axis for measured values (ms, GB/s) labelled at 1, 2 and 5 times the powers of ten inside
+    their span, or at the two ends when the span holds fewer than two of those."""
+    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+    if not vals:
+        return dict(type="log")
+    lo, hi = min(vals), max(vals)
+    decades = range(math.floor(math.log10(lo)), math.floor(math.log10(hi)) + 1)
+    ticks = [t for t in (m * 10.0 ** e for e in decades for m in (1, 2, 5)) if lo <= t <= hi]
+    if len(ticks) < 2:
+        ticks = sorted({float(f"{v:.2g}") for v in (lo, hi)})
+    return dict(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])
 
 
 # ----------------------------------------------------------------------------- table helpers
@@ -117,27 +132,40 @@ def sweep_figure(rows: list[dict], metric: str = "mean_tau") -> go.Figure:
            "tokens_per_second": lambda r: run_summary(r).get("tokens_per_second")}[metric]
     title, ylabel = titles[metric]
     fig = go.Figure()
-    for i, (key, (xs, ys, names)) in enumerate(_by_series(rows, get).items()):
+    series = _by_series(rows, get)
+    for i, (key, (xs, ys, names)) in enumerate(series.items()):
         fig.add_scatter(x=xs, y=ys, name=f"DDTree, {key}", mode="lines+markers", text=names,
                         line=dict(color=PALETTE[i % len(PALETTE)]),
                         hovertemplate="%{text}<br>budget %{x}: %{y:.3f}<extra></extra>")
     _baseline_lines(fig, rows, get, "{name}: {v:.2f}")
+    budgets = sorted({x for xs, _, _ in series.values() for x in xs})
+    fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
+                      margin=dict(l=55, r=20, t=60, b=45),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"), **budget_axis(budgets)),
+                      yaxis=dict(title=dict(text=ylabel)))
     if metric == "speedup":
         best = recommend_budget(rows)
         if best and is_fixed(best["budget"]):  # an auto-only study's best is its reference line
-            fig.add_scatter(x=[best["budget"]], y=[best["speedup"]], mode="markers+text",
+            fig.add_scatter(x=[best["budget"]], y=[best["speedup"]], mode="markers",
                             marker=dict(symbol="star", size=18, color="#e4572e"), name="recommended",
-                            text=[f"best: budget {best['budget']} ({best['speedup']:.2f}×)"],
-                            textposition="top left" if best["budget"] == max(
-                                (run_config(r).get("budget") for r in rows if is_fixed(run_config(r).get("budget"))),
-                                default=0) else "top center")
-    fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
-                      margin=dict(l=55, r=20, t=60, b=45),
-                      xaxis=dict(title=dict(text="tree budget (nodes)"),
-                                 **budget_axis(run_config(r).get("budget") for r in grid_rows(rows)
-                                               if run_config(r).get("method") == "ddtree")),
-                      yaxis=dict(title=dict(text=ylabel)))
+                            hovertemplate="recommended: budget %{x}, %{y:.2f}×<extra></extra>")
+            _label_best(fig, best, budgets, [v for v in map(get, grid_rows(rows)) if v is not None])
     return fig
+
+
+BEST_LABEL_ROOM = 0.25  # share of the y span left free above the highest point, for the best budget's label
+
+
+def _label_best(fig: go.Figure, best: dict, budgets: list, ys: list) -> None:
+    """The best budget's label at the top of the plot area above its star (the y range leaves it room),
+    growing inwards at either end of the budget axis: a label on the data itself runs off the plot there."""
+    lo, hi = min(ys + [best["speedup"]]), max(ys + [best["speedup"]])
+    span = (hi - lo) or abs(hi) or 1.0
+    fig.update_yaxes(range=[lo - 0.08 * span, hi + BEST_LABEL_ROOM * span])
+    end = "left" if best["budget"] == min(budgets) else "right" if best["budget"] == max(budgets) else "center"
+    fig.add_annotation(text=f"★ best: budget {best['budget']} ({best['speedup']:.2f}×)", showarrow=False,
+                       xref="x", x=math.log10(best["budget"]), xanchor=end,  # a log axis places by log10
+                       yref="paper", y=1.0, yanchor="top", font=dict(color="#e4572e"))
 
 
 def stage_figure(rows: list[dict]) -> go.Figure:
@@ -346,7 +374,7 @@ def experts_figure(rows: list[dict]) -> go.Figure | None:
     _baseline_lines(fig, rows, lambda r: run_summary(r).get("experts_touched_mean"), "{name}: {v:.1f}")
     fig.update_layout(title=dict(text="experts touched per MoE layer per verify forward"), template="plotly_white",
                       height=380, margin=dict(l=55, r=20, t=60, b=45),
-                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", tickvals=budgets),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"), **budget_axis(budgets)),
                       yaxis=dict(title=dict(text="per MoE layer (mean over layers and rounds)")),
                       legend=dict(orientation="h", y=-0.25))
     return fig
@@ -369,6 +397,6 @@ def verify_cost_figure(rows: list[dict], bandwidth_gbps: float | None) -> go.Fig
                         line=dict(dash="dot"))
     fig.update_layout(title=dict(text="verify time per round vs budget"), template="plotly_white", height=380,
                       margin=dict(l=55, r=20, t=60, b=45),
-                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", tickvals=budgets),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"), **budget_axis(budgets)),
                       yaxis=dict(title=dict(text="ms per round"), rangemode="tozero"))
     return fig

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import plotly.graph_objects as go
 
-from ..atomic import atomic_write_text
-from ..names import MICROBENCH_FILE, REPORT_FILE, STUDY_FILE, TIMELINE_FILE
+from ..atomic import atomic_write_bytes
+from ..names import MICROBENCH_FILE, REPORT_FILE, RESULTS_FILE, RUN_FILE, STUDY_FILE, TIMELINE_FILE
 from . import external, ingest, viz
 from .page import Page, esc, fmt_num, html_table, verdict_html
 from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, experts_figure, grid_rows, microbench_figure,
@@ -280,13 +281,17 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     """Assemble `<study_dir>/report.html` (or `out`) from every run of the study."""
     study_dir = Path(study_dir).resolve()
     if not study_dir.is_dir():
-        raise FileNotFoundError(f"no study directory {study_dir}")
+        raise FileNotFoundError(f"no study directory {ingest.shown(study_dir)}")
     rows = collect_study(study_dir)
+    grid = grid_rows(rows)
+    if not grid:  # a folder that is no study output (or none yet): no page of "0 runs"
+        what = "no runs" if (study_dir / STUDY_FILE).is_file() else f"no {STUDY_FILE} and no runs"
+        raise ValueError(f"{ingest.shown(study_dir)} is not a study output: {what} (a run is a folder holding "
+                         f"{RUN_FILE} or {RESULTS_FILE})")
     try:
         study = json.loads((study_dir / STUDY_FILE).read_text())
     except (OSError, ValueError):
         study = {"study": {"name": study_dir.name}}
-    grid = grid_rows(rows)
     ok = [r for r in grid if r.get("results")]
     page = Page()
 
@@ -376,9 +381,25 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     name = study.get("study", {}).get("name", study_dir.name)
     subtitle = (f"{len(grid)} runs · {sum(r['status'] == 'failed' for r in rows)} failed · "
-                f"built {time.strftime('%Y-%m-%d %H:%M')} from <code>{esc(study_dir)}</code>")
+                f"built {time.strftime('%Y-%m-%d %H:%M')} from <code>{esc(ingest.shown(study_dir))}</code>")
     out = Path(out) if out else study_dir / REPORT_FILE
-    atomic_write_text(out, page.render(f"DDTree study: {name}", subtitle))
+    # a folder name that is not UTF-8 (a run's) is shown escaped rather than failing the whole page
+    atomic_write_bytes(out, page.render(f"DDTree study: {name}", subtitle).encode("utf-8", "backslashreplace"))
+    return out
+
+
+# how plotly.io.to_html (Page.figure) starts drawing a figure: its data, layout and config follow as JSON
+_NEW_PLOT = re.compile(r'getElementById\("([^"]+)"\)\)\s*\{\s*Plotly\.newPlot\(\s*"\1",\s*')
+_NEXT_ARGUMENT = re.compile(r",\s*")
+
+
+def page_figures(html: str) -> list[dict]:
+    """The figures a report page draws, decoded from the page: [{"id", "data", "layout"}] in page order."""
+    decoder, out = json.JSONDecoder(), []
+    for m in _NEW_PLOT.finditer(html):
+        data, end = decoder.raw_decode(html, m.end())
+        layout, _ = decoder.raw_decode(html, _NEXT_ARGUMENT.match(html, end).end())
+        out.append({"id": m.group(1), "data": data, "layout": layout})
     return out
 
 
@@ -395,5 +416,5 @@ def run_report_cli(args) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"report: {path}")
+    print(f"report: {ingest.shown(path)}")
     return 0

@@ -4,8 +4,9 @@ slider version for the report, plus the per-run acceptance figures.
 A tree comes from a round trace (RoundTrace or its JSON): nodes 1..n in descending draft score,
 `parents` with 0 = root. Depth runs along x; leaves take consecutive rows in child order (best rank
 first) and a parent sits midway between its first and last child, so siblings never cross. Nodes
-are coloured by their own draft probability q_d[token]; the accepted path is drawn thick with the
-target's choice where the walk stopped marked with a cross.
+are coloured by their own draft probability q_d[token]; the accepted path is drawn thick, and the
+target's choice where the walk stopped is a cross in a header row above the tree, in the column the
+walk would have gone on to (beside the last accepted node it would sit on that node's children).
 
 Every widget callback is a plain method (`TreeExplorer.select`) so tests drive it without a browser.
 """
@@ -23,6 +24,7 @@ EDGE_COLOR = "#b8bcc4"
 COLORSCALE = "Viridis"
 LABEL_LIMIT = 80  # above this many nodes, token text only on hover
 ROW_PX = 20       # vertical pixels per leaf row: labels beside their node never touch a neighbour
+HEADER_ROW = -1.0  # the row of the target's choice: one above the first leaf row (the y axis runs downwards)
 
 
 # ----------------------------------------------------------------------------- data
@@ -177,10 +179,10 @@ def tree_traces(v: RoundView, decode: Callable[[int], str] | None = None) -> lis
     last = acc[-1] if acc else 0
     choice = "?" if v.next_token is None else show_token(decode(v.next_token))
     stop = dict(
-        type="scatter", name="target's choice", x=[x[last] + 1], y=[y[last]], mode="markers+text",
+        type="scatter", name="target's choice", x=[x[last] + 1], y=[HEADER_ROW], mode="markers+text",
         text=[f"target: {choice}"], textposition="middle right", textfont=dict(color=TARGET_COLOR),
-        hovertext=[f"walk stopped at node {last}: the target chose {choice!r} (id {v.next_token}), "
-                   "which no child carries; it is the next bonus token"], hoverinfo="text",
+        hovertext=[f"walk stopped at node {last} (depth {v.depths[last]}): the target chose {choice!r} "
+                   f"(id {v.next_token}), which no child carries; it is the next bonus token"], hoverinfo="text",
         marker=dict(symbol="x", size=14, color=TARGET_COLOR))
     return [
         dict(type="scatter", name="tree", x=ex, y=ey, mode="lines", hoverinfo="skip",
@@ -203,7 +205,7 @@ def _tree_layout_dict(title: str = "", views: Sequence[RoundView] = ()) -> dict:
     rows = max((leaf_rows(v) for v in views), default=1)
     first = views[0] if views else RoundView([-1], [0], [-1], [0.0], [0.0], [0], [0], None)
     return dict(title=dict(text=title), showlegend=True, template="plotly_white",
-                height=min(2400, max(520, 170 + ROW_PX * rows)),
+                height=min(2400, max(520, 170 + ROW_PX * (rows + 1))),  # + the header row
                 legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
                 margin=dict(l=30, r=30, t=90, b=40), hovermode="closest",
                 xaxis=dict(title=dict(text="depth in the draft tree (0 = the root, the last accepted token)"),

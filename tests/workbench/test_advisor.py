@@ -290,14 +290,16 @@ def test_cli_refuses_a_study_without_ar_or_with_one_budget(tmp_path, capsys):
 
 
 def test_report_has_the_advisor_section_with_titled_figures(tmp_path):
-    from ddtree_lab.workbench.report import build_report
+    from ddtree_lab.workbench.report import build_report, page_figures
 
     page = build_report(make_study(tmp_path)).read_text()
     assert 'id="advisor"' in page and "a projection" in page
-    # plotly writes "/" inside figure JSON escaped, so titles are matched up to their first slash
-    for title in ("Measured τ(B)", "Modelled round cost(B) of random:qwen3-8b", "Projected tokens",
-                  "What the round costs at each machine", "Cost model vs bench e2e round times"):
-        assert title in page, title
+    titles = [f["layout"]["title"]["text"] for f in page_figures(page)]
+    for title in ("Measured τ(B) on lab", "Modelled round cost(B) of random:qwen3-8b per machine",
+                  "Projected tokens/s(B) = τ(B) / cost(B) (★ best; bars: 90 % bootstrap over prompts)",
+                  "What the round costs at each machine's best budget",
+                  "Cost model vs bench e2e round times (first principles, calibrated once on H200)"):
+        assert title in titles, title
 
 
 def test_expert_load_and_confidence_calibration_from_trace_rows():

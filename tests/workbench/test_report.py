@@ -2,6 +2,7 @@
 opened in headless Chromium: no JavaScript errors, figures rendered, a non-blank screenshot."""
 import argparse
 import json
+import math
 import shutil
 import struct
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from ddtree_lab import metrics
 from ddtree_lab.workbench import figures, profile, report, results as R
+from ddtree_lab.workbench.advisor import figures as advisor_figures
 from ddtree_lab.atomic import atomic_write_json
 from ddtree_lab.workbench.runs import RunParams
 
@@ -158,6 +160,94 @@ def test_budget_ticks_for_every_budget():
                          "summary": {"mean_tau": 2.0}}} for b in (4, 24, 100)]
     fig = figures.sweep_figure(rows, "mean_tau")
     assert list(fig.layout.xaxis.tickvals) == [4, 24, 100]
+
+
+def _speedup_rows(speedups: dict) -> list[dict]:
+    """An AR run and one lossless DDTree run per budget at the given {budget: speedup over AR}."""
+    def row(name, method, budget, tps):
+        return {"name": name, "kind": "run", "status": "complete",
+                "results": {"run": name, "config": {"method": method, "budget": budget, "topk": 0, "temperature": 0.0},
+                            "summary": {"mean_tau": 2.0, "tokens_per_second": tps}}}
+    rows = [row("ar-t0", "ar", None, 100.0)] + [row(f"ddtree-b{b}-k0-t0", "ddtree", b, 100.0 * x)
+                                                for b, x in speedups.items()]
+    for r in rows:
+        r["comparison"] = {**R.compare(r["results"], rows[0]["results"]), "verdict": "lossless"}
+    return rows
+
+
+@pytest.mark.parametrize("speedups, inwards", [({4: 1.2, 16: 1.5, 64: 2.0}, "right"),
+                                                ({4: 2.0, 16: 1.5, 64: 1.2}, "left"),
+                                                ({4: 1.2, 16: 2.0, 64: 1.5}, "center")])
+def test_best_budget_label_stays_inside_the_plot(speedups, inwards):
+    fig = figures.sweep_figure(_speedup_rows(speedups), "speedup")
+    best = max(speedups, key=speedups.get)
+    star = next(t for t in fig.data if t.name == "recommended")
+    assert star.x == (best,) and star.y == (speedups[best],)
+    (label,) = [a for a in fig.layout.annotations if a.yref == "paper"]  # the baselines' labels sit on their lines
+    # inside the plot area: hung from its top edge, and at either end of the budget axis growing inwards
+    assert label.y == 1.0 and label.yanchor == "top" and str(best) in label.text
+    assert label.xref == "x" and label.x == pytest.approx(math.log10(best)) and label.xanchor == inwards
+    lo, hi = fig.layout.yaxis.range  # with room left above the star for the label
+    assert (hi - speedups[best]) / (hi - lo) >= 0.15
+
+
+def test_every_log_axis_is_labelled_at_the_budgets(study_dir):
+    figs = report.page_figures(report.build_report(study_dir).read_text())
+    log_axes = 0
+    for f in figs:
+        lay = f["layout"]
+        for key, axis in lay.items():
+            if not (key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict) and axis.get("type") == "log"):
+                continue
+            log_axes += 1
+            assert axis.get("tickvals"), (key, lay["title"])
+            assert axis["ticktext"] == [f"{t:g}" for t in axis["tickvals"]], (key, lay["title"])
+            if key.startswith("xaxis"):  # a budget axis: a label at each budget the figure draws, no other
+                ref = "x" + key[5:]
+                budgets = {x for t in f["data"] if t.get("xaxis", "x") == ref for x in t.get("x") or []}
+                assert axis["tickvals"] == sorted(budgets), (key, lay["title"])
+    assert log_axes >= 7  # three sweeps, the micro-benchmark's two, verify time, the advisor's
+    check = {"checked": [{"file": "e2e.json", "model": "m", "rows": [
+        {"method": "ddtree", "budget": b, "measured_seconds": ms / 1e3, "predicted_seconds": ms / 1e3}
+        for b, ms in ((16, 3.0), (64, 9.0), (256, 40.0))]}]}
+    fig = advisor_figures.check_figure(check)
+    assert list(fig.layout.xaxis.tickvals) == [16, 64, 256] and list(fig.layout.xaxis.ticktext) == ["16", "64", "256"]
+    assert list(fig.layout.yaxis.tickvals) == [5.0, 10.0, 20.0] and list(fig.layout.yaxis.ticktext) == ["5", "10", "20"]
+
+
+def test_report_refuses_a_folder_that_is_no_study_output(tmp_path, capsys):
+    from ddtree_lab import cli
+
+    (tmp_path / "photos").mkdir()
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path) in err and "study.json" in err and "Traceback" not in err
+    atomic_write_json(tmp_path / "study.json", {"study": {"name": "s"}, "runs": ["ar-t0"]})
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path) in err and "no runs" in err
+    assert not (tmp_path / "report.html").exists()
+    # a study whose every run failed is still a study: its page lists the failure
+    atomic_write_json(tmp_path / "ar-t0" / "run.json", {"name": "ar-t0", "kind": "run", "status": "failed",
+                                                        "error": "RuntimeError: no GPU", "params": {"method": "ar"}})
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert "no GPU" in (tmp_path / "report.html").read_text()
+
+
+def test_report_of_a_study_under_a_name_that_is_not_utf8(study_dir, tmp_path, capsys):
+    import os
+    from ddtree_lab import cli
+
+    sd = tmp_path / os.fsdecode(b"caf\xe9") / "study"  # Python holds the byte as a lone surrogate
+    shutil.copytree(study_dir, sd)
+    odd_run = os.fsdecode(b"ddtree-b2-k0-t0-\xff")  # a run folder too
+    shutil.copytree(sd / "ddtree-b2-k0-t0", sd / odd_run)
+    listed = json.loads((sd / "study.json").read_text())
+    atomic_write_json(sd / "study.json", {**listed, "runs": listed["runs"] + [odd_run]})
+    assert cli.main(["report", str(sd)]) == 0
+    assert "caf\\xe9" in capsys.readouterr().out
+    page = (sd / "report.html").read_text(encoding="utf-8")
+    assert "caf\\xe9" in page and "ddtree-b2-k0-t0-\\udcff" in page
 
 
 def test_report_cli(study_dir, tmp_path, capsys):

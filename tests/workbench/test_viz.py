@@ -160,3 +160,29 @@ def test_depth_axis_leaves_room_for_the_target_label(explorer):
     assert explorer.figure.layout.xaxis.range[1] > max(v.depths) + 1  # the ✕ sits at depth + 1
     explorer.select(budget=32)
     assert explorer.figure.layout.xaxis.range[1] == max(explorer.view.depths) + 1.9
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3]
+
+
+def test_target_label_sits_outside_every_node_box(explorer):
+    """Boxes in axis units: a node's marker and the token label right of it fill most of one column and
+    row; the target's label starts at its cross and runs right by about a column."""
+    def clear(stop, nodes) -> bool:
+        label = (stop.x[0], stop.x[0] + 1.0, stop.y[0] - 0.35, stop.y[0] + 0.35)
+        return not any(_boxes_overlap(label, (x - 0.2, x + 0.9, y - 0.35, y + 0.35)) for x, y in zip(nodes.x, nodes.y))
+
+    for seed in range(8):
+        for accepted in ((0,), (0, 1)):
+            row = _row(seed, budget=48, L=6, V=30, accepted=accepted)
+            _, _, nodes, stop = viz.tree_figure(row).data
+            assert stop.x[0] == nodes.x[accepted[-1]] + 1  # in the column the walk would have gone on to
+            assert clear(stop, nodes), (seed, accepted)
+    for budget, rounds in ((8, 3), (32, 5)):
+        for k in range(rounds):
+            explorer.select(budget=budget, round=k)
+            assert clear(explorer.figure.data[3], explorer.figure.data[2]), (budget, k)
+    fig = viz.tree_slider_figure([_row(seed=k, index=k, budget=32, accepted=(0, 1)) for k in range(3)])
+    for k in range(3):
+        assert clear(fig.data[4 * k + 3], fig.data[4 * k + 2]), k

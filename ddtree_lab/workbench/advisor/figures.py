@@ -8,17 +8,19 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from .. import advisor as A
+from ..figures import budget_axis, log_axis
 from ..page import Page, esc, fmt_num, html_table
 from .study import DEFAULT_PROJECTION, advise, study_taus
 
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
 
 
-def _layout(fig: go.Figure, title: str, x: str, y: str, log_x: bool = True) -> go.Figure:
+def _layout(fig: go.Figure, title: str, x: str, y: str, budgets=None) -> go.Figure:
+    """Title, axis titles and size; with `budgets`, x is the log budget axis labelled at each of them."""
     fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, template="plotly_white", height=380,
                       margin=dict(l=60, r=20, t=50, b=50))
-    if log_x:
-        fig.update_xaxes(type="log")
+    if budgets is not None:
+        fig.update_xaxes(**budget_axis(budgets))
     return fig
 
 
@@ -30,7 +32,7 @@ def tau_figure(advice: dict) -> go.Figure:
         fig.add_hline(y=auto["tau"], line=dict(dash="dashdot", color="#8172b3"),
                       annotation_text=f"auto ({auto['run']}): {auto['tau']:.2f}")
     return _layout(fig, f"Measured τ(B) on {advice['study_pair'] or 'the study pair'}", "budget B",
-                   "mean τ per round")
+                   "mean τ per round", b)
 
 
 def cost_figure(advice: dict) -> go.Figure:
@@ -38,7 +40,8 @@ def cost_figure(advice: dict) -> go.Figure:
     for i, (name, m) in enumerate(advice["machines"].items()):
         fig.add_trace(go.Scatter(x=advice["budgets"], y=[r["cost_seconds"] * 1e3 for r in m["rows"]],
                                  mode="lines+markers", name=name, line=dict(color=COLORS[i % len(COLORS)])))
-    return _layout(fig, f"Modelled round cost(B) of {advice['model']} per machine", "budget B", "ms per round")
+    return _layout(fig, f"Modelled round cost(B) of {advice['model']} per machine", "budget B", "ms per round",
+                   advice["budgets"])
 
 
 def tps_figure(advice: dict) -> go.Figure:
@@ -56,7 +59,7 @@ def tps_figure(advice: dict) -> go.Figure:
                                  marker=dict(symbol="star", size=16, color=c), name=f"{name} best",
                                  showlegend=False))
     return _layout(fig, "Projected tokens/s(B) = τ(B) / cost(B) (★ best; bars: 90 % bootstrap over prompts)",
-                   "budget B", "tokens/s")
+                   "budget B", "tokens/s", advice["budgets"])
 
 
 def parts_figure(advice: dict) -> go.Figure:
@@ -66,7 +69,7 @@ def parts_figure(advice: dict) -> go.Figure:
         fig.add_trace(go.Bar(x=names, y=[advice["machines"][n]["best"]["parts"][part] * 1e3 for n in names],
                              name=A.PART_TITLES[part]))
     fig.update_layout(barmode="stack")
-    return _layout(fig, "What the round costs at each machine's best budget", "machine", "ms per round", log_x=False)
+    return _layout(fig, "What the round costs at each machine's best budget", "machine", "ms per round")
 
 
 def check_figure(check: dict) -> go.Figure:
@@ -83,9 +86,9 @@ def check_figure(check: dict) -> go.Figure:
                                  mode="markers", name=f"{c['file']} measured", marker=dict(color=color)))
         fig.add_trace(go.Scatter(x=[r["budget"] for r in rows], y=[r["predicted_seconds"] * 1e3 for r in rows],
                                  mode="lines", name=f"{c['file']} model", line=dict(color=color, dash="dash")))
-    fig.update_yaxes(type="log")
+    fig.update_yaxes(**log_axis(y for t in fig.data for y in t.y))
     return _layout(fig, "Cost model vs bench e2e round times (first principles, calibrated once on H200)",
-                   "budget B", "ms per round")
+                   "budget B", "ms per round", [x for t in fig.data for x in t.x])
 
 
 def check_table(check: dict) -> str:
