@@ -29,9 +29,8 @@ from .runs import (RunParams, base_params, changed_inputs, expand_grid, input_di
                    run_fingerprint, study_params)
 from .executors import EXECUTORS, SequentialExecutor, WorkerDied, make_executor
 from .measurement import study_kernel_env
+from .notebook_filter import KERNEL
 from .spec import Study, StudyError, find_notebook, load_study
-
-KERNEL = "python3"
 
 
 @dataclass

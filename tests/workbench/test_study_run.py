@@ -2,15 +2,20 @@
 once-per-study notebooks, the report, and a re-run that skips what is complete.
 
 Kernel starts are the cost here (a few seconds each), so one study serves every test."""
+import copy
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
+import uuid
 
 import nbformat
 import pytest
 import yaml
 
-from ddtree_lab.workbench import runner
+from ddtree_lab.workbench import notebook_filter, runner
 from ddtree_lab.workbench import runs as study_runs
 from ddtree_lab.workbench import spec as study_spec
 
@@ -37,8 +42,61 @@ def test_shipped_notebooks_are_all_committed():
 def test_committed_notebooks_hold_no_outputs(path):
     nb = nbformat.read(study_spec.REPO_DIR / path, as_version=4)
     dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, f"{path}: cells {dirty} hold outputs or execution counts (nbstripout --install keeps them out)"
+    assert not dirty, f"{path}: cells {dirty} hold outputs or execution counts (see notebook_filter.py)"
     assert "widgets" not in nb.metadata, f"{path}: saved widget state"
+    assert "language_info" not in nb.metadata, f"{path}: the kernel's language_info (its Python version) was saved"
+    assert nb.metadata.kernelspec == notebook_filter.KERNELSPEC
+    text = (study_spec.REPO_DIR / path).read_text(encoding="utf-8")
+    assert notebook_filter.strip(text) == text, f"{path}: not as the notebook filter commits it"
+
+
+@pytest.fixture(scope="module")
+def kernel_run(tmp_path_factory):
+    """What a real kernel leaves in a notebook it ran: the notebook's metadata and an executed code cell."""
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": dict(notebook_filter.KERNELSPEC)})
+    nb.cells = [nbformat.v4.new_code_cell("print('ran')\n1")]
+    km = KernelManager(kernel_name=runner.KERNEL, transport="ipc", ip=str(tmp_path_factory.mktemp("kernel") / "k"))
+    NotebookClient(nb, km=km).execute()
+    assert "version" in nb.metadata.language_info and nb.cells[0].outputs
+    return nb.metadata, nb.cells[0]
+
+
+def _saved_after_a_run(committed: str, kernel_run) -> str:
+    """A committed notebook as JupyterLab saves it after running every cell, under a kernelspec of its own."""
+    metadata, ran = kernel_run
+    nb = nbformat.reads(committed, as_version=4)
+    nb.metadata.update(copy.deepcopy(metadata))
+    nb.metadata.kernelspec.display_name = "Python 3.11 (my venv)"
+    for c in nb.cells:
+        c.id = uuid.uuid4().hex[:8]
+        if c.cell_type == "code":
+            c.outputs, c.execution_count = copy.deepcopy(ran.outputs), ran.execution_count
+            c.metadata.update(copy.deepcopy(ran.metadata))  # the kernel's timings
+    return nbformat.writes(nb) + "\n"
+
+
+@pytest.mark.parametrize("path", _committed_notebooks())
+def test_a_notebook_run_in_a_kernel_strips_to_its_committed_bytes(path, kernel_run):
+    committed = (study_spec.REPO_DIR / path).read_text(encoding="utf-8")
+    assert notebook_filter.strip(_saved_after_a_run(committed, kernel_run)) == committed
+
+
+def test_the_installed_filter_stages_a_run_notebook_as_committed(tmp_path, kernel_run):
+    """In a fresh clone (here a new repository with the same .gitattributes) after the one install command."""
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, env=env, capture_output=True, check=True).stdout
+    git("init", "-q")
+    (tmp_path / ".gitattributes").write_bytes((study_spec.REPO_DIR / ".gitattributes").read_bytes())
+    subprocess.run([sys.executable, notebook_filter.__file__, "--install"], cwd=tmp_path, env=env, check=True)
+    committed = (study_spec.REPO_DIR / "notebooks" / "budget_sweep.ipynb").read_text(encoding="utf-8")
+    (tmp_path / "budget_sweep.ipynb").write_text(_saved_after_a_run(committed, kernel_run), encoding="utf-8")
+    git("add", "budget_sweep.ipynb")
+    assert git("cat-file", "blob", ":budget_sweep.ipynb").decode("utf-8") == committed
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
