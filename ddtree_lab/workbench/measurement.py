@@ -75,14 +75,14 @@ def contended(c: dict) -> bool:
     return c["load"] is not None and bool(c["cores"]) and c["load"] > c["cores"]
 
 
-def describe(results: dict) -> str:
+def timing_text(results: dict) -> str:
     """One line: when and how a run was timed."""
     c = conditions(results)
     threads = "threads not recorded" if c["threads"] is None else f"{c['threads']} thread{'s' * (c['threads'] != 1)}"
     load = "load not recorded" if c["load"] is None else f"load average {c['load']:.2f} on {c['cores']} cores"
     where = {True: "in a study's kernel", False: "outside a study"}.get(c["study_kernel"], "study kernel unrecorded")
-    return f"timed {c['at'] or 'at an unrecorded time'} on {c['device'] or 'an unrecorded device'}, {threads}, " \
-           f"{load}{' (contended)' if contended(c) else ''}, {where}"
+    return (f"timed {c['at'] or 'at an unrecorded time'} on {c['device'] or 'an unrecorded device'}, {threads}, "
+            f"{load}{' (contended)' if contended(c) else ''}, {where}")
 
 
 def timing_caveats(runs: dict[str, dict]) -> list[str]:

@@ -28,7 +28,7 @@ from ..names import AUTO, RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
 from .advisor.auto import row_blocks_at_height
-from .measurement import conditions, describe, load_average, timing_caveats, timing_record
+from .measurement import conditions, load_average, timing_caveats, timing_record, timing_text
 from .runs import RunParams, auto_candidates, input_digests, is_fixed, read_run_status, run_name
 
 SCHEMA = "ddtree_lab.results/1"
@@ -299,7 +299,7 @@ def ensure_results(params: RunParams, pair: Any = None, progress: bool = True) -
     if old is not None and old.get("fingerprint") == params.fingerprint() and old.get("inputs") == inputs:
         threads = conditions(old)["threads"]
         if threads in (None, torch.get_num_threads()):
-            print(f"{params.run_name}: stored results reused, {describe(old)}", flush=True)
+            print(f"{params.run_name}: stored results reused, {timing_text(old)}", flush=True)
             return old
         print(f"{params.run_name}: stored results were timed with {threads} threads, this process has "
               f"{torch.get_num_threads()}: timing it again", flush=True)
@@ -382,7 +382,7 @@ def overview(results: dict) -> str:
              f"{s.get('mean_tau') or 0:.2f}, {tps or 0:.1f} tokens/s ({(spt or 0) * 1e3:.1f} ms/token)",
              f"  speedup over AR: {c.get('speedup'):.2f}x" if c.get("speedup") else "  speedup over AR: n/a",
              f"  losslessness: {c.get('verdict')} ({c.get('detail')})",
-             f"  {describe(results)}"]
+             f"  {timing_text(results)}"]
     return "\n".join(lines)
 
 

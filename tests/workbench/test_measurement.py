@@ -75,10 +75,10 @@ def test_a_reused_run_says_when_and_how_it_was_timed(tmp_path, tiny_dirs, tiny_p
         c = measurement.conditions(res)
         assert c["threads"] == torch.get_num_threads() and c["study_kernel"] is True and c["device"] == "cpu"
         line = next(x for x in printed.splitlines() if x.startswith(name))
-        assert res["created_at"] in line and measurement.describe(res) in line
+        assert res["created_at"] in line and measurement.timing_text(res) in line
     # the description tells a run timed in a study's kernel from one timed outside
     outside = {**res, "timing_conditions": {**res["timing_conditions"], "study_kernel": False}}
-    assert measurement.describe(outside) != measurement.describe(res)
+    assert measurement.timing_text(outside) != measurement.timing_text(res)
 
 
 def test_a_stored_run_timed_with_other_threads_is_timed_again(tmp_path, tiny_dirs, tiny_pair):
