@@ -5,7 +5,7 @@ attention kernel. Each invariant result is checked for the property: a row's bit
     bench_linear(shapes, rows, tile_variants) -> [{name, N, K, M, tiles, torch_us, invariant_us, ratio, row_bits_equal}]
     bench_attention(heads, trees, pasts)     -> [{T, past, triton_us, invariant_us, one_chunk_us, ratio}]
 
-Time per call: `bench.attention.time_cuda_graph` (captured in a graph, L2 flushed before each), GPU only.
+Time per call: `bench.timing.time_cuda_graph` (captured in a graph, L2 flushed before each), GPU only.
 
 Command line: python -m ddtree_lab.bench.batch_invariant [--ops linear attention] --out batch_invariant.json
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 
 from ..kernels import batch_invariant as bi
-from .attention import time_cuda_graph
+from .timing import time_cuda_graph
 
 # (name, N, K) of the linears of one SmolLM2-135M layer and its LM head, and of the lab target's
 SHAPES = [("smollm2 qkv", 960, 576), ("smollm2 o", 576, 576), ("smollm2 gate_up", 3072, 576),

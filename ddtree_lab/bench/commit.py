@@ -6,7 +6,7 @@ one run; each auto variant's state after a call checked against the in-line one'
     bench_commit(budgets=(16, 32, 64), block=16, layers=30, kv_heads=3, head_dim=64)
         -> list of dicts {variant, us, over_fixed, same_state}
 
-Time per call: `bench.attention.time_cuda_graph` on a GPU (the calls captured in a graph, as a round's are)
+Time per call: `bench.timing.time_cuda_graph` on a GPU (the calls captured in a graph, as a round's are)
 without the L2 flush, since a round's commit finds the walk's outputs in L2; the interpreter elsewhere (a
 correctness run). The defaults are SmolLM2-135M's (30 layers, 3 KV heads of 64, 5 × 576 features).
 
@@ -24,7 +24,7 @@ from ..auto_budget import AutoBudget, AutoState
 from ..kernels.commit import advance_round
 from ..kernels.kv_compact import compact_kv
 from . import write_bench_json
-from .attention import time_cuda_graph
+from .timing import time_cuda_graph
 
 VARIANTS = ("fixed", "auto in line", "auto beside")
 

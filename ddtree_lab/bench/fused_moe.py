@@ -13,7 +13,7 @@ such layers per forward) at T = 1, 8, 16, 65, 129, 1025 tokens (AR, small trees,
 
 Hidden states are x = √s·base + √(1−s)·noise per token: s = 0 routes tokens independently (about
 E·(1 − (1 − k/E)^T) experts touched), s near 1 makes them route alike, as a tree of related tokens may.
-Time per call: `bench.attention.time_cuda_graph` (calls captured in a CUDA graph, L2 flushed before each); on the CPU
+Time per call: `bench.timing.time_cuda_graph` (calls captured in a CUDA graph, L2 flushed before each); on the CPU
 (`--smoke`: tiny shapes, the interpreter) the wall clock of one call, a check that the path runs, not a timing.
 
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import load_kernel_file, write_bench_json
-from .attention import time_cuda_graph
+from .timing import time_cuda_graph
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768, layers=48)
 TOKENS = (1, 8, 16, 65, 129, 1025)
@@ -144,7 +144,7 @@ def main(argv=None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         shape, tokens, dtype, bw = SMOKE, a.tokens or SMOKE_TOKENS, torch.float32, None
     else:
-        from .attention import device_copy_gbps
+        from .timing import device_copy_gbps
 
         shape, tokens, device, dtype = QWEN3_30B_A3B, a.tokens or TOKENS, "cuda", torch.bfloat16
         bw = device_copy_gbps()

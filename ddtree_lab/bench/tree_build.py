@@ -4,7 +4,7 @@ counts, each tree checked against the torch sorting build (`ddtree_lab.tree.buil
     bench_fused_tree(widths=(64, 128, 256), warps=(4, 8, 16, 32), depth=15, vocab=151936)
         -> list of dicts {width, num_warps, us, same_as_sort}
 
-Time per build: `bench.attention.time_cuda_graph` on a GPU (launches captured in a graph, L2 flushed before each), the
+Time per build: `bench.timing.time_cuda_graph` on a GPU (launches captured in a graph, L2 flushed before each), the
 wall clock elsewhere (Triton's interpreter: a correctness run, not a timing). Budget = width, top-k = width, as `build_tree` calls it.
 
 Command line (GPU): python -m ddtree_lab.bench.tree_build --out tree_build.json
@@ -19,7 +19,7 @@ import torch
 from ..kernels import tree_build
 from ..tree import beam_candidates, build_tree, tree_size
 from . import write_bench_json
-from .attention import time_cuda_graph
+from .timing import time_cuda_graph
 
 
 def bench_fused_tree(widths=(64, 128, 256), warps=(4, 8, 16, 32), depth: int = 15, vocab: int = 151936,

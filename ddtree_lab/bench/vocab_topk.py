@@ -4,7 +4,7 @@ topk, side by side in one run, each result checked against torch's.
     bench_vocab_topk(vocabs=(4096, 16384, 49152), ks=(16, 64, 256), depth=15) -> list of dicts
         {vocab, k, torch_us, triton_us (None where V > MAX_VOCAB), speedup, same_tokens}
 
-Time per call: `bench.attention.time_cuda_graph` on a GPU (launches captured in a graph, L2 flushed before each); the
+Time per call: `bench.timing.time_cuda_graph` on a GPU (launches captured in a graph, L2 flushed before each); the
 interpreter elsewhere (a correctness run: keep the vocabularies small there).
 
 Command line (GPU): python -m ddtree_lab.bench.vocab_topk --out vocab_topk.json
@@ -17,7 +17,7 @@ import torch
 
 from ..kernels.vocab_topk import MAX_VOCAB, vocab_topk, vocab_topk_reference
 from . import write_bench_json
-from .attention import time_cuda_graph
+from .timing import time_cuda_graph
 
 
 def bench_vocab_topk(vocabs=(4096, 16384, 49152), ks=(16, 64, 256), depth: int = 15, device: str = "cuda",
