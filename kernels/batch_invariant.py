@@ -53,6 +53,21 @@ def k_chunk(N: int, K: int, tiles: dict) -> int:
     return c if 0 < c < K and narrow else K
 
 
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, ORDERED: tl.constexpr):
+    """acc + a @ b, in fp32. ORDERED (under the interpreter): the products summed over K by a reduction whose
+    order the tile's shape alone fixes, since there a tl.dot is the host BLAS's matmul, and some BLAS kernels
+    round one row differently depending on the tile's other rows. On the GPU an MMA's per-element sum already
+    ignores its neighbours."""
+    if ORDERED:
+        out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
 ATTENTION_BLOCK_N = 64  # keys per step of chain_attention, the same for every call (the blocks' alignment)
 ATTENTION_CHUNK = 512   # logical positions per program beyond which chain_attention splits a query's sequence
 
@@ -63,7 +78,7 @@ ATTENTION_CHUNK = 512   # logical positions per program beyond which chain_atten
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, Bias, Y, M, N, K, k_chunk, s_xm, s_wn, s_ym, s_ys,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ORDERED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of weight (output columns)
@@ -75,10 +90,7 @@ def _linear_kernel(X, W, Bias, Y, M, N, K, k_chunk, s_xm, s_wn, s_ym, s_ys,
         kk = k0 + rk
         x = tl.load(X + rm[:, None] * s_xm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
         w = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=(rn < N)[:, None] & (kk < K)[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # [BM, BN]
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot(x, tl.trans(w), acc, IEEE, ORDERED)  # [BM, BN]
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     # one split: the output itself; several: this split's fp32 partial sum, at plane `split` of Y
@@ -119,7 +131,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(M, t["BLOCK_M"]), triton.cdiv(N, t["BLOCK_N"]), splits)
     has_bias = bias is not None and splits == 1
     _linear_kernel[grid](x2, w, bias if has_bias else w, part, M, N, K, chunk, x2.stride(0), w.stride(0), N, M * N,
-                         HAS_BIAS=has_bias, IEEE=x.dtype == torch.float32,
+                         HAS_BIAS=has_bias, IEEE=x.dtype == torch.float32, ORDERED=_interpret(),
                          BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
                          num_warps=t["num_warps"], num_stages=t["num_stages"])
     if splits > 1:
@@ -202,7 +214,8 @@ def _sequence(ChainLen, PastPtr, past_val, i, PAST_ON_DEVICE: tl.constexpr):
 def _chain_attn_kernel(Q, K, V, Out, Part, PartM, PartL, Chain, ChainLen, PastPtr, past_val,
                        s_qh, s_qt, s_kh, s_ks, s_vh, s_vs, s_oh, s_ot, s_chain, n_chunks, qk_scale,
                        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                       CHUNK: tl.constexpr, SPLIT: tl.constexpr, PAST_ON_DEVICE: tl.constexpr, IEEE: tl.constexpr):
+                       CHUNK: tl.constexpr, SPLIT: tl.constexpr, PAST_ON_DEVICE: tl.constexpr, IEEE: tl.constexpr,
+                       ORDERED: tl.constexpr):
     i = tl.program_id(0)  # the query (tree node)
     h = tl.program_id(1)  # the KV head; its G query heads are the dot's rows
     c = tl.program_id(2)  # SPLIT: the chunk of CHUNK logical positions this program sums
@@ -226,20 +239,14 @@ def _chain_attn_kernel(Q, K, V, Out, Part, PartM, PartL, Chain, ChainLen, PastPt
         node = tl.load(Chain + i * s_chain + (t - past), mask=in_tree, other=0)
         slot = tl.where(in_tree, past + node, t)
         k = tl.load(K + h * s_kh + slot[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BG, BN]
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32), IEEE, ORDERED)  # [BG, BN]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + h * s_vh + slot[:, None] * s_vs + d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, ORDERED)
         m_i = m_new
     if SPLIT:  # this chunk's running max, sum and numerator, for _chain_merge_kernel
         row = (i * tl.num_programs(1) + h) * n_chunks + c
@@ -313,7 +320,7 @@ def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), chain.stride(0), n_chunks, scale * LOG2E,
         G=G, BLOCK_G=BG, BLOCK_N=ATTENTION_BLOCK_N, HEAD_D=D, CHUNK=chunk, SPLIT=split,
-        PAST_ON_DEVICE=on_device, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        PAST_ON_DEVICE=on_device, IEEE=q.dtype == torch.float32, ORDERED=_interpret(), num_warps=4, num_stages=2)
     if split:
         _chain_merge_kernel[(T, Hkv)](part, part_m, part_l, out, chain_len, past_ptr, past_val,
                                       out.stride(0), out.stride(1), n_chunks, G=G, BLOCK_G=BG, HEAD_D=D,

@@ -107,10 +107,10 @@ CASES = [
     ("auto_budget", "_auto_kernel", AUTO_SIGNATURE,
      {"J": 8, "NB": 8, "BLOCK_P": 16, "BLOCK_C": 1024, "BLOCK_J": 8, "BLOCK_R": 16}),
     ("batch_invariant", "_linear_kernel", LINEAR_SIGNATURE,  # the GPU's tiles; one pass straight to bf16
-     {"HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+     {"HAS_BIAS": False, "IEEE": False, "ORDERED": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
     ("batch_invariant", "_linear_kernel", {**LINEAR_SIGNATURE, "X": "*fp32", "W": "*fp32", "Bias": "*fp32",
                                            "Y": "*fp32"},  # fp32: IEEE dot products (and a split's partials)
-     {"HAS_BIAS": True, "IEEE": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+     {"HAS_BIAS": True, "IEEE": True, "ORDERED": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
     ("batch_invariant", "_sum_splits_kernel",
      {"Part": "*fp32", "Bias": "*bf16", "Y": "*bf16", "MN": "i32", "N": "i32", "splits": "i32"},
      {"HAS_BIAS": True, "BLOCK": 1024}),
@@ -119,10 +119,10 @@ CASES = [
      {"BLOCK": 1024}),
     ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a device past_len (graphs), SmolLM2's heads
      {"G": 3, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 64, "CHUNK": 512, "SPLIT": True, "PAST_ON_DEVICE": True,
-      "IEEE": False}),
+      "IEEE": False, "ORDERED": False}),
     ("batch_invariant", "_chain_attn_kernel", CHAIN_ATTN_SIGNATURE,  # a host past_len, wide heads, one chunk
      {"G": 4, "BLOCK_G": 16, "BLOCK_N": 64, "HEAD_D": 128, "CHUNK": 512, "SPLIT": False, "PAST_ON_DEVICE": False,
-      "IEEE": False}),
+      "IEEE": False, "ORDERED": False}),
     ("batch_invariant", "_chain_merge_kernel",
      {"Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32", "Out": "*bf16", "ChainLen": "*i32", "PastPtr": "*i64",
       "past_val": "i32", "s_oh": "i32", "s_ot": "i32", "n_chunks": "i32"},
