@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
-from .names import AUTO_CANDIDATES, METHODS, TRITON_BACKENDS, budget_arg
+from .names import AUTO_CANDIDATES, METHODS, budget_arg, positive_int
+from .runtime import check_runtime, missing_library
 
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -135,8 +138,7 @@ def _register(sub, name: str, module: str, add: str, run: str, help: str) -> Non
         missing = e.name or str(e)
 
         def unavailable(_args, missing=missing):
-            raise ValueError(f"'{name}' needs the library {missing!r}: pip install -e '.[test]' or the "
-                             f"matching extra")
+            raise ValueError(missing_library(f"'ddtree-lab {name}'", missing.partition(".")[0]))
 
         p.set_defaults(func=unavailable)
         return
@@ -145,13 +147,13 @@ def _register(sub, name: str, module: str, add: str, run: str, help: str) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree-lab", description=__doc__)
+    parser = CommandParser(prog="ddtree-lab", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="decode one prompt with AR, DFlash or DDTree",
                        description="Decode one prompt; prints the text, then τ, stage times and tokens/s on stderr.",
-                       epilog=TOKS_NOTE, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       epilog=TOKS_NOTE)
     _add_pair_args(p)
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -159,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=budget_arg, default=64,
                    help="DDTree: draft-tree nodes verified per round, or 'auto' (chosen each round among "
                         f"{', '.join(map(str, AUTO_CANDIDATES))})")
-    p.add_argument("--topk", type=int, default=None, help="DDTree: candidates per depth; None means K = the budget")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens to generate at most")
+    p.add_argument("--topk", type=positive_int, default=None, help="DDTree: candidates per depth; None means K = the budget")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (equals AR token for token)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (used when temperature > 0)")
     p.add_argument("--trace", default=None, help="write per-round traces to this jsonl file")
@@ -172,20 +174,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_runtime(device: str | None, attention: str | None) -> None:
-    """ValueError for a device or attention backend this machine cannot run (before any model loads)."""
-    import os
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help names each option's default, unless its help already says it or it is a switch."""
 
-    if device and device.startswith("cuda"):
-        import torch
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
 
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA device is visible here (use --device cpu)")
-        if ":" in device and int(device.split(":")[1] or 0) >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    if attention in TRITON_BACKENDS and (device or "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"--attention {attention} needs a CUDA device (or TRITON_INTERPRET=1 to run its kernels "
-                         "under the interpreter on the CPU, slowly); use --attention sdpa")
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of `ddtree-lab` and of each subcommand (argparse makes subparsers of the parent's class):
+    defaults in --help, and a bad argument as one line."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def _version() -> str:
@@ -196,19 +203,42 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def process_rank() -> int:
+    """This process's rank under torchrun (RANK), 0 outside it."""
+    rank = os.environ.get("RANK", "0")
+    return int(rank) if rank.isdigit() else 0
+
+
+@contextlib.contextmanager
+def rank_zero_reports():
+    """Under torchrun every rank runs the same command: only rank 0 prints its progress and tables. Another
+    rank stays silent unless it fails, and then says which rank it is (its errors go to the real stderr)."""
+    if process_rank() == 0:
+        yield ""
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        try:
+            yield f" (rank {process_rank()})"
+        except BaseException:
+            sys.stderr = sys.__stderr__  # a crash's traceback stays visible
+            raise
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        check_runtime(getattr(args, "device", None), getattr(args, "attention", None))
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        # bad input: one clear line, no traceback
-        print(f"ddtree-lab {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a read-only or full disk, a path that is a file: say which, keep what is written
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"ddtree-lab {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
+    with rank_zero_reports() as rank:
+        args = build_parser().parse_args(argv)  # a bad argument: rank 0 says so
+        try:
+            check_runtime(getattr(args, "device", None), getattr(args, "attention", None))
+            return int(args.func(args) or 0)
+        except (ValueError, FileNotFoundError) as e:
+            # bad input: one clear line, no traceback
+            print(f"ddtree-lab {args.command}{rank}: error: {e}", file=sys.__stderr__ if rank else sys.stderr)
+            return 2
+        except OSError as e:  # a read-only or full disk, a path that is a file: say which, keep what is written
+            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            print(f"ddtree-lab {args.command}{rank}: error: {e.strerror or e}{where}",
+                  file=sys.__stderr__ if rank else sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

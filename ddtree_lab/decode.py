@@ -248,6 +248,13 @@ def routing_fields(target) -> dict:
     return target.expert_routing() or {"experts_touched": None, "expert_tokens_max": None, "expert_row_blocks": None}
 
 
+def check_pair(pair) -> None:
+    """A clear error for a value that is not a loaded pair (a pair's name, say) before anything reads it."""
+    if not isinstance(pair, Pair):
+        hint = f" (load it first: dl.load_pair({pair!r}))" if isinstance(pair, str) else ""
+        raise ValueError(f"pair={pair!r} is not a loaded pair{hint}")
+
+
 def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, prompt_len, seed=0):
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {', '.join(METHODS)}")
@@ -256,6 +263,9 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
             raise ValueError(f"budget='auto' chooses among DDTree budgets; method={method!r} has no budget to choose")
         for b in budget.budgets:
             check_budget(b, topk)
+    elif budget is None:  # AR and DFlash have no budget (DFlash's path is the draft block)
+        if method == "ddtree":
+            raise ValueError(f"method='ddtree' needs a budget: an integer in 1..{MAX_BUDGET} or 'auto'")
     elif isinstance(budget, str):
         raise ValueError(f"budget={budget!r}: give an integer in 1..{MAX_BUDGET} or 'auto'")
     else:
@@ -331,6 +341,7 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     cuda_graphs: replay each round's stages as CUDA graphs (default: on for CUDA devices).
     sync_every: rounds run between host reads of the new tokens (more = fewer syncs, later EOS stop).
     """
+    check_pair(pair)
     prompt_ids = encode_prompt(pair, prompt)
     budget = resolve_budget(budget)
     _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids), seed)
@@ -346,6 +357,8 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     L = drafter.cfg.block_size - 1 if drafter is not None else 0
     if method == "dflash":
         budget, topk = L, 1
+    elif method == "ar":  # no tree: one program whatever budget was passed
+        budget, topk = 1, None
     span = L + 1 if method != "ar" else 1
     max_tree = (auto.budgets[-1] if auto else budget) + 1 if method == "ddtree" else span
     # The committed context's room (the rounds queued past the last host read: up to (lag + 1) · sync_every

@@ -33,19 +33,45 @@ def topk_width(topk: int | None, budget: int, vocab: int) -> int:
 
 
 def parse_budget(text):
-    """A budget as a user writes it (command line, study file): an integer, or "auto"."""
+    """A budget as a user writes it (command line, study file): an integer in 1..MAX_BUDGET, or "auto"."""
     if isinstance(text, str) and text.strip().lower() == AUTO:
         return AUTO
     if isinstance(text, bool) or (not isinstance(text, int) and not (isinstance(text, str) and text.strip().isdigit())):
         raise ValueError(f"{text!r} is neither an integer budget nor {AUTO!r}")
+    if not 1 <= int(text) <= MAX_BUDGET:
+        raise ValueError(f"budget {int(text)} is out of range 1..{MAX_BUDGET}")
     return int(text)
 
 
-def budget_arg(text: str):
-    """parse_budget for a command line's argument: its error becomes argparse's one line."""
+def _argparse_type(parse, name: str):
+    """A parser of one value as an argparse type: its ValueError becomes argparse's one line, before anything runs."""
     import argparse
 
-    try:
-        return parse_budget(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def parse_arg(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse_arg.__name__ = name  # argparse names the type in its message
+    return parse_arg
+
+
+def int_in(lo: int, hi: int | None = None, what: str = "value"):
+    """An argparse type: an integer in lo..hi (hi None: no upper bound)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+        if hi is None and value < lo:
+            raise ValueError(f"{what} {value} must be at least {lo}")
+        if hi is not None and not lo <= value <= hi:
+            raise ValueError(f"{what} {value} is out of range {lo}..{hi}")
+        return value
+    return _argparse_type(parse, what)
+
+
+budget_arg = _argparse_type(parse_budget, "budget")    # a command line's budget: an integer or "auto"
+tree_budget_arg = int_in(1, MAX_BUDGET, "budget")      # an integer budget only (the benches that take no "auto")
+positive_int = int_in(1, what="value")                  # counts: rounds, tokens, prompts, repeats
+non_negative_int = int_in(0, what="value")

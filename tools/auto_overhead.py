@@ -19,7 +19,7 @@ import sys
 import ddtree_lab as dl
 from ddtree_lab import decode, graphs
 from ddtree_lab.bench.e2e import grow_caches, repeat_order
-from ddtree_lab.cli import check_runtime
+from ddtree_lab.runtime import check_runtime
 from ddtree_lab.environment import environment
 from ddtree_lab.prompts import read_prompt_set
 

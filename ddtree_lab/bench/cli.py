@@ -14,20 +14,23 @@ from ..atomic import atomic_write_text
 from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..decode import host_read_lag
 from ..environment import environment
-from ..names import AUTO, budget_arg
+from ..names import AUTO, METHODS, budget_arg, non_negative_int, positive_int, tree_budget_arg
 from ..pairs import load_pair
 from ..prompts import read_prompt_set
-from .attention import device_copy_gbps
+from ..runtime import device_defaults
+from .timing import device_copy_gbps
 from .e2e import bench_model, bench_prompts, profile_rounds, run_e2e
 
 
 def _add_runtime_args(p) -> None:
     """How the models run: the same options for every end-to-end bench."""
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--attention", default="triton")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bfloat16 on CUDA, float32 "
+                                                 "on the CPU)")
+    p.add_argument("--attention", default=None, help="verify attention: sdpa | triton | flex | invariant (default: "
+                                                     "triton on CUDA, sdpa on the CPU)")
     p.add_argument("--compile", action="store_true", help="fuse per-layer elementwise work (torch.compile)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes for the target (e2e; run under "
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel processes for the target (e2e; run under "
                    "torchrun --nproc-per-node N)")
     p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
                    help="with --compile: torch.compile's mode; max-autotune-no-cudagraphs times the compiler's own "
@@ -40,7 +43,7 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--tree-topk", choices=["auto", "torch", "triton"], default="auto",
                    help="the per-depth top-K over the vocabulary: torch (log_softmax, topk) or triton (one launch, "
                         "vocabularies up to kernels/vocab_topk.MAX_VOCAB); auto: torch")
-    p.add_argument("--host-read-lag", type=int, default=None,
+    p.add_argument("--host-read-lag", type=non_negative_int, default=None,
                    help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
                         "0 elsewhere); 0 reads after each round")
     p.add_argument("--attn-config", nargs="*", default=[], metavar="KEY=VALUE",
@@ -51,38 +54,38 @@ def _add_runtime_args(p) -> None:
 def add_bench_args(p) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     k = sub.add_parser("kernels", help="verify attention: triton vs sdpa (dense mask) vs flex")
-    k.add_argument("--trees", type=int, nargs="+", default=[16, 64, 256, 1024])
-    k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
-    k.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"])
-    k.add_argument("--out", default="outputs/bench/kernels.json")
+    k.add_argument("--trees", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="tree sizes (budgets)")
+    k.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 8192, 32768], help="past tokens in the cache")
+    k.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"], help="backends timed side by side")
+    k.add_argument("--out", default="outputs/bench/kernels.json", help="JSON written here")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",
                    help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | random:qwen3-30b-a3b | a pair name | a dir "
                         "holding target/ and drafter/")
-    e.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
-    e.add_argument("--prompt-len", type=int, default=512)
-    e.add_argument("--rounds", type=int, default=24)
+    e.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
+    e.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
+    e.add_argument("--rounds", type=positive_int, default=24, help="decoding rounds timed per method")
     _add_runtime_args(e)
-    e.add_argument("--out", default="outputs/bench/e2e.json")
+    e.add_argument("--out", default="outputs/bench/e2e.json", help="JSON written here")
     r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
-    r.add_argument("--pair", default="lab")
+    r.add_argument("--pair", default="lab", help="a named pair")
     r.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
-    r.add_argument("--n-prompts", type=int, default=8)
+    r.add_argument("--n-prompts", type=positive_int, default=8, help="prompts from the set")
     r.add_argument("--budgets", type=bench_budget_arg, nargs="+", default=[16, 32, 64, 128, 256],
                    help="DDTree budgets; 'auto' adds budget='auto' choosing among the others, and "
                         "'auto:memory=8192,explore=0.5' another auto with those settings, side by side")
-    r.add_argument("--max-new-tokens", type=int, default=96)
-    r.add_argument("--repeats", type=int, default=3, help="interleaved passes over all methods; tok/s is the median")
+    r.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt")
+    r.add_argument("--repeats", type=positive_int, default=3, help="interleaved passes over all methods; tok/s is the median")
     _add_runtime_args(r)
-    r.add_argument("--out", default="outputs/bench/prompts.json")
+    r.add_argument("--out", default="outputs/bench/prompts.json", help="JSON written here")
     f = sub.add_parser("profile", help="kernels and GPU time per stage of eager rounds (torch.profiler)")
     f.add_argument("--model", default="random:qwen3-8b", help="as for e2e")
-    f.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
-    f.add_argument("--budgets", type=int, nargs="+", default=[64])
-    f.add_argument("--prompt-len", type=int, default=512)
-    f.add_argument("--rounds", type=int, default=8)
+    f.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods profiled")
+    f.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[64], help="DDTree budgets")
+    f.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
+    f.add_argument("--rounds", type=positive_int, default=8, help="rounds profiled per method")
     _add_runtime_args(f)
-    f.add_argument("--out", default="outputs/bench/profile.json")
+    f.add_argument("--out", default="outputs/bench/profile.json", help="JSON written here")
 
 
 ATTN_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "num_splits", "split_target", "waves",
@@ -124,7 +127,7 @@ def run_options(args) -> dict:
         if value != "auto":
             chosen[name] = value
     if getattr(args, "host_read_lag", None) is not None:
-        chosen["host_read_lag"] = max(0, args.host_read_lag)
+        chosen["host_read_lag"] = args.host_read_lag
     compile_mode = getattr(args, "compile_mode", "default")
     if compile_mode != "default":
         chosen["compile_options"] = {"mode": compile_mode}
@@ -135,6 +138,10 @@ def run_options(args) -> dict:
 
 
 def run_bench_cli(args) -> int:
+    if hasattr(args, "device"):  # the end-to-end benches: what --dtype and --attention mean on this device
+        for key, value in device_defaults(args.device).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     options.replace(**run_options(args))  # for this process: the CLI runs one bench and exits
     compile_mode = getattr(args, "compile_mode", "default")
     attn_config = dict(options.current().attention_launch)
@@ -161,7 +168,7 @@ def run_bench_cli(args) -> int:
         runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
         rows = []
         for method, budget in runs:
-            row = profile_rounds(pair, method, budget or 16, args.prompt_len, args.rounds)
+            row = profile_rounds(pair, method, budget, args.prompt_len, args.rounds)
             rows.append(row)
             print(f"  {method:6s} budget={budget!s:5s} {row['kernels_per_round']:6.0f} kernels "
                   f"{row['us_per_round']:9.1f} us/round  " + " ".join(

@@ -25,7 +25,7 @@ from ..model import Target
 from ..names import STAGES
 from ..pairs import load_pair
 from ..prompts import encode_prompt
-from .attention import device_copy_gbps
+from .timing import device_copy_gbps
 
 def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = None) -> int:
     """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding, and of
@@ -61,7 +61,7 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
     runs += [("ddtree", b) for b in budgets] if "ddtree" in methods else []
     rows = []
     for method, budget in runs:
-        kw = dict(method=method, budget=budget or 16, max_new_tokens=rounds, trace=False, stop=[],
+        kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[],
                   cuda_graphs=cuda_graphs)
         generate(pair, prompt, **kw)  # warm-up: compiles kernels and captures graphs
         res = generate(pair, prompt, **kw)
@@ -155,7 +155,7 @@ def bench_prompts(pair: Pair, prompts: list, budgets=(16, 32, 64, 128, 256), max
         raise ValueError("bench prompts: 'auto' chooses among the fixed budgets given with it; give some")
     autos = {label: AutoBudget(budgets=tuple(fixed), **auto_label_settings(label)) for label in labels}
     runs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in fixed + labels]
-    kws = [dict(method=m, budget=autos.get(b, b) or 16, max_new_tokens=max_new_tokens, trace=False,
+    kws = [dict(method=m, budget=autos.get(b, b), max_new_tokens=max_new_tokens, trace=False,
                 cuda_graphs=cuda_graphs, stop=[]) for m, b in runs]
     grow_caches(pair, prompts, fixed + list(autos.values()), max_new_tokens, cuda_graphs)
     for prompt in prompts:  # every prompt length once, untimed: a compiled model specialises on shapes

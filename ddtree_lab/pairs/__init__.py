@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import CheckpointError
+from ..runtime import check_runtime
 
 PAIRS_DIR = Path(__file__).resolve().parent
 RANDOM_PREFIX = "random:"
@@ -134,6 +135,7 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
     under `torchrun --nproc-per-node N`; ddtree_lab/parallel.py)."""
     if name is not None and (target is not None or drafter is not None):
         raise ValueError("give either a pair name or target=/drafter= directories, not both")
+    check_runtime(device, attention)
     if name is not None and name.startswith(RANDOM_PREFIX):
         check(name)
         from .random import random_pair

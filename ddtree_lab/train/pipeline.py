@@ -161,8 +161,8 @@ def add_pipeline_args(p: argparse.ArgumentParser, presets: dict, preset_help: st
     p.add_argument("--work", default=work, help="checkpoints, pools and logs; a rerun resumes from here")
     p.add_argument("--out", default=None, help=out_help)
     p.add_argument("--pack-dir", default=None, help="pack/unpack: folder of the few files that carry a GPU run back")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (CUDA when visible, else the CPU) | cuda | cpu")
+    p.add_argument("--seed", type=int, default=None, help="the preset's seed unless given")
     p.add_argument("--force", action="store_true", help="rerun stages whose product already exists")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override a {config_name} field, e.g. --set {example} (repeatable)")

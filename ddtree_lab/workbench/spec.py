@@ -18,8 +18,9 @@ from typing import Any
 
 from .. import pairs
 from ..environment import PACKAGE_DIR, REPO_DIR
-from ..names import ATTENTION_BACKENDS, AUTO, MAX_BUDGET, METHODS, STUDY_DTYPES, TRITON_BACKENDS
+from ..names import ATTENTION_BACKENDS, AUTO, MAX_BUDGET, METHODS, STUDY_DTYPES
 from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
+from ..runtime import RuntimeCheckError, check_runtime
 
 DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
 PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
@@ -381,11 +382,12 @@ def _check_is_notebook(path: Path, fname: str, src: str | None) -> None:
 
 
 def _check_runtime(study: Study, src: str | None) -> None:
-    """Triton kernels on the CPU run only under the interpreter (TRITON_INTERPRET=1, inherited by the runs)."""
+    """The machine must run the study's device and attention (runtime.check_runtime: the API's own check)."""
     m = study.models
-    if m.attention in TRITON_BACKENDS and m.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise StudyError("models.attention", f"{m.attention} needs a CUDA device (or TRITON_INTERPRET=1 in the "
-                                             "environment: its kernels then run under the interpreter, slowly)", src)
+    try:
+        check_runtime(m.device, m.attention)
+    except RuntimeCheckError as e:
+        raise StudyError(f"models.{e.field}", str(e), src) from None
     if m.attention == "invariant" and _is_moe(study):
         raise StudyError("models.attention", "invariant covers dense targets; this target has MoE layers (the "
                                              "fused-MoE kernel tiles by the number of tokens)", src)
