@@ -23,22 +23,55 @@ class RuntimeCheckError(ValueError):
         self.field = field
 
 
-def extra_for(library: str) -> str | None:
-    """The smallest optional extra of ddtree_lab that installs `library` (a distribution name), or None."""
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def extras() -> dict[str, dict[str, str]]:
+    """Each optional extra of ddtree_lab -> {library: its declared version range}, from the installed
+    package's metadata ({} when run from a checkout that was never pip-installed)."""
     try:
         requires = md.requires("ddtree_lab") or []
-    except md.PackageNotFoundError:  # run from a checkout that was never pip-installed
-        return None
-    members: dict[str, set[str]] = {}
+    except md.PackageNotFoundError:
+        return {}
+    out: dict[str, dict[str, str]] = {}
     for line in requires:
         req, _, marker = line.partition(";")
         extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
         if extra:
-            name = re.match(r"[A-Za-z0-9_.\-]+", req.strip()).group(0)
-            members.setdefault(extra.group(1), set()).add(name.lower().replace("_", "-"))
-    library = library.lower().replace("_", "-")
-    holding = [(len(libs), extra) for extra, libs in members.items() if library in libs]
+            name, spec = re.match(r"\s*([A-Za-z0-9_.\-]+)(?:\[[^]]*\])?\s*\(?([^)]*)\)?", req).groups()
+            out.setdefault(extra.group(1), {})[_canonical(name)] = _lowest_first(spec)
+    return out
+
+
+def _lowest_first(spec: str) -> str:
+    """'<6,>=5.18' (as metadata writes a range) -> '>=5.18,<6' (as a reader expects it)."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    return ",".join(sorted(parts, key=lambda p: not p.startswith(">")))
+
+
+def extra_for(library: str) -> str | None:
+    """The smallest optional extra of ddtree_lab that installs `library` (a distribution name), or None."""
+    holding = [(len(libs), extra) for extra, libs in extras().items() if _canonical(library) in libs]
     return min(holding)[1] if holding else None
+
+
+def check_extra(extra: str, what: str) -> None:
+    """ValueError naming every library of `extra` that is missing or outside its declared range (a version
+    whose behaviour the suite has not passed with), with the command that installs the range."""
+    from packaging.specifiers import SpecifierSet
+
+    wrong = []
+    for library, spec in extras().get(extra, {}).items():
+        try:
+            have = md.version(library)
+        except md.PackageNotFoundError:
+            wrong.append(f"{library}{spec} (not installed)")
+            continue
+        if spec and have not in SpecifierSet(spec):
+            wrong.append(f"{library}{spec} ({have} is installed)")
+    if wrong:
+        raise ValueError(f"{what} needs {', '.join(wrong)}: pip install -e '.[{extra}]'")
 
 
 def install_hint(library: str) -> str:

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 from ..names import STUDY_DTYPES
+from ..runtime import check_extra
 from . import PULLABLE
 
 # Files whose content we know: a file with one of these names must have this sha256.
 KNOWN_SHA256 = {Path(spec.member).name: spec.sha256 for spec in PULLABLE.values()}  # what `pull` may import
 PROVENANCE = "gguf_import.json"  # written last-but-one; says where the weights came from
-EXTRA_HINT = "install the optional extra: pip install -e '.[gguf]'  (gguf, transformers, accelerate)"
 
 
 class GGUFImportError(RuntimeError):
@@ -42,15 +42,12 @@ class HashMismatchError(GGUFImportError):
 # ----------------------------------------------------------------------------- checks
 
 def require_extra() -> None:
-    """Fail early, with the install command, when the optional `gguf` extra is missing."""
-    missing = []
-    for module in ("gguf", "transformers", "accelerate"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        raise GGUFImportError(f"importing GGUF files needs {', '.join(missing)}: {EXTRA_HINT}")
+    """Fail early, with the install command, when the optional `gguf` extra is missing or outside the versions
+    it declares (transformers' GGUF reader changed its behaviour between releases)."""
+    try:
+        check_extra("gguf", "importing GGUF files")
+    except ValueError as e:
+        raise GGUFImportError(str(e)) from None
 
 
 def sha256_file(path, chunk: int = 1 << 20) -> str:

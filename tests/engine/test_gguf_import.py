@@ -177,9 +177,23 @@ def test_bad_inputs_are_refused(tiny, tmp_path):
         import_gguf(tiny["tied"]["q8"], tmp_path / "b", dtype="int8")
 
 
-def test_missing_extra_names_the_install_command(monkeypatch):
-    monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` raise ImportError
-    with pytest.raises(GGUFImportError, match=r"pip install -e '\.\[gguf\]'"):
+@pytest.mark.parametrize("installed,says", [
+    ({"gguf": None}, r"gguf>=[0-9.]+,<[0-9.]+ \(not installed\)"),
+    ({"transformers": "5.17.0"}, r"transformers>=5\.18,<6 \(5\.17\.0 is installed\)"),  # misreads a GGUF tokenizer
+])
+def test_a_missing_or_untested_extra_names_the_version_and_the_install_command(monkeypatch, installed, says):
+    from ddtree_lab import runtime
+
+    real = runtime.md.version
+
+    def version(name):
+        if name in installed:
+            if installed[name] is None:
+                raise runtime.md.PackageNotFoundError(name)
+            return installed[name]
+        return real(name)
+    monkeypatch.setattr(runtime.md, "version", version)
+    with pytest.raises(GGUFImportError, match=says + r".*pip install -e '\.\[gguf\]'"):
         gguf_import.require_extra()
 
 
