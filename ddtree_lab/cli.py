@@ -225,6 +225,14 @@ def rank_zero_reports():
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # nothing half-written is kept (writes are atomic); one line, not a traceback
+        print("ddtree-lab: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
     with rank_zero_reports() as rank:
         args = build_parser().parse_args(argv)  # a bad argument: rank 0 says so
         try:

@@ -114,3 +114,26 @@ def test_under_torchrun_rank_zero_reports_alone(tiny_dirs):
     failed = subprocess.run(args[:5] + ["--target", str(t / "missing")], capture_output=True, text=True,
                             timeout=300, env={**env, "RANK": "3"})
     assert failed.returncode == 2 and failed.stderr.count("\n") == 1 and "(rank 3)" in failed.stderr
+
+
+def test_ctrl_c_is_one_line_whenever_it_comes():
+    """A Ctrl-C while the command imports torch, or while it decodes: exit 130, one line, no traceback."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "ddtree_lab.cli", "generate", "def parse(line):", "--max-new-tokens", "900"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    during_imports = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    time.sleep(0.3)  # torch alone takes longer than this to import
+    during_imports.send_signal(signal.SIGINT)
+    decoding = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    for line in decoding.stderr:
+        if line.startswith("--- generating"):
+            break
+    time.sleep(0.5)
+    decoding.send_signal(signal.SIGINT)
+    for p in (during_imports, decoding):
+        _, err = p.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "ddtree-lab: interrupted", err
+        assert not [x for x in lines[:-1] if not x.startswith("---")], err  # only the progress lines before it
