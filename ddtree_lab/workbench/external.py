@@ -6,7 +6,6 @@ The page machinery (layout, CSS, tables, error hooks, plotly.js embedded once) i
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import plotly.graph_objects as go
 
 from ..atomic import atomic_write_text
 from ..names import AUTO
+from .figures import budget_axis
 from .page import Page, esc, fmt_num, html_table
 
 PROBLEMS = ("failed", "truncated", "partial", "garbage", "suspect")
@@ -76,7 +76,8 @@ def sweep_figure(runs: list[dict], metric: str) -> go.Figure:
                       annotation_position="top left")
     fig.update_layout(title=dict(text=title), template="plotly_white", height=400,
                       margin=dict(l=55, r=20, t=60, b=45),
-                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", dtick=math.log10(2)),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"),
+                                 **budget_axis([x for trace in fig.data for x in trace.x])),
                       yaxis=dict(title=dict(text=ylabel)))
     return fig
 
@@ -149,7 +150,8 @@ def compare_figure(mine: list[dict], runs: list[dict]) -> go.Figure:
                         marker=dict(symbol="diamond"), hovertemplate="budget %{x}: %{y:.3f}<extra></extra>")
     fig.update_layout(title=dict(text="τ per budget: measured here vs reported by serving stacks"),
                       template="plotly_white", height=400, margin=dict(l=55, r=20, t=60, b=45),
-                      xaxis=dict(title=dict(text="tree budget (nodes)"), type="log", dtick=math.log10(2)),
+                      xaxis=dict(title=dict(text="tree budget (nodes)"),
+                                 **budget_axis([x for trace in fig.data for x in trace.x])),
                       yaxis=dict(title=dict(text="tokens per target forward")))
     return fig
 

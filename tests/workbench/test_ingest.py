@@ -496,3 +496,16 @@ def test_study_report_in_headless_chromium(study_dir, tmp_path):
     titles = re.findall(r'class="gtitle"[^>]*>(.*?)</text>', dom)
     assert "τ per budget: measured here vs reported by serving stacks" in titles
     assert "acceptance length vs budget (serving stacks)" in titles
+
+
+def test_the_serving_figures_label_their_budget_axis_at_each_budget():
+    """Budgets that are not powers of two (24, 48) get a tick as well: no plotly minor digits, no gaps."""
+    runs = [{"file": "r.jsonl", "line": i + 1, "engine": "sglang", "verdict": "ok", "model": "m", "method": "ddtree",
+             "budget": b, "topk": 4, "concurrency": 8, "tp": 1, "output_throughput": 100.0 + b, "accept_length": 2.0,
+             "speedup_over_ar": 1.1, "mean_tpot_ms": 9.0, "hardware": "h200", "nvls": False}
+            for i, b in enumerate((8, 24, 48, 64))]
+    mine = [{"run": "ddtree-b16", "method": "ddtree", "topk": None, "budget": 16, "tau": 2.5}]
+    for fig in (external.sweep_figure(runs, "output_throughput"), external.compare_figure(mine, runs)):
+        axis = fig.layout.xaxis
+        drawn = sorted({x for trace in fig.data for x in trace.x})
+        assert axis.type == "log" and list(axis.tickvals) == drawn and list(axis.ticktext) == [str(b) for b in drawn]
