@@ -27,14 +27,28 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def extras() -> dict[str, dict[str, str]]:
-    """Each optional extra of ddtree_lab -> {library: its declared version range}, from the installed
-    package's metadata ({} when run from a checkout that was never pip-installed)."""
+def _requirements() -> list[str]:
+    """The package's requirements as its metadata lists them: the installed package's, or, in a checkout that
+    was never pip-installed, pyproject.toml's written the same way."""
     try:
-        requires = md.requires("ddtree_lab") or []
+        return md.requires("ddtree_lab") or []
     except md.PackageNotFoundError:
-        return {}
+        import tomllib
+
+        from .environment import REPO_DIR
+
+        try:
+            project = tomllib.loads((REPO_DIR / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+        except (OSError, KeyError, ValueError):
+            return []
+        return [f'{req}; extra == "{extra}"' for extra, reqs in project.get("optional-dependencies", {}).items()
+                for req in reqs]
+
+
+def extras() -> dict[str, dict[str, str]]:
+    """Each optional extra of ddtree_lab -> {library: its declared version range}."""
     out: dict[str, dict[str, str]] = {}
+    requires = _requirements()
     for line in requires:
         req, _, marker = line.partition(";")
         extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)

@@ -56,7 +56,8 @@ def add_bench_args(p) -> None:
     k = sub.add_parser("kernels", help="verify attention: triton vs sdpa (dense mask) vs flex")
     k.add_argument("--trees", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="tree sizes (budgets)")
     k.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 8192, 32768], help="past tokens in the cache")
-    k.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"], help="backends timed side by side")
+    k.add_argument("--backends", nargs="+", choices=["triton", "sdpa", "flex"], default=["triton", "sdpa", "flex"],
+                   help="backends timed side by side")
     k.add_argument("--out", default="outputs/bench/kernels.json", help="JSON written here")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",

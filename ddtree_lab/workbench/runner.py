@@ -353,7 +353,9 @@ def run_study_cli(args) -> int:
             print(f"ok: {len(expand_grid(study))} runs -> {out}")
             return 0
         executor = make_executor(args.executor, args.address, args.gpus_per_run)
+        started = time.perf_counter()
         s = run_study(study, out, retry_failed=not args.no_retry_failed, progress=not args.quiet, executor=executor)
+        took = time.perf_counter() - started
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -370,7 +372,8 @@ def run_study_cli(args) -> int:
 
     def counts(outs):
         return ", ".join(f"{sum(o.status == k for o in outs)} {k}" for k in ("complete", "skipped", "failed"))
-    print(f"{len(runs)} runs ({counts(runs)}); {len(nbs)} study notebooks ({counts(nbs)}) -> {s.study_dir}")
+    print(f"{len(runs)} runs ({counts(runs)}); {len(nbs)} study notebooks ({counts(nbs)}) in {took:.0f} s "
+          f"-> {s.study_dir}")
     if s.report:
         print(f"report: {s.report}")
     return 1 if s.count("failed") else 0

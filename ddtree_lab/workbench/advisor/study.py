@@ -17,6 +17,7 @@ from pathlib import Path
 import dataclasses
 
 from ...atomic import atomic_write_json
+from ...names import positive_int
 from .. import advisor as A
 from ..figures import grid_rows, run_config
 from ..results import collect_study, load_traces, text_can_drift
@@ -274,7 +275,7 @@ def add_advise_args(p) -> None:
     p.add_argument("--bench", action="append", default=None,
                    help="bench e2e JSON(s): the model check and the 'measured' machine (default: docs/bench)")
     p.add_argument("--out", default=None, help="where to write advice.json (default: STUDY_DIR/advice.json)")
-    p.add_argument("--boot", type=int, default=N_BOOT, help="bootstrap resamples over prompts")
+    p.add_argument("--boot", type=positive_int, default=N_BOOT, help="bootstrap resamples over prompts")
 
 
 def run_advise_cli(args) -> int:
