@@ -166,3 +166,22 @@ def test_linear_bf16_bits_do_not_depend_on_m_across_graph_sizes():
     full = bi.linear(x, w)
     for m in (1, 17, 1025):
         assert torch.equal(bi.linear(x[:m], w), full[:m])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's path (on a GPU a dot is an MMA)")
+def test_the_interpreter_path_never_asks_the_host_blas(monkeypatch):
+    """Under the interpreter a tl.dot is numpy's matmul, i.e. the host's BLAS, whose kernels may round a row
+    by its neighbours: the batch-invariant ops must not depend on it, so here they must not call it at all."""
+    import numpy
+
+    def no_blas(*args, **kwargs):
+        raise AssertionError("a batch-invariant op reached the host BLAS")
+    monkeypatch.setattr(numpy, "matmul", no_blas)
+    x, w = rand(5, 96, dtype=torch.float32, seed=1), rand(40, 96, dtype=torch.float32, seed=2)
+    torch.testing.assert_close(bi.linear(x, w), bi.linear_reference(x, w), atol=1e-4, rtol=1e-4)
+    anc = ancestor_matrix(random_parents(6, seed=3), 6)
+    chain, chain_len = bi.ancestor_chain(anc)
+    q, k, v = rand(4, 6, 16, dtype=torch.float32, seed=4), rand(2, 40, 16, dtype=torch.float32, seed=5), \
+        rand(2, 40, 16, dtype=torch.float32, seed=6)
+    torch.testing.assert_close(bi.chain_attention(q, k, v, 20, chain, chain_len),
+                               bi.chain_attention_reference(q, k, v, 20, anc), atol=1e-4, rtol=1e-4)
