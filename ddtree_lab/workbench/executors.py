@@ -35,15 +35,19 @@ class SequentialExecutor:
 
 class RayExecutor:
     """Each job a Ray task holding `gpus_per_run` GPUs (Ray sets CUDA_VISIBLE_DEVICES for the task, and
-    the notebook kernels it starts inherit it). `address`: a running cluster ("auto" finds the local one);
-    None starts a local Ray for this study, given `num_gpus` (default: what Ray detects; a CPU machine can
-    declare fake GPUs to test the scheduling). Run directories must be on a filesystem every node sees."""
+    the notebook kernels it starts inherit it). None: 1 for a study whose `device` is a GPU, 0 for a CPU
+    study (its runs need none, and asking for one would leave them unscheduled on a CPU machine).
+    `address`: a running cluster ("auto" finds the local one); None starts a local Ray for this study, given
+    `num_gpus` (default: what Ray detects; a CPU machine can declare fake GPUs to test the scheduling). Run
+    directories must be on a filesystem every node sees."""
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, gpus_per_run: float | None = 1, num_gpus: int | None = None,
-                 retries: int = 1):
-        if gpus_per_run is not None and gpus_per_run < 0:
+    def __init__(self, address: str | None = None, gpus_per_run: float | None = None, num_gpus: int | None = None,
+                 retries: int = 1, device: str = "cuda"):
+        if gpus_per_run is None:
+            gpus_per_run = 0 if device == "cpu" else 1
+        if gpus_per_run < 0:
             raise ValueError(f"--gpus-per-run {gpus_per_run} must be ≥ 0")
         self.address, self.gpus_per_run, self.num_gpus, self.retries = address, gpus_per_run, num_gpus, retries
 
@@ -81,11 +85,12 @@ class RayExecutor:
 
 
 def make_executor(name: str = "sequential", address: str | None = None, gpus_per_run: float | None = None,
-                  num_gpus: int | None = None):
+                  num_gpus: int | None = None, device: str = "cuda"):
+    """`device`: the study's, which sets the Ray runs' default GPU count."""
     if name == "sequential":
         if address is not None:
             raise ValueError("--address needs --executor ray")
         return SequentialExecutor()
     if name == "ray":
-        return RayExecutor(address, gpus_per_run, num_gpus)
+        return RayExecutor(address, gpus_per_run, num_gpus, device=device)
     raise ValueError(f"--executor {name!r} is not one of {', '.join(EXECUTORS)}")

@@ -13,6 +13,7 @@ torch nor the engine.
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import os
 import string
@@ -394,7 +395,7 @@ def _link_problem(p: Path) -> str:
     try:
         p.stat()
     except OSError as e:
-        if e.errno == 40:  # ELOOP
+        if e.errno == errno.ELOOP:
             return "symlink loop"
         return f"broken symlink ({e.strerror})"
     return "broken symlink"
@@ -456,10 +457,10 @@ def run_ingest_cli(args) -> int:
     except OSError as e:
         print(f"ddtree-lab ingest: error: cannot create --out {shown(out)}: {e.strerror or e}", file=sys.stderr)
         return 2
-    from . import external  # plotly only when a page is written
+    from . import ingest_report  # plotly only when a page is written
     try:
         atomic_write_json(out / EXTERNAL_FILE, doc)
-        page = external.write_page(doc, out / REPORT_FILE, THRESHOLDS)
+        page = ingest_report.write_page(doc, out / REPORT_FILE, THRESHOLDS)
     except OSError as e:
         print(f"ddtree-lab ingest: error: cannot write into {shown(out)}: {e.strerror or e}", file=sys.stderr)
         return 2

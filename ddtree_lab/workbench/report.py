@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 
 from ..atomic import atomic_write_bytes
 from ..names import MICROBENCH_FILE, REPORT_FILE, RESULTS_FILE, RUN_FILE, STUDY_FILE, TIMELINE_FILE
-from . import external, ingest, viz
+from . import ingest, ingest_report, viz
 from .page import Page, esc, fmt_num, html_table, verdict_html
 from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, experts_figure, grid_rows, microbench_figure,
                       recommend_budget, run_config, run_summary, short_kernel_name, stage_figure, sweep_figure,
@@ -355,10 +355,10 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
     # -- end of the budget advisor
 
     # -- results from serving stacks (ddtree-lab ingest): the study file's `external:` paths, or an
-    #    external.json in the study directory; the section lives in workbench/external.py
+    #    external.json in the study directory; the section lives in workbench/ingest_report.py
     ext = ingest.study_external(study_dir, study)
     if ext is not None:
-        external.add_section(page, ext, ingest.THRESHOLDS, rows)
+        ingest_report.add_section(page, ext, ingest.THRESHOLDS, rows)
     # -- end of serving-stack results
 
     page.section("lossless", "Losslessness")

@@ -250,8 +250,6 @@ def _run_locked(study: Study, study_dir: Path, retry_failed: bool, progress: boo
         atomic_write_text(study_dir / "study.yaml", study.path.read_text(encoding="utf-8"))
 
     per_run = [find_notebook(n, base) for n in study.notebooks.per_run]
-    if getattr(executor, "gpus_per_run", 0) is None:  # Ray's default: a GPU each where the study runs on GPUs
-        executor.gpus_per_run = 0 if study.models.device == "cpu" else 1
     by_name: dict[str, RunOutcome] = {}
     total = len(runs) + len(study.notebooks.per_study)
     jobs = []
@@ -352,7 +350,7 @@ def run_study_cli(args) -> int:
                 print(r.run_name)
             print(f"ok: {len(expand_grid(study))} runs -> {out}")
             return 0
-        executor = make_executor(args.executor, args.address, args.gpus_per_run)
+        executor = make_executor(args.executor, args.address, args.gpus_per_run, device=study.models.device)
         started = time.perf_counter()
         s = run_study(study, out, retry_failed=not args.no_retry_failed, progress=not args.quiet, executor=executor)
         took = time.perf_counter() - started

@@ -71,3 +71,38 @@ def test_ray_retries_a_dead_worker_once_then_reports_it(ray_local, tmp_path):
 def test_ray_refuses_more_gpus_per_run_than_the_machine_has(ray_local):
     with pytest.raises(ValueError, match="asks for 3 GPU"):
         collect(RayExecutor(gpus_per_run=3), [Job("big")])
+
+
+@pytest.mark.parametrize("device,gpus", [("cuda", 1), ("cuda:1", 1), ("auto", 1), ("cpu", 0)])
+def test_ray_gpus_per_run_defaults_to_the_studys_device(device, gpus):
+    assert RayExecutor(device=device).gpus_per_run == gpus
+    assert make_executor("ray", device=device).gpus_per_run == gpus
+    assert make_executor("ray", gpus_per_run=0.5, device=device).gpus_per_run == 0.5  # an explicit count wins
+
+
+def test_ray_default_made_without_a_device_is_one_gpu():
+    assert RayExecutor().gpus_per_run == 1 and make_executor("ray").gpus_per_run == 1
+    with pytest.raises(ValueError, match="must be ≥ 0"):
+        RayExecutor(gpus_per_run=-1)
+
+
+def test_the_study_command_gives_ray_the_studys_device(tmp_path, monkeypatch):
+    """The CLI's Ray executor for a CPU study asks for no GPU, before the runner sees it."""
+    from argparse import ArgumentParser
+    from types import SimpleNamespace
+
+    from ddtree_lab.workbench import runner
+
+    given = []
+
+    def run_study(study, out, executor, **_):
+        given.append(executor)
+        raise KeyboardInterrupt  # stop before any run: only the executor is under test
+    study = SimpleNamespace(name="s", models=SimpleNamespace(device="cpu"))
+    monkeypatch.setattr(runner, "load_study", lambda path: study)
+    monkeypatch.setattr(runner, "run_study", run_study)
+    monkeypatch.setattr(runner, "_interrupted", lambda study, out: 130)
+    p = ArgumentParser()
+    runner.add_study_args(p)
+    assert runner.run_study_cli(p.parse_args(["x.yaml", "--executor", "ray", "--out", str(tmp_path)])) == 130
+    assert isinstance(given[0], RayExecutor) and given[0].gpus_per_run == 0

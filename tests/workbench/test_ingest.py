@@ -1,5 +1,6 @@
 """`ddtree-lab ingest`: formats recognised by content, settings with their sources, a verdict per
 run, bad input reported per file, bounded memory on large files, and the report in a browser."""
+import errno
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the sample builders beside this file
 import ingest_samples as S  # noqa: E402
 from ddtree_lab import cli  # noqa: E402
-from ddtree_lab.workbench import external, formats, ingest as I, jsonstream  # noqa: E402
+from ddtree_lab.workbench import formats, ingest as I, ingest_report, jsonstream  # noqa: E402
 
 
 def _by_name(doc):
@@ -258,6 +259,14 @@ def test_bad_input_one_message_each(tmp_path, monkeypatch):
     assert I.ingest([locked])["unrecognised"][0] == {"file": str(locked), "reason": "unreadable folder: Permission denied"}
 
 
+def test_a_symlink_loop_is_named_by_the_platforms_errno(tmp_path, monkeypatch):
+    link = tmp_path / "self"
+    link.symlink_to(link)
+    monkeypatch.setattr(errno, "ELOOP", 62)  # macOS and the BSDs number ELOOP 62, Linux 40
+    monkeypatch.setattr(Path, "stat", lambda self, **kw: (_ for _ in ()).throw(OSError(62, "Too many levels")))
+    assert I._link_problem(link) == "symlink loop"
+
+
 def test_a_name_that_is_not_utf8_is_one_message_and_the_rest_is_ingested(tmp_path, capsys):
     good = S.jsonl(S.serving(info=S.server_info()))
     src = tmp_path / "in"
@@ -481,11 +490,11 @@ def _render(page: Path, tmp_path: Path) -> str:
 
 
 def test_ingest_report_in_headless_chromium(doc, tmp_path):
-    page = external.write_page(doc, tmp_path / "report.html", I.THRESHOLDS)
+    page = ingest_report.write_page(doc, tmp_path / "report.html", I.THRESHOLDS)
     dom = _render(page, tmp_path)
     titles = re.findall(r'class="gtitle"[^>]*>(.*?)</text>', dom)
-    assert titles == [external.METRICS[m][0] for m in ("output_throughput", "mean_tpot_ms", "accept_length",
-                                                       "speedup_over_ar")]
+    assert titles == [ingest_report.METRICS[m][0] for m in ("output_throughput", "mean_tpot_ms", "accept_length",
+                                                            "speedup_over_ar")]
     for text in ("garbage.jsonl:1", "long repeats", "200 of 256", "REPEAT_COMPRESS_RATIO", "ends inside this record"):
         assert text in dom, text
 
@@ -505,7 +514,7 @@ def test_the_serving_figures_label_their_budget_axis_at_each_budget():
              "speedup_over_ar": 1.1, "mean_tpot_ms": 9.0, "hardware": "h200", "nvls": False}
             for i, b in enumerate((8, 24, 48, 64))]
     mine = [{"run": "ddtree-b16", "method": "ddtree", "topk": None, "budget": 16, "tau": 2.5}]
-    for fig in (external.sweep_figure(runs, "output_throughput"), external.compare_figure(mine, runs)):
+    for fig in (ingest_report.sweep_figure(runs, "output_throughput"), ingest_report.compare_figure(mine, runs)):
         axis = fig.layout.xaxis
         drawn = sorted({x for trace in fig.data for x in trace.x})
         assert axis.type == "log" and list(axis.tickvals) == drawn and list(axis.ticktext) == [str(b) for b in drawn]
