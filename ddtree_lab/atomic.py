@@ -14,7 +14,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -154,13 +154,21 @@ def clean_stale_temps(parent: str | os.PathLike, names: Iterable[str]) -> list[P
 
 
 # ----------------------------------------------------------------------------- file digests
+def stream_sha256(src: BinaryIO, sink: BinaryIO | None = None) -> str:
+    """The sha256 of a binary stream read to its end, each block also written to `sink` when given:
+    a copy and its digest in one read."""
+    h = hashlib.sha256()
+    while block := src.read(1 << 20):
+        h.update(block)
+        if sink is not None:
+            sink.write(block)
+    return h.hexdigest()
+
+
 def file_digest(path: str | os.PathLike) -> dict:
     """{"size", "sha256"} of one file."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": stream_sha256(f)}
 
 
 def digest_tree(root: str | os.PathLike, exclude: Iterable[str] = ()) -> dict[str, dict]:

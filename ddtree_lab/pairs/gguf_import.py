@@ -7,25 +7,23 @@ The libraries do the hard parts: `transformers` (with `gguf` and `accelerate`, t
 permutation llama.cpp applies for its RoPE layout) and rebuilds the tokenizer and chat template.
 This module checks the file, writes plain safetensors + config.json + tokenizer files, and keeps
 the chat template where `load_pair` looks for it (tokenizer_config.json). The directory is built
-under a temporary name and renamed into place, so it is either complete or absent.
+under a temporary name and renamed into place (`atomic.atomic_dir`), so it is either complete or absent.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from ..atomic import atomic_dir, file_digest
 from ..names import STUDY_DTYPES
 from ..runtime import check_extra
 from . import PULLABLE
 
 # Files whose content we know: a file with one of these names must have this sha256.
 KNOWN_SHA256 = {Path(spec.member).name: spec.sha256 for spec in PULLABLE.values()}  # what `pull` may import
-PROVENANCE = "gguf_import.json"  # written last-but-one; says where the weights came from
+PROVENANCE = "gguf_import.json"  # says where the weights came from; `pull` compares its sha256
 
 
 class GGUFImportError(RuntimeError):
@@ -50,21 +48,13 @@ def require_extra() -> None:
         raise GGUFImportError(str(e)) from None
 
 
-def sha256_file(path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_hash(path, expected: str | None = None) -> tuple[str, str | None]:
     """-> (actual sha256, what it was checked against or None). Raises HashMismatchError.
 
     `expected` wins; otherwise a known file name is checked against KNOWN_SHA256.
     """
     path = Path(path)
-    actual = sha256_file(path)
+    actual = file_digest(path)["sha256"]
     want = expected.lower() if expected else KNOWN_SHA256.get(path.name)
     if want is not None and actual != want:
         raise HashMismatchError(path, want, actual)
@@ -178,8 +168,12 @@ def _write_tokenizer(tok, directory: Path, context_length: int | None) -> None:
 
 
 def import_gguf(gguf_path, out_dir, dtype: str = "float32", expected_sha256: str | None = None,
-                overwrite: bool = False, log=print) -> Path:
-    """Convert FILE.gguf into an HF model directory at `out_dir`; return it."""
+                overwrite: bool = False, log=print, already_verified: bool = False) -> Path:
+    """Convert FILE.gguf into an HF model directory at `out_dir`; return it.
+
+    `already_verified`: the caller has checked the file against `expected_sha256` as it wrote it (`pull`
+    hashes while it extracts), so the file is not read a second time for its digest.
+    """
     from safetensors.torch import save_file
 
     from ..checkpoint import torch_dtype
@@ -193,7 +187,12 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", expected_sha256: str
         raise GGUFImportError(f"{out_dir} exists and is not empty (pass --force to replace it)")
     require_extra()
     start = time.perf_counter()
-    sha, checked = verify_hash(gguf_path, expected_sha256)
+    if already_verified:
+        if not expected_sha256:
+            raise GGUFImportError("already_verified needs the expected_sha256 the file was checked against")
+        sha = checked = expected_sha256.lower()
+    else:
+        sha, checked = verify_hash(gguf_path, expected_sha256)
     log(f"sha256 {sha} " + ("(verified)" if checked else "(not a known file: not verified)"))
     meta = describe_gguf(gguf_path)
     log(f"reading {gguf_path.name}: {meta['architecture']} '{meta['name']}', tensors {meta['tensor_types']}")
@@ -211,9 +210,7 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", expected_sha256: str
     target_config_from_hf(cfg, out_dir / "config.json")  # refuse now what load_pair would refuse later
     state = _dense_state(model, torch_dtype(dtype))
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:  # an existing out_dir is replaced only with overwrite (or when empty)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         _write_tokenizer(tok, tmp, cfg.get("max_position_embeddings"))
@@ -221,32 +218,10 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", expected_sha256: str
             "source": gguf_path.name, "sha256": sha, "sha256_verified": bool(checked), "dtype": dtype,
             **meta, "versions": _versions(), "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }, indent=2, default=str) + "\n")
-        _relax_permissions(tmp)
-        if out_dir.exists():  # only reached with overwrite=True (or an empty dir)
-            old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(t.numel() for t in state.values())
     log(f"wrote {out_dir} ({arch}, {n_params / 1e6:.1f}M parameters, {dtype}) "
         f"in {time.perf_counter() - start:.1f}s")
     return out_dir
-
-
-def _relax_permissions(directory: Path) -> None:
-    """mkdtemp makes the directory private; a model directory should read like any other."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~umask)
 
 
 def _versions() -> dict:
@@ -267,105 +242,6 @@ def read_provenance(directory) -> dict | None:
         return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-# ----------------------------------------------------------------------------- export (round-trip tests)
-
-def _llama_cpp_permute(w, n_head: int):
-    """The q/k row order llama.cpp's converter writes: per head, the two RoPE halves interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def export_llama_gguf(hf_dir, gguf_path, qtype: str = "F32") -> Path:
-    """Write an HF Llama directory (config, safetensors, tokenizer.json) as a GGUF file, laid out
-    the way llama.cpp's converter does (tensor names, q/k permutation, byte-level BPE vocabulary).
-
-    Small and dependency-light, for round-trip tests: qtype F32, F16 or Q8_0 (2-D weights only).
-    """
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-    from gguf.quants import quantize
-    from safetensors.numpy import load_file
-
-    from ..config import read_json
-
-    hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)
-    cfg = read_json(hf_dir / "config.json")
-    if "LlamaForCausalLM" not in (cfg.get("architectures") or []):
-        raise GGUFImportError(f"{hf_dir}/config.json: only LlamaForCausalLM can be exported")
-    tensors = load_file(str(hf_dir / "model.safetensors"))
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    rope = cfg.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-
-    w = GGUFWriter(str(gguf_path), "llama")
-    w.add_name(hf_dir.name)
-    w.add_context_length(cfg.get("max_position_embeddings", 2048))
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(theta))
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    w.add_vocab_size(cfg["vocab_size"])
-
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    tcfg_path = hf_dir / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
-    vocab = dict(tok["model"]["vocab"])
-    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
-    for a in tok.get("added_tokens", []):
-        vocab[a["content"]] = a["id"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    if [vocab[t] for t in tokens] != list(range(len(tokens))):
-        raise GGUFImportError(f"{hf_dir}/tokenizer.json: token ids are not 0..{len(tokens) - 1}")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id)):
-        text = tcfg.get(key)
-        text = text.get("content") if isinstance(text, dict) else text
-        if text in vocab:
-            add(vocab[text])
-    w.add_add_bos_token(False)
-    if tcfg.get("chat_template"):
-        w.add_chat_template(tcfg["chat_template"])
-
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    qt = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16,
-          "Q8_0": GGMLQuantizationType.Q8_0}[qtype]
-    if cfg.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
-    for name, t in tensors.items():
-        if name in names:
-            gname = names[name]
-        else:
-            i, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
-            gname = f"blk.{i}.{parts[rest]}.weight"
-        t = t.astype(np.float32)
-        if gname.endswith("attn_q.weight"):
-            t = _llama_cpp_permute(t, heads)
-        elif gname.endswith("attn_k.weight"):
-            t = _llama_cpp_permute(t, kv_heads)
-        if t.ndim == 1 or qt == GGMLQuantizationType.F32:
-            w.add_tensor(gname, t)  # norms stay F32, as llama.cpp writes them
-        elif qt == GGMLQuantizationType.F16:
-            w.add_tensor(gname, t.astype(np.float16))
-        else:
-            w.add_tensor(gname, quantize(t, qt), raw_dtype=qt)  # bytes [rows, blocks*34]; the writer infers the shape
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return gguf_path
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -390,5 +266,5 @@ def run_import_gguf_cli(args) -> int:
     return 0
 
 
-__all__ = ["import_gguf", "export_llama_gguf", "verify_hash", "sha256_file", "require_extra", "GGUFImportError",
-           "HashMismatchError", "KNOWN_SHA256", "add_import_gguf_args", "run_import_gguf_cli"]
+__all__ = ["import_gguf", "verify_hash", "require_extra", "GGUFImportError", "HashMismatchError", "KNOWN_SHA256",
+           "add_import_gguf_args", "run_import_gguf_cli"]

