@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,46 +98,80 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
 
 
 class _TensorReader:
-    def __init__(self, directory: Path, strip_prefix: str = ""):
+    """Reads stored tensors by name, checking their shapes. With shard=(rank, tp) it reads only rank's share
+    of each tensor tensor parallelism splits (parallel.stored_split), through safetensors' slices."""
+
+    def __init__(self, directory: Path, strip_prefix: str = "", shard: tuple[int, int] = (0, 1)):
         self.directory = directory
         self.files = _tensor_files(directory)
+        self.stored_names = {name: name for name in self.files}  # our name -> the name in its file
         if strip_prefix:
-            self.files = {(k[len(strip_prefix):] if k.startswith(strip_prefix) else k): v
-                          for k, v in self.files.items()}
-        self.prefix = strip_prefix
+            self.stored_names = {(k[len(strip_prefix):] if k.startswith(strip_prefix) else k): k
+                                 for k in self.files}
+            self.files = {name: self.files[k] for name, k in self.stored_names.items()}
+        self.rank, self.tp = shard
         self._handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
         return name in self.files
 
+    def release(self) -> None:
+        """Drop the open files: the pages a file's mapping has touched count as this process's memory until
+        the mapping goes, so a loader releases them as it goes rather than holding the whole checkpoint."""
+        self._handles.clear()
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), "pt")
+        return self._handles[path]
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `name` as this reader's process holds it, of `shape` (its share when sharded). The
+        result may be a view of the file's mapping: copy it before release()."""
         if name not in self.files:
             raise CheckpointError(f"{self.directory}: missing tensor '{name}'")
-        path = self.files[name]
-        try:
-            handle = self._handles.get(path) or self._handles.setdefault(path, safe_open(str(path), "pt"))
-            stored = name if name in handle.keys() else self.prefix + name
-            t = handle.get_tensor(stored)
-        except Exception as e:  # noqa: BLE001 - a truncated or garbled file: name it
-            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{path}: tensor '{stored}' has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t
+        path, stored = self.files[name], self.stored_names[name]
+        split = parallel.stored_split(name) if self.tp > 1 else None
+        expected = parallel.full_shape(shape, split, self.tp)
+        with _named_if_unreadable(path):
+            handle = self._handle(path)
+            sliced = handle.get_slice(stored)  # reads nothing yet
+            found = tuple(sliced.get_shape())
+        if found != expected:
+            raise CheckpointError(f"{path}: tensor '{stored}' has shape {found}, expected {expected}")
+        with _named_if_unreadable(path):
+            if split is None:
+                return handle.get_tensor(stored)
+            return parallel.read_share(sliced, split, self.rank, self.tp)
+
+
+@contextmanager
+def _named_if_unreadable(path: Path):
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled file: name it
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def _fill(module: torch.nn.Module, reader: _TensorReader, mapping: dict[str, list[str]]) -> None:
     """mapping: our parameter name -> the stored names concatenated (dim 0) into it. A stacked expert
-    parameter [E, R, C] is filled from per-expert [r, C] tensors as its [E·R, C] view."""
+    parameter [E, R, C] is filled from per-expert [r, C] tensors as its [E·R, C] view. The files are
+    released after each parameter, so a load holds little more than the model it builds."""
     own = dict(module.named_parameters())
     with torch.no_grad():
         for ours, stored in mapping.items():
-            param = own[ours]
-            flat = param.view(-1, param.shape[-1]) if param.dim() == 3 and len(stored) > 1 else param
-            parts = []
-            for name in stored:
-                rows = _rows_of(name, module, ours, flat, len(stored))
-                parts.append(reader.get(name, (rows, *flat.shape[1:]) if flat.dim() > 1 else (rows,)))
-            flat.copy_(torch.cat(parts, 0) if len(parts) > 1 else parts[0])
+            _fill_parameter(module, reader, ours, own[ours], stored)
+            reader.release()
+
+
+def _fill_parameter(module, reader: _TensorReader, ours: str, param: torch.Tensor, stored: list[str]) -> None:
+    """Copy each stored tensor into its rows of `param` as it is read (no concatenated copy in between)."""
+    flat = param.view(-1, param.shape[-1]) if param.dim() == 3 and len(stored) > 1 else param
+    start = 0
+    for name in stored:
+        rows = _rows_of(name, module, ours, flat, len(stored))
+        flat[start:start + rows].copy_(reader.get(name, (rows, *flat.shape[1:])))
+        start += rows
 
 
 def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) -> int:
@@ -218,16 +253,19 @@ def _identity(directory: Path, kind: str) -> dict:
 
 # ----------------------------------------------------------------------------- loading
 
-def _load(kind: str, directory, device, dtype, read_config, model_cls, mapping):
-    """Build the model on the meta device, fill it tensor by tensor from safetensors, then move it."""
+def _load(kind, directory, device, dtype, read_config, model_cls, mapping, shard=(0, 1)):
+    """Build the model on the meta device at the sizes this process holds (shard=(rank, tp): its share of a
+    tensor-parallel target), allocate it on `device` in `dtype`, and fill it tensor by tensor from safetensors."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{kind} directory {directory} does not exist")
     cfg = read_config(read_json(directory / "config.json"), directory / "config.json")
+    rank, tp = shard
+    local_cfg = parallel.local_config(cfg, tp) if tp > 1 else cfg
     with torch.device("meta"):
-        model = model_cls(cfg)
-    model = model.to_empty(device="cpu")
-    reader = _TensorReader(directory)
+        model = model_cls(local_cfg).to(dtype)
+    model = model.to_empty(device=device)
+    reader = _TensorReader(directory, shard=shard)
     if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
         reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
     wanted = mapping(cfg, reader)
@@ -257,8 +295,12 @@ def _check_all_used(reader: _TensorReader, mapping: dict[str, list[str]], cfg) -
             f"{getattr(cfg, 'num_hidden_layers', '?')} layers)")
 
 
-def load_target(directory, device="cpu", dtype=torch.float32) -> Target:
-    return _load("target", directory, device, dtype, target_config_from_hf, Target, target_mapping)
+def load_target(directory, device="cpu", dtype=torch.float32, tp: int = 1, rank: int = 0) -> Target:
+    """The target in `directory`; with tp > 1, rank's share of it, read from the files without the rest
+    (parallel.py), its blocks summing their outputs across the tp processes."""
+    dtype = torch_dtype(dtype)
+    target = _load("target", directory, device, dtype, target_config_from_hf, Target, target_mapping, (rank, tp))
+    return parallel.connect(target, tp, rank) if tp > 1 else target
 
 
 def load_drafter(directory, device="cpu", dtype=torch.float32) -> Drafter:
@@ -297,14 +339,11 @@ def load_pair_dirs(target, drafter=None, *, name: str | None = None, device="cpu
     check_backend(attention)
     device = torch.device(device)
     target_dir = Path(target)
+    rank = 0
     if tp != 1:
         rank, rank_device = parallel.init(tp)
         device = rank_device if device.type == "cuda" and rank_device is not None else device
-        full = load_target(target_dir, "cpu", dtype)
-        tmodel = parallel.make_parallel(full, tp, rank).to(device)
-        del full
-    else:
-        tmodel = load_target(target_dir, device, dtype)
+    tmodel = load_target(target_dir, device, dtype, tp=tp, rank=rank)
     tmodel.set_attention(attention)
     if compile:
         tmodel.compile_layers()

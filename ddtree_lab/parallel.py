@@ -7,6 +7,10 @@ sums, so each is summed across processes by one all-reduce (`DecoderLayer.reduce
 one per block. Embedding, router, norms, LM head and the drafter are replicated, so every process computes
 the same logits and, from the same seed, the same tokens; the round stays fixed-shape, and on CUDA the
 all-reduces (NCCL) are captured in its graphs like any other kernel.
+
+From a checkpoint, each process reads only its share of every split tensor (`stored_split`, `read_share`:
+safetensors' slices) into a model built at its shard's sizes (`local_config`), so a process never holds the
+whole target. `make_parallel` shards a whole target already in memory (random shapes).
 """
 from __future__ import annotations
 
@@ -51,6 +55,54 @@ def local_config(cfg: TargetConfig, tp: int) -> TargetConfig:
     return dataclasses.replace(cfg, **{k: v // tp for k, v in sizes.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a stored tensor is split across processes: along `dim`, in `blocks` equal blocks, each split
+    (a fused gate_up holds gate rows then up rows: each process takes its rows of both)."""
+
+    dim: int
+    blocks: int = 1
+
+
+# Stored [out, in] projections (and q/k/v biases [out]) split by output rows: column-parallel.
+_SPLIT_BY_ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+                  "gate_proj.weight", "up_proj.weight")
+# Stored [out, in] projections split by input columns: row-parallel, their outputs partial sums.
+_SPLIT_BY_COLUMNS = ("o_proj.weight", "down_proj.weight")
+
+
+def stored_split(name: str) -> Split | None:
+    """How a target tensor stored under its HF name is split (None: replicated, as the embedding, norms,
+    router and LM head are). Agrees with shard_into, which splits our fused parameters the same way."""
+    if name.endswith(_SPLIT_BY_ROWS):
+        return Split(0)
+    if name.endswith(_SPLIT_BY_COLUMNS):
+        return Split(1)
+    if name.endswith("experts.gate_up_proj"):  # stacked [E, 2I, H]: gate rows, then up rows
+        return Split(1, blocks=2)
+    if name.endswith("experts.down_proj"):  # stacked [E, H, I]
+        return Split(2)
+    return None
+
+
+def full_shape(share: tuple[int, ...], split: Split | None, tp: int) -> tuple[int, ...]:
+    """The stored tensor's shape, from the shape of one process's share of it."""
+    if split is None:
+        return tuple(share)
+    return tuple(n * tp if d == split.dim else n for d, n in enumerate(share))
+
+
+def read_share(stored, split: Split, rank: int, tp: int) -> torch.Tensor:
+    """rank's share of a stored tensor. `stored` is a safetensors slice (`safe_open(...).get_slice(name)`):
+    indexing it reads only the rows or columns asked for."""
+    block = stored.get_shape()[split.dim] // split.blocks
+    n = block // tp
+    lead = (slice(None),) * split.dim
+    pieces = [stored[(*lead, slice(b * block + rank * n, b * block + (rank + 1) * n))]
+              for b in range(split.blocks)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, split.dim)
+
+
 def _rows(t: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
     n = t.shape[dim] // parts
     return t.narrow(dim, index * n, n)
@@ -86,15 +138,20 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def connect(local, tp: int, rank: int):
+    """Mark a Target holding rank's share as one of tp processes: its blocks sum their outputs across them."""
+    for blk in local.layers:
+        blk.reduce = all_reduce_sum
+    local.tp, local.tp_rank = tp, rank
+    return local
+
+
 def make_parallel(full, tp: int, rank: int):
-    """A Target holding rank's share of `full`, its blocks summing their outputs across processes."""
+    """A Target holding rank's share of `full` (a whole target in memory), connected to the other processes."""
     with torch.device("meta"):
         local = type(full)(local_config(full.cfg, tp))
     like = next(full.parameters())
     local = local.to_empty(device=like.device).to(like.dtype)
     shard_into(full, local, rank, tp)
     local.rotary = full.rotary
-    for blk in local.layers:
-        blk.reduce = all_reduce_sum
-    local.tp, local.tp_rank = tp, rank
-    return local
+    return connect(local, tp, rank)

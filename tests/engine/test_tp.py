@@ -1,14 +1,20 @@
 """Tensor parallelism on the CPU: two processes (gloo), each holding half of every layer of the target, give
-the tokens of the whole target (T = 0, greedy), for AR, DFlash and DDTree; sizes that do not split are refused."""
+the tokens of the whole target (T = 0, greedy), for AR, DFlash and DDTree; a rank read from the checkpoint's
+slices holds exactly the share of the whole target, and its load's peak memory is about that share; sizes that
+do not split are refused."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 import ddtree_lab as dl
 from ddtree_lab import parallel
+from ddtree_lab.checkpoint import load_target
 from ddtree_lab.config import CheckpointError
 from ddtree_lab.testing import make_tiny_pair, tiny_target_config
 
@@ -51,3 +57,101 @@ def test_sizes_that_do_not_split_are_refused():
         parallel.local_config(cfg, 3)
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         parallel.init(2)
+
+
+def _stack_experts(target_dir) -> None:
+    """Rewrite a per-expert MoE checkpoint in transformers' stacked layout: experts.gate_up_proj [E, 2I, H]
+    (each expert's gate rows, then its up rows) and experts.down_proj [E, H, I]."""
+    path = target_dir / "model.safetensors"
+    tensors = load_file(path)
+    mlps = sorted({n.split(".experts.")[0] for n in tensors if ".experts." in n})
+    for mlp in mlps:
+        names = [n for n in tensors if n.startswith(mlp + ".experts.")]
+        experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in names})
+        take = [{p: tensors.pop(f"{mlp}.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down")} for e in experts]
+        tensors[f"{mlp}.experts.gate_up_proj"] = torch.stack([torch.cat([t["gate"], t["up"]]) for t in take])
+        tensors[f"{mlp}.experts.down_proj"] = torch.stack([t["down"] for t in take])
+    save_file(tensors, path)
+
+
+SLICE_CASES = {  # arch, target overrides, experts stacked
+    "qwen3": ("qwen3", {}, False),
+    "llama-bias": ("llama", {"attention_bias": True}, False),
+    "moe-per-expert": ("qwen3_moe", {}, False),
+    "moe-stacked": ("qwen3_moe", {}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SLICE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rank_read_from_slices_equals_the_share_of_the_whole_target(tmp_path, case, dtype):
+    arch, overrides, stacked = SLICE_CASES[case]
+    target_dir, _ = make_tiny_pair(tmp_path, arch=arch, seed=2, tokenizer=False, **overrides)
+    if stacked:
+        _stack_experts(target_dir)
+    whole = load_target(target_dir).to(dtype)  # the whole target in fp32, then cast: how a rank built it before
+    for rank in range(2):
+        want = parallel.make_parallel(whole, 2, rank)
+        got = load_target(target_dir, dtype=dtype, tp=2, rank=rank)
+        assert got.cfg == want.cfg and (got.tp, got.tp_rank) == (2, rank)
+        assert all(blk.reduce is parallel.all_reduce_sum for blk in got.layers)
+        mine, theirs = got.state_dict(), want.state_dict()
+        assert list(mine) == list(theirs)
+        for name, t in theirs.items():
+            assert mine[name].dtype == t.dtype and torch.equal(mine[name], t), name  # bit for bit
+        assert torch.equal(got.rotary.inv_freq, want.rotary.inv_freq)
+
+
+def test_misshaped_split_tensor_named_with_its_whole_shape(tmp_path):
+    target_dir, _ = make_tiny_pair(tmp_path, seed=2, tokenizer=False)
+    path = target_dir / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.o_proj.weight"  # [H, Hq·D] = [64, 64], split by columns
+    tensors[name] = tensors[name][:, :-2].contiguous()
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=rf"'{name}' has shape \(64, 62\), expected \(64, 64\)"):
+        load_target(target_dir, tp=2, rank=1)
+
+
+# Run in a fresh process: the growth of its peak RSS over the imports while it loads one rank's share, from the
+# checkpoint's slices or by loading the whole target and sharding it. The peak is VmHWM, the high-water mark
+# of this program's own memory: ru_maxrss would start from the RSS of the process that spawned it.
+_PEAK_SCRIPT = """
+import json, sys
+import torch
+from ddtree_lab import checkpoint, parallel
+
+def peak_bytes():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+torch.set_num_threads(1)
+directory, how, tp, rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+baseline = peak_bytes()
+if how == "slices":
+    model = checkpoint.load_target(directory, tp=tp, rank=rank)
+else:
+    model = parallel.make_parallel(checkpoint.load_target(directory), tp, rank)
+held = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"peak": peak_bytes() - baseline, "held": held}))
+"""
+
+
+def _load_peak(target_dir, how: str, tp: int, rank: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(target_dir), how, str(tp), str(rank)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak RSS from /proc (Linux)")
+def test_a_rank_peak_memory_is_about_its_share(tmp_path):
+    # fp32, about 250 MB, nearly all of it in the split layers (the tied embedding is small)
+    target_dir, _ = make_tiny_pair(tmp_path, seed=3, tokenizer=False, hidden_size=1024, intermediate_size=4096,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    whole_bytes = (target_dir / "model.safetensors").stat().st_size
+    sliced = _load_peak(target_dir, "slices", tp=4, rank=3)
+    sharded_whole = _load_peak(target_dir, "whole", tp=4, rank=3)
+    assert sliced["held"] == sharded_whole["held"] < 0.3 * whole_bytes
+    assert sliced["peak"] < 0.5 * whole_bytes, (sliced, whole_bytes)
+    assert sharded_whole["peak"] > whole_bytes, (sharded_whole, whole_bytes)  # the bound tells the two apart
