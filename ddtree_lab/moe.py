@@ -15,18 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels.moe_layout import GATHER_LIMIT_BYTES, gather_bytes, route_reference, routing_stats
 from .tree import use_triton
-
-
-def route_torch(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int64): softmax in fp32, then the k largest with
-    ties to the lower expert (a stable descending sort, the kernel's rule)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    vals, ids = probs.sort(dim=-1, descending=True, stable=True)
-    vals, ids = vals[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        vals = vals / vals.sum(-1, keepdim=True)
-    return vals, ids
 
 
 def _grouped_mm_fits(x: torch.Tensor, I: int) -> bool:
@@ -41,15 +31,20 @@ def moe_torch(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     """x [T, H] -> [T, H] in x's dtype, in torch, fixed shapes. On CUDA in bf16: the (token, expert) pairs
     sorted by expert and two grouped matmuls over device offsets (each touched expert's weights read once).
     Elsewhere: each token gathers its k experts' weights, [T, k, 2I, H] (fine for the small models that
-    run on a CPU, not for large ones)."""
+    run on a CPU, not for large ones: past GATHER_LIMIT_BYTES it is refused)."""
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
-    weights, ids = route_torch(F.linear(x, router_weight), top_k, renormalize)      # [T, k] each
+    grouped = _grouped_mm_fits(x, I)
+    if not grouped and (need := gather_bytes(T, top_k, H, I, w_gate_up.element_size())) > GATHER_LIMIT_BYTES:
+        raise ValueError(f"moe_torch: the per-token gather of {T} tokens × {top_k} experts needs {need / 2**30:.1f} "
+                         f"GiB, over the {GATHER_LIMIT_BYTES / 2**30:.0f} GiB limit; run the fused kernel "
+                         "(Triton) or bf16 on CUDA (grouped matmul)")
+    weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)  # [T, k] each
     flat = ids.reshape(-1)                                                           # [T*k], pair p = t*k + j
     per_expert = torch.zeros(E, dtype=torch.int32, device=x.device) if counts is None else counts.zero_()
     per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    if _grouped_mm_fits(x, I):
+    if grouped:
         order = flat.argsort(stable=True)                                            # pairs by expert
         offsets = per_expert.cumsum(0, dtype=torch.int32)                            # [E] group ends
         xs = x[order // top_k]                                                       # [T*k, H]
@@ -91,22 +86,8 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return moe_torch(x, moe.router.weight, moe.gate_up, moe.down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 
-ROW_HEIGHTS = (16, 32, 64)  # the row-block heights fused_moe's launch_config picks from (BLOCK_M)
-
-
-def blocks_at_height(counts: torch.Tensor, height: int) -> torch.Tensor:
-    """counts [..., E] tokens per expert -> [...] the fused kernel's row blocks at that height, Σ_e ceil(n_e / h)."""
-    return (counts.long() + height - 1).div(height, rounding_mode="floor").sum(-1)
-
-
 def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
-    """Per MoE block's last forward, in order: the distinct experts it routed a token to, the most tokens any
-    one expert got (the busiest expert's load), and for each row-block height h the blocks the fused kernel
-    runs, Σ_e ceil(tokens_e / h) (each re-reads its expert's weights). One host read."""
-    if not blocks:
-        return {"experts_touched": [], "expert_tokens_max": [],
-                "expert_row_blocks": {str(h): [] for h in ROW_HEIGHTS}}
-    counts = torch.stack([m.counts for m in blocks])  # [L, E]
-    per_height = torch.stack([blocks_at_height(counts, h) for h in ROW_HEIGHTS])  # [heights, L]
-    return {"experts_touched": counts.gt(0).sum(-1).tolist(), "expert_tokens_max": counts.max(-1).values.tolist(),
-            "expert_row_blocks": {str(h): row for h, row in zip(ROW_HEIGHTS, per_height.tolist())}}
+    """Per MoE block's last forward, in order: `moe_layout.routing_stats` of its counts (experts touched, the
+    busiest expert's tokens, row blocks per height). One host read."""
+    counts = torch.stack([m.counts for m in blocks]) if blocks else torch.zeros(0, 1, dtype=torch.int32)  # [L, E]
+    return routing_stats(counts)

@@ -4,6 +4,9 @@
         -> (out [T, H] in x's dtype, counts [E] int32: tokens routed to each expert in this call)
     fused_moe_reference(...)  the torch ground truth (a loop over the experts, as the reference models run it)
 
+The launch facts the engine and the cost model share (row heights, the route-in-align limit, the grid's row
+blocks) and the routing's torch reference live in moe_layout.py, which imports no Triton.
+
 Shapes: x [T, H], router_weight [E, H], w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I].
 Routing: softmax over the E router logits in fp32, the top_k probabilities, divided by their sum when
 `renormalize`. Ties go to the lower expert index, the order of torch's stable descending sort (torch.topk
@@ -47,6 +50,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+try:
+    from .moe_layout import ROUTE_IN_ALIGN_MAX_T, route_reference, row_blocks, row_height
+except ImportError:  # loaded as a lone file (bench's --baseline, tests/kernels/test_compile.py): its neighbour
+    from moe_layout import ROUTE_IN_ALIGN_MAX_T, route_reference, row_blocks, row_height
 
 
 def _interpret() -> bool:
@@ -270,13 +278,6 @@ def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
 
-def row_blocks(P: int, S: int, block_m: int) -> int:
-    """The most row blocks P routed pairs can need over at most S experts: Σ ceil(n_e / BLOCK_M) ≤
-    (P + S·(BLOCK_M − 1)) / BLOCK_M, and never more than P (a block holds a pair at least). The grid's
-    first axis, fixed by the shape; blocks past the routing's own count exit at once."""
-    return max(1, min(P, (P + S * (block_m - 1)) // block_m))
-
-
 def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
@@ -291,21 +292,6 @@ def _sm_count(device) -> int:
 @functools.cache
 def _cuda_sms(index: int) -> int:  # asked once per GPU: an eager forward calls this for every MoE layer
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-WIDE_ROWS_FROM_T = 257  # from this many tokens a row block holds 64 tokens
-
-
-def row_height(T: int) -> int:
-    """BLOCK_M on a GPU: 16 up to 16 tokens; from WIDE_ROWS_FROM_T, 64; between, the height of 32 or 64 that pads
-    a crowded expert's T tokens (a tree routes alike, so one expert may get them all) least, the taller on a
-    tie, which runs fewer blocks: 33 tokens take one block of 64, not two of 32 (measured end to end on the
-    H200, docs/kernels.md)."""
-    if T <= 16:
-        return 16
-    if T >= WIDE_ROWS_FROM_T:
-        return 64
-    return min((64, 32), key=lambda h: -(-T // h) * h - T)
 
 
 def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2) -> dict:
@@ -333,9 +319,6 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     return dict(S=S, BLOCK_M=row_height(T), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
                 BLOCK_K_UP=min(depth, _pow2(H, 16)), BLOCK_K_DOWN=min(depth, _pow2(I, 16)), num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
-
-
-ROUTE_IN_ALIGN_MAX_T = 2  # up to this many tokens one program routes and sorts them (docs/kernels.md: measured)
 
 
 def _route_blocks(T: int, E: int) -> tuple[int, int]:
@@ -478,16 +461,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
 
 
 # ----------------------------------------------------------------------------- torch references
-
-def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """logits [T, E] -> (weights [T, top_k] fp32, ids [T, top_k] int32): softmax in fp32, stable sort."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    vals, ids = probs.sort(dim=-1, descending=True, stable=True)
-    vals, ids = vals[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        vals = vals / vals.sum(-1, keepdim=True)
-    return vals, ids.int()
-
+# (the routing's, route_reference, is moe_layout's: the engine's torch path runs it too)
 
 def align_reference(ids: torch.Tensor, E: int):
     """The same four tensors as moe_align, by a stable argsort (fixed shapes, no host sync)."""

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 def load_kernel_file(path: str, name: str):
     """A kernel file from elsewhere (`git show REV:kernels/X.py > old.py`) as a module of its own, `name`. A
-    neighbour it imports as a lone file (`from auto_budget import …`) is found beside it."""
+    neighbour it imports as a lone file (`from auto_budget import …`) is found beside it, else in this
+    checkout's kernels (a file kept alone in /tmp still finds `moe_layout`)."""
     import importlib.util
     import sys
     from pathlib import Path
 
+    from .. import kernels
+
     folder = str(Path(path).resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    if (ours := str(Path(kernels.__file__).parent)) not in sys.path:
+        sys.path.append(ours)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -21,6 +21,7 @@ import torch
 from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..checkpoint import Pair
 from ..decode import generate
+from ..kernels.moe_layout import moe_weight_bytes
 from ..model import Target
 from ..names import STAGES
 from ..pairs import load_pair
@@ -33,16 +34,18 @@ def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = 
     top-k, what one token reads), e.g. a verify forward's counts from a traced round."""
     from ..moe import SparseMoE
 
-    share = {}
-    moe = [(name, m) for name, m in target.named_modules() if isinstance(m, SparseMoE)]
-    for i, (mname, m) in enumerate(moe):
-        touched = m.top_k if experts_touched is None else experts_touched[i]
-        share[f"{mname}.gate_up"] = share[f"{mname}.down"] = touched / m.num_experts
+    moe = [m for m in target.modules() if isinstance(m, SparseMoE)]
+    touched = [m.top_k for m in moe] if experts_touched is None else experts_touched
     total = 0
+    for m, n in zip(moe, touched, strict=True):
+        E, two_i, H = m.gate_up.shape  # the local width under tensor parallelism
+        total += moe_weight_bytes(n, E, H, two_i // 2, m.gate_up.element_size())
+    in_moe = {id(p) for m in moe for p in m.parameters()}
     for name, p in target.named_parameters():
         if name == "embed_tokens.weight" and target.lm_head is not None:
             continue  # untied: the step reads one row, not the table
-        total += p.numel() * p.element_size() * share.get(name, 1.0)
+        if id(p) not in in_moe:
+            total += p.numel() * p.element_size()
     return int(total)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.moe_layout import GATHER_LIMIT_BYTES, blocks_at_height, gather_bytes, moe_weight_bytes, routing_stats
 from . import load_kernel_file, write_bench_json
 from .timing import time_cuda_graph
 
@@ -37,7 +38,6 @@ TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route")  # --config keys besides the BLOCK_… tile sizes
-GATHER_LIMIT = 4 << 30  # bytes: beyond this the torch path's per-token gather (no grouped matmul) is skipped
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0):
@@ -51,9 +51,9 @@ def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0):
 
 
 def touched_bytes(counts, T, experts, hidden, width, elsize) -> int:
-    """What a block must move at least: the touched experts' weights, the router, x in and out."""
+    """What a block must move at least: the router and the touched experts' weights, x in and out."""
     touched = int((counts > 0).sum())
-    return touched * 3 * width * hidden * elsize + experts * hidden * elsize + 2 * T * hidden * elsize
+    return int(moe_weight_bytes(touched, experts, hidden, width, elsize)) + 2 * T * hidden * elsize
 
 
 def _time(fn, device, reps):
@@ -70,7 +70,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
     """`baseline`: another fused_moe module (e.g. `load_baseline(PATH)` of an earlier commit's kernel file),
     timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline."""
     from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
-    from ..moe import ROW_HEIGHTS, _grouped_mm_fits, blocks_at_height, moe_torch
+    from ..moe import _grouped_mm_fits, moe_torch
 
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = []
@@ -81,9 +81,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
         want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
         nbytes = touched_bytes(counts, T, experts, hidden, width, elsize)
         launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize), **(config or {})}
-        row = dict(T=T, experts_touched=int((counts > 0).sum()), expert_tokens_max=int(counts.max()),
-                   expert_row_blocks={str(h): int(blocks_at_height(counts, h)) for h in ROW_HEIGHTS},
-                   row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
+        row = dict(T=T, **routing_stats(counts), row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
                    touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
                    max_abs_diff=float((out.float() - want.float()).abs().max()),
@@ -96,8 +94,8 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             row["baseline_us"] = _time(lambda: baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True),
                                        device, reps)
             row["over_baseline"] = row["triton_us"] / row["baseline_us"]
-        gather = T * top_k * 3 * width * hidden * elsize
-        if not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT:
+        gather = gather_bytes(T, top_k, hidden, width, elsize)
+        if not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT_BYTES:  # moe_torch would refuse it
             row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
         else:
             try:

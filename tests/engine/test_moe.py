@@ -145,6 +145,17 @@ def test_torch_paths_and_triton_kernel_agree():
     assert torch.allclose(kernel, want, atol=1e-5) and torch.equal(kcounts, want_counts)
 
 
+def test_torch_gather_past_its_limit_is_refused():
+    """Without a grouped matmul each (token, expert) pair gathers its expert's weights: a Qwen3-30B-A3B block
+    verifying a tree of 1024 in fp16 would take tens of GiB, so it is refused, naming the size and the limit
+    (meta tensors: no memory is touched either way)."""
+    x, router = torch.empty(1025, 2048, device="meta"), torch.empty(128, 2048, device="meta")
+    w_gate_up, w_down = torch.empty(128, 1536, 2048, device="meta"), torch.empty(128, 2048, 768, device="meta")
+    x, router, w_gate_up, w_down = (t.half() for t in (x, router, w_gate_up, w_down))
+    with pytest.raises(ValueError, match=r"1025 tokens × 8 experts needs 72\.1 GiB, over the 4 GiB limit"):
+        moe_torch(x, router, w_gate_up, w_down, 8, True)
+
+
 def test_triton_path_in_the_engine_gives_the_same_tokens(moe_dirs, use_options):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU, the interpreter without
     pair = dl.load_pair(target=moe_dirs[0], drafter=moe_dirs[1], device=device)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_lab.cli import main
+from ddtree_lab.kernels.moe_layout import row_height
 from ddtree_lab.workbench import advisor as A
 from ddtree_lab.workbench.advisor.study import advice_table, advise, best_budget
 
@@ -321,7 +322,7 @@ def test_row_blocks_under_uniform_routing_match_a_simulation():
     moe = A.model_shape("random:qwen3-30b-a3b")
     rng = random.Random(0)
     for T in (16, 65, 1025):
-        h = A.moe_row_height(T)
+        h = row_height(T)
         draws = []
         for _ in range(20):
             counts = [0] * moe.num_experts

@@ -19,12 +19,12 @@ from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost,
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, get_machine, known_machines,
                        load_calibration, machines_data)
-from .shapes import ExpertLoad, ModelShape, model_shape, moe_row_height, shape_from_configs, shape_from_dirs
+from .shapes import ExpertLoad, ModelShape, model_shape, shape_from_configs, shape_from_dirs
 
 __all__ = ["AdvisorError", "auto_ceiling", "best_grouped_choice", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
            "FittedCost", "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
            "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "draft_terms",
            "expert_load", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
-           "load_calibration", "machines_data", "model_shape", "moe_row_height", "read_bench", "repo_bench_dir",
+           "load_calibration", "machines_data", "model_shape", "read_bench", "repo_bench_dir",
            "replay_auto", "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration",
            "verify_terms"]

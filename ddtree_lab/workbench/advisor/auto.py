@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from .shapes import ExpertLoad, at_kernel_height
+from ...kernels.moe_layout import at_kernel_height
+from .shapes import ExpertLoad
 
 
 def verify_tokens(row: Mapping) -> int:

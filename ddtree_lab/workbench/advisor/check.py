@@ -6,10 +6,11 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cost import Terms, draft_terms, moe_reread_bytes, round_cost, verify_terms
+from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, at_kernel_height, reread_bytes
+from .cost import Terms, draft_terms, round_cost, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, _device_machine, get_machine, load_calibration
-from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, at_kernel_height, model_shape
+from .shapes import ExpertLoad, model_shape
 
 CHECK_TOLERANCE = 0.15
 CHECK_BUDGETS = (16, 1024)  # the budget range the first-principles check covers
@@ -163,7 +164,7 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
     """The MoE block's time beyond its bytes and FLOPs, from `bench fused_moe` JSONs (the block alone at
     1 … 1025 tokens; independent, alike and crowded routing, so the fit sees few and many experts, one row
     block each or many, at one T): least squares of measured − modelled = moe_block_seconds + moe_pair_seconds
-    · T·k + moe_sort_seconds · [T > MOE_SORT_IN_ONE_MAX_T] + re-read bytes / (spec bandwidth ·
+    · T·k + moe_sort_seconds · [T > ROUTE_IN_ALIGN_MAX_T] + re-read bytes / (spec bandwidth ·
     moe_reread_over_bandwidth), the re-read bytes being (row blocks − experts touched) · an expert's weights.
     Kernel-level data, so the e2e check of MoE rounds stays a check. -> those calibration.fit keys."""
     import numpy as np
@@ -182,8 +183,8 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
                                    "re-run python -m ddtree_lab.bench.fused_moe")
             parts = Terms(weights=r["touched_bytes"], flops=2 * r["T"] * k * 3 * h * w).seconds(m, cal)
             core = parts["weights"] + parts["flops"]
-            reread = moe_reread_bytes(r["row_blocks"], r["experts_touched"], h, w, elsize)
-            xs.append([1.0, float(r["T"] * k), float(r["T"] > MOE_SORT_IN_ONE_MAX_T), reread / m.bandwidth])
+            reread = reread_bytes(r["row_blocks"], r["experts_touched"], h, w, elsize)
+            xs.append([1.0, float(r["T"] * k), float(r["T"] > ROUTE_IN_ALIGN_MAX_T), reread / m.bandwidth])
             ys.append(r["triton_us"] * 1e-6 - core)
     if len(xs) < 5:
         raise AdvisorError(f"{', '.join(map(str, fused_moe_paths))}: {len(xs)} rows; the MoE fit needs at least 5")

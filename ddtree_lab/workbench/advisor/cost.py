@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, moe_weight_bytes, reread_bytes
 from .machines import AdvisorError, Calibration, Machine, load_calibration
-from .shapes import MOE_SORT_IN_ONE_MAX_T, ExpertLoad, ModelShape
+from .shapes import ExpertLoad, ModelShape
 
 PARTS = ("weights", "kv", "flops", "launches", "moe", "other")
 PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
@@ -39,12 +40,6 @@ class Terms:
         return out
 
 
-def moe_reread_bytes(row_blocks: float, touched: float, hidden: int, width: int, dtype_bytes: int) -> float:
-    """Expert weights one MoE layer reads again: every row block after an expert's first reads its gate, up and
-    down rows (3·H·I) once more."""
-    return max(0.0, row_blocks - touched) * 3 * hidden * width * dtype_bytes
-
-
 MLP_KERNELS = 3  # a dense MLP's kernels in a captured layer (gate-up GEMM, activation, down GEMM)
 
 
@@ -60,8 +55,8 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     dense_layers = s.layers - s.moe_layers
     touched = s.experts_touched(tokens, load)
     expert = 3 * h * s.expert_intermediate
-    weights = (s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate
-               + s.moe_layers * (h * s.num_experts + touched * expert) + s.vocab * h) * b
+    weights = ((s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate + s.vocab * h) * b
+               + s.moe_layers * moe_weight_bytes(touched, s.num_experts, h, s.expert_intermediate, b))
     used = (s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate
             + s.moe_layers * (h * s.num_experts + s.experts_per_tok * expert) + s.vocab * h)
     flops = 2 * tokens * used + 4 * s.layers * s.heads * s.head_dim * tokens * (ctx + tokens)
@@ -70,13 +65,13 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
           + tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b  # activations
           + tokens * s.vocab * 4)                                                   # fp32 logits
     # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
-    # routed token-expert pair, the sort's own launches past MOE_SORT_IN_ONE_MAX_T tokens, and an expert's weights
+    # routed token-expert pair, the sort's own launches past ROUTE_IN_ALIGN_MAX_T tokens, and an expert's weights
     # read again (from L2) by each of its row blocks after the first; less the dense MLP's kernels the
     # per-layer launch count already holds.
-    sort = cal.moe_sort_seconds if tokens > MOE_SORT_IN_ONE_MAX_T else 0.0
+    sort = cal.moe_sort_seconds if tokens > ROUTE_IN_ALIGN_MAX_T else 0.0
     moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds + sort
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
-    reread = s.moe_layers * moe_reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate, b)
+    reread = s.moe_layers * reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate, b)
     return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
                  moe_reread=reread)
 

@@ -6,33 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ...kernels.moe_layout import row_height
 from .machines import AdvisorError
-
-# Three facts of the fused MoE kernel (kernels/fused_moe.py) the cost model prices, copied so the advisor runs
-# without Triton; tests/kernels/test_fused_moe.py holds them equal to the kernel's.
-MOE_SORT_IN_ONE_MAX_T = 2  # ROUTE_IN_ALIGN_MAX_T: up to this many tokens one program routes and sorts
-MOE_WIDE_ROWS_FROM_T = 257  # WIDE_ROWS_FROM_T: from this many tokens a row block holds 64 tokens
-
-
-def moe_row_height(tokens: int) -> int:
-    """row_height, launch_config's BLOCK_M on a GPU: the rows of one expert a program takes."""
-    if tokens <= 16:
-        return 16
-    if tokens >= MOE_WIDE_ROWS_FROM_T:
-        return 64
-    return min((64, 32), key=lambda h: -(-tokens // h) * h - tokens)
-
-
-def at_kernel_height(per_height: Mapping[str, object] | None, tokens: int):
-    """Of a record counted at each row height ({"16": …, "32": …, "64": …}), the value at the height the
-    kernel runs `tokens` tokens with; None without one."""
-    return (per_height or {}).get(str(moe_row_height(tokens)))
 
 
 @dataclass(frozen=True)
 class ExpertLoad:
     """Measured routing of an MoE target, per verify size (tokens per forward): the mean distinct experts a
-    layer reads, and the mean row blocks the fused kernel runs at its height (`moe_row_height`). Either
+    layer reads, and the mean row blocks the fused kernel runs at its height (`moe_layout.row_height`). Either
     curve interpolates in log tokens; row_blocks may be absent (older files), then estimated."""
     touched: Mapping[int, float]
     row_blocks: Mapping[int, float] | None = None
@@ -74,12 +55,12 @@ class ModelShape:
         return e * (1 - (1 - k / e) ** tokens)
 
     def expert_row_blocks(self, tokens: int, load: ExpertLoad | None = None) -> float:
-        """Row blocks one MoE layer runs, Σ_e ceil(n_e / h) at h = moe_row_height(tokens): measured, else from
+        """Row blocks one MoE layer runs, Σ_e ceil(n_e / h) at h = row_height(tokens): measured, else from
         a measured union with the pairs shared equally among its experts, else uniform routing (each expert's
         n_e ~ Binomial(T, k/E), its expectation summed exactly)."""
         if not self.num_experts:
             return 0.0
-        h, e, k = moe_row_height(tokens), self.num_experts, self.experts_per_tok
+        h, e, k = row_height(tokens), self.num_experts, self.experts_per_tok
         if load and load.row_blocks:
             return _interp_log(load.row_blocks, tokens)
         if load and load.touched:
