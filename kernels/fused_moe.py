@@ -36,8 +36,8 @@ Why this shape: decode and verify are bound by the weights' bytes, and a tree's 
 contexts), so a few experts may get most of the T tokens. A program owns one (row block, N-tile) of one
 expert: while an expert's tokens fit one BLOCK_M block (T ≤ BLOCK_M) its weights are read once per call;
 an expert with more tokens gets one program per block, side by side, re-reading its weight tiles from L2,
-so a crowded expert is spread over the GPU instead of looping in a few programs (on the H200, at T = 1025
-with alike tokens, that loop made the block 9 × its floor; docs/performance.md). Blocks past the routing's
+so a crowded expert is spread over the GPU instead of looping in a few programs (with alike tokens at large
+T that loop kept the block far above its floor; docs/performance.md). Blocks past the routing's
 own count exit at once.
 The counts are an intermediate of the sort, so handing them out (for telemetry) costs nothing.
 """

@@ -2,7 +2,7 @@
 plain papermill), and the conditions each timing records, so a verdict can say when its timings do not compare.
 
 Threads: one CPU thread unless OMP_NUM_THREADS says otherwise. The lab pair's matrices are too small to gain
-from more, and OpenMP threads stall (10-1000x slower ops) whenever another process holds a core, which would
+from more, and OpenMP threads stall (ops many times slower) whenever another process holds a core, which would
 make CPU timings meaningless. The runner puts the count in its kernels' environment and the first cell of
 every notebook that times pins torch to it, so a notebook run alone times as its study does. GPU runs do not
 depend on it.
