@@ -6,8 +6,8 @@ came from; then propose a budget for the rounds chosen from round r: argmax_i m_
 bin, m_i = mean τ_0 + the mean gains up to i, λ the achieved tokens per second. τ_i is known for i ≤ j because
 a tree of budget b is the first b nodes of any larger one (tree.py's order) and node indices grow along a path;
 gains are measured on the same rounds, so m_i never falls below m_{i-1}. An untried gain counts as `explore`
-tokens, so a larger budget is tried only while it could pay. In torch this is ~40 small kernels (a few % of a
-small pair's round on a GPU); here it is one program, launched on a stream forked after the walk
+tokens, so a larger budget is tried only while it could pay. In torch this is ~40 small kernels (a visible share
+of a small pair's round on a GPU); here it is one program, launched on a stream forked after the walk
 (`AutoState.update_beside`), so it runs beside the KV compaction and the commit's own launch and a round waits
 for it only where it outlasts them. It reads the round index before the commit counts the round. Reference: the
 rule itself, `ddtree_lab.auto_budget.auto_update_reference` (torch only, so budget="auto" runs where Triton is
