@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import bisect
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..model import Target
 from ..names import STAGES
 from ..pairs import load_pair
 from ..prompts import encode_prompt
+from ..stats import band, bootstrap
 from .timing import device_copy_gbps
 
 def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = None) -> int:
@@ -274,20 +274,17 @@ def prompts_band(auto_row: dict, fixed_rows: list[dict], n_boot: int = 2000, see
         return r["tokens_per_prompt"], secs
 
     auto, fixed = per_prompt(auto_row), [per_prompt(r) for r in fixed_rows]
-    n, rng, ratios = len(auto[0]), random.Random(seed), []
+    n = len(auto[0])
 
     def ratio(idx):
         def tps(m):
             return sum(m[0][i] for i in idx) / sum(m[1][i] for i in idx)
         return tps(auto) / max(tps(f) for f in fixed)
 
-    for _ in range(n_boot):
-        ratios.append(ratio([rng.randrange(n) for _ in range(n)]))
-    ratios.sort()
-    return {"centre": ratio(range(n)), "low": ratios[int(0.05 * n_boot)], "high": ratios[int(0.95 * n_boot) - 1],
-            "n_boot": n_boot,
-            "at_least_best": sum(x >= 1.0 for x in ratios) / n_boot,
-            "at_least_floor": sum(x >= 0.97 for x in ratios) / n_boot}
+    ratios = bootstrap(ratio, n, n_boot, seed)
+    low, high = band(ratios)
+    return {"centre": ratio(range(n)), "low": low, "high": high, "n_boot": n_boot,
+            "at_least_best": float((ratios >= 1.0).mean()), "at_least_floor": float((ratios >= 0.97).mean())}
 
 
 def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,

@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+from .advisor.machines import machine_for_device, machines_data
+
 SETTINGS = ("model", "method", "budget", "topk", "draft_window", "concurrency", "tp")
 SERVING, ONE_BATCH, VLLM_SERVE = "sglang bench_serving", "sglang bench_one_batch_server", "vllm bench serve"
 
@@ -35,6 +37,21 @@ _KNOWN_FIELDS = {"completed", "total_output_tokens", "total_output", "output_thr
 
 # ----------------------------------------------------------------------------- settings
 _SPEC_METHOD = {"ddtree": "ddtree", "dflash": "dflash", "eagle": "eagle", "eagle3": "eagle", "nextn": "eagle"}
+
+
+def hardware(name: str) -> str:
+    """A GPU as the machine table names it (advisor/machines.json: 'H200', 'NVIDIA H100 PCIe' -> 'h200',
+    'h100-pcie'), so runs group and price by one name; a GPU the table lacks keeps its own, lower-cased."""
+    return machine_for_device(name) or str(name).lower()
+
+
+def _hardware_token_rx() -> re.Pattern:
+    """The GPU names a file-name token can spell whole (the table's one-word names, e.g. h200, mi300x)."""
+    words = {w for key, m in machines_data()["machines"].items() for n in (key, *m.get("names", ()))
+             if re.fullmatch(r"[a-z0-9]+", w := n.lower())}
+    return re.compile("(" + "|".join(sorted(words)) + ")")  # a rule matches a token whole: order is free
+
+
 _NAME_RULES = [  # (regex on one name token, setting, value from the match)
     (re.compile(r"b(\d+)t(\d+)"), ("budget", "topk"), lambda m: (int(m[1]), int(m[2]))),
     (re.compile(r"(?:b|budget)(\d+)"), ("budget",), lambda m: (int(m[1]),)),
@@ -45,8 +62,7 @@ _NAME_RULES = [  # (regex on one name token, setting, value from the match)
     (re.compile(r"(auto|ar|baseline|nospec)"), ("method",), lambda m: ("ar",)),
     (re.compile(r"(ddtree|dflash|eagle3?)"), ("method",), lambda m: (_SPEC_METHOD[m[1]],)),
     (re.compile(r"nvls"), ("nvls",), lambda m: (True,)),
-    (re.compile(r"(h100|h200|h20|b200|b300|gb200|a100|l40s|mi300x|mi325x|mi355x)"), ("hardware",),
-     lambda m: (m[1],)),
+    (_hardware_token_rx(), ("hardware",), lambda m: (hardware(m[1]),)),
 ]
 
 
@@ -132,7 +148,7 @@ def field_settings(rec: dict, tool: str) -> tuple[dict, dict]:
                 m = str(v).lower()
                 put(key, "ar" if m in ("ar", "auto", "none", "baseline") else _SPEC_METHOD.get(m, "other"), "fields")
             elif v is not None:
-                put(key, str(v).lower() if key == "hardware" else _int(_float_or_none(v)), "fields")
+                put(key, hardware(v) if key == "hardware" else _int(_float_or_none(v)), "fields")
     elif tool == ONE_BATCH:
         put("concurrency", _int(rec.get("batch_size")), "fields")
     return vals, src

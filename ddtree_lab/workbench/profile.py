@@ -17,20 +17,15 @@ from ..decode import generate
 from ..environment import device_info
 from ..names import MICROBENCH_FILE, STAGES, TIMELINE_FILE
 from ..prompts import read_prompt_set
+from .advisor.machines import spec_bandwidth
 from .results import gen_kwargs, load_run_pair, prompt_input, round_to_json
 from .runs import RunParams
 
-PEAK_GBPS = {"H200": 4800, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "H20": 4000,
-             "B200": 8000, "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555,
-             "L40S": 864, "L4": 300, "A10G": 600, "A10": 600, "RTX 4090": 1008, "RTX 3090": 936}
-
 
 def peak_bandwidth_gbps(gpu_name: str | None) -> float | None:
-    """Datasheet HBM/GDDR bandwidth for known GPUs (longest matching name wins), else None."""
-    if not gpu_name:
-        return None
-    hits = [k for k in PEAK_GBPS if k.lower() in gpu_name.lower()]
-    return float(PEAK_GBPS[max(hits, key=len)]) if hits else None
+    """Datasheet memory bandwidth of the GPU (the machine table, advisor/machines.json), else None."""
+    bandwidth = spec_bandwidth(gpu_name)
+    return bandwidth / 1e9 if bandwidth else None
 
 
 def _top_level(events: list[dict]) -> list[dict]:

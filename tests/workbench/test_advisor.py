@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -270,7 +275,8 @@ def test_cli_writes_advice_and_prints_the_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--machine", "a100"], "unknown machine 'a100'; known: h100"),
+    (["--machine", "v100"], "unknown machine 'v100'; known: h100"),
+    (["--machine", "a100"], "machine 'a100' (NVIDIA A100 40 GB) has no FLOP/s figure"),  # a GPU of the table
     (["--model", "random:nope"], "unknown model 'random:nope'"),
 ])
 def test_cli_refuses_bad_names(tmp_path, capsys, args, message):
@@ -406,6 +412,55 @@ def test_a_study_of_checkpoint_directories_is_costed_as_its_own_shape(tmp_path):
     assert adv["model"] == str(lab / "target")
     lab_cost = advise(make_study(tmp_path / "named"), machines=["h200"], model="lab", n_boot=20)
     assert adv["machines"]["h200"]["rows"][0]["cost_seconds"] == lab_cost["machines"]["h200"]["rows"][0]["cost_seconds"]
+
+
+def test_the_report_and_advise_give_one_answer_per_study(tmp_path, capsys):
+    """A study of checkpoint directories: both price its own shape and read its bench JSONs (the `measured`
+    machine); a named pair's study: both project onto DEFAULT_PROJECTION."""
+    from ddtree_lab.workbench.advisor.figures import add_section
+    from ddtree_lab.workbench.advisor.study import DEFAULT_PROJECTION
+    from ddtree_lab.workbench.page import Page
+
+    lab = REPO / "ddtree_lab" / "pairs" / "lab"
+    d = make_study(tmp_path, pair="", target_dir=str(lab / "target"), drafter_dir=str(lab / "drafter"))
+    (d / "bench").mkdir()
+    (d / "bench" / "e2e_h200.json").write_text(H200_8B.read_text())
+    report = add_section(Page(), d)
+    assert main(["advise", str(d), "--out", str(tmp_path / "a.json")]) == 0
+    cli = json.loads((tmp_path / "a.json").read_text())
+    assert json.loads(json.dumps(report)) == cli
+    assert cli["model"] == str(lab / "target") and "measured" in cli["machines"]
+    assert [c["file"] for c in cli["check"]["checked"]] == ["e2e_h200.json"]
+    named = make_study(tmp_path / "named")
+    assert add_section(Page(), named)["model"] == advise(named, n_boot=20)["model"] == DEFAULT_PROJECTION
+
+
+def _installed_copy(dest: Path) -> Path:
+    """The package as an install holds it: pyproject's packages and their package data, nothing else of the
+    checkout (weights left out: the advisor reads configs only)."""
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pkg in cfg["packages"]:
+        src = REPO / cfg["package-dir"].get(pkg, pkg.replace(".", "/"))
+        patterns = ["*.py", *cfg["package-data"].get(pkg, [])]
+        for f in {f for pat in patterns for f in src.glob(pat) if f.is_file() and f.suffix != ".safetensors"}:
+            out = dest / pkg.replace(".", "/") / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, out)
+    return dest
+
+
+def test_the_check_runs_from_an_installed_package(tmp_path):
+    site = _installed_copy(tmp_path / "site")
+    d = make_study(tmp_path)
+    code = ("import sys, ddtree_lab; from ddtree_lab.cli import main; "
+            f"assert ddtree_lab.__file__.startswith({str(site)!r}), ddtree_lab.__file__; sys.exit(main(sys.argv[1:]))")
+    args = ["advise", str(d), "--machine", "h200", "--boot", "20", "--out", str(tmp_path / "a.json")]
+    run = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(site)}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    chk = json.loads((tmp_path / "a.json").read_text())["check"]
+    assert chk["passed"] and {"e2e_random_qwen3_8b_triton_compile.json", "e2e_lab_compile.json"} <= {
+        c["file"] for c in chk["checked"]}
 
 
 def test_the_moe_random_shape_reads_its_experts_from_the_config():

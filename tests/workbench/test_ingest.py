@@ -404,7 +404,7 @@ def test_ingest_module_is_torch_free():
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
         assert not names & {"torch", "triton", "numpy", "plotly"}, (mod.__name__, names)
         rel = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
-        assert rel <= {"atomic", "formats", "jsonstream", "external", None}, rel
+        assert rel <= {"atomic", "formats", "jsonstream", "external", "advisor.machines", None}, rel  # the GPU table
 
 
 # ----------------------------------------------------------------------------- study and report

@@ -14,17 +14,20 @@ stage times from JSON.
 from __future__ import annotations
 
 from .auto import auto_ceiling, best_grouped_choice, expert_load, replay_auto, tau_at, tau_calibration
-from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, repo_bench_dir
+from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, shipped_bench_files
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
-from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, get_machine, known_machines,
-                       load_calibration, machines_data)
+from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, check_machine_name, get_machine,
+                       known_machines, load_calibration, machine_for_device, machines_data, profile_names,
+                       spec_bandwidth)
 from .shapes import ExpertLoad, ModelShape, model_shape, shape_from_configs, shape_from_dirs
 
 __all__ = ["AdvisorError", "auto_ceiling", "best_grouped_choice", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
            "FittedCost", "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
-           "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "draft_terms",
+           "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "check_machine_name",
+           "draft_terms",
            "expert_load", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
-           "load_calibration", "machines_data", "model_shape", "read_bench", "repo_bench_dir",
-           "replay_auto", "round_cost", "shape_from_configs", "shape_from_dirs", "tau_at", "tau_calibration",
+           "load_calibration", "machine_for_device", "machines_data", "model_shape", "profile_names", "read_bench",
+           "replay_auto", "round_cost", "shape_from_configs", "shape_from_dirs", "shipped_bench_files", "spec_bandwidth",
+           "tau_at", "tau_calibration",
            "verify_terms"]

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, at_kernel_height, reread_bytes
 from .cost import Terms, draft_terms, round_cost, verify_terms
 from .fit import read_bench
-from .machines import AdvisorError, Calibration, _device_machine, get_machine, load_calibration
+from .machines import AdvisorError, Calibration, get_machine, load_calibration, machine_for_device, profile_names
 from .shapes import ExpertLoad, model_shape
 
 CHECK_TOLERANCE = 0.15
@@ -34,10 +34,12 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
     for path in paths:
         b = read_bench(path)
         device = (b.get("environment") or {}).get("device")
-        mname = _device_machine(device)
+        mname = machine_for_device(device)
         why = _matches(b, cal.settings)
         if mname is None:
-            why.append(f"device {device!r} matches no machine profile")
+            why.append(f"device {device!r} matches no machine of machines.json")
+        elif mname not in profile_names():
+            why.append(f"device {device!r} is {mname}, which has no FLOP/s figure in machines.json")
         try:
             shape = model_shape(b.get("model") or "")
         except (AdvisorError, ValueError) as e:
@@ -83,9 +85,10 @@ def measured_load(bench: dict, shape) -> ExpertLoad | None:
     return ExpertLoad(touched, blocks or None) if touched else None
 
 
-def repo_bench_dir() -> Path:
-    """docs/bench of a source checkout (absent in an installed package)."""
-    return Path(__file__).resolve().parents[3] / "docs" / "bench"
+def shipped_bench_files() -> list[str]:
+    """The bench e2e JSONs shipped in the package for the check (package data: an installed package checks
+    its model as a source checkout does). Copies of the compiled H200 files of docs/bench."""
+    return sorted(str(p) for p in Path(__file__).with_name("check_data").glob("e2e_*.json"))
 
 
 def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_layers: Sequence[int]) -> dict:

@@ -3,14 +3,13 @@ what dominates the cost there, and the cost model against bench measurements (wo
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import plotly.graph_objects as go
 
 from .. import advisor as A
 from ..figures import budget_axis, log_axis
 from ..page import Page, esc, fmt_num, html_table
-from .study import DEFAULT_PROJECTION, advise, study_taus
+from .study import advise
 
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
 
@@ -121,11 +120,8 @@ def _ceiling_cell(ceiling: dict | None) -> str:
 def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     """The "Advisor" section; a study the advisor cannot use gets its reason, never an exception."""
     page.section("advisor", "Advisor: the best budget per machine (a projection)")
-    try:
-        pair = study_taus(study_dir)["pair"]
-        model = pair if pair.startswith("random:") else DEFAULT_PROJECTION
-        bench = sorted(str(p) for p in Path(study_dir).glob("bench/e2e*.json")) or None
-        advice = advise(study_dir, model=model, bench=bench)
+    try:  # the defaults `ddtree-lab advise` takes: one answer per study
+        advice = advise(study_dir)
     except (A.AdvisorError, ValueError, OSError, KeyError) as e:  # a malformed study: its reason
         page.add(f"<p class='na'>No advice: {esc(e)}</p>")
         return None

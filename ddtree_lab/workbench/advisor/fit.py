@@ -66,11 +66,11 @@ def _quadfit(xs: Sequence[float], ys: Sequence[float]) -> list[float]:
 
 
 def _piecewise(pts: Sequence[Sequence[float]], x: float) -> float:
-    i = 1
-    while i < len(pts) - 1 and x > pts[i][0]:
-        i += 1
-    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    """Linear through the points, the end segments extended (a degree-1 spline extrapolates its end pieces)."""
+    from scipy.interpolate import make_interp_spline
+
+    xs, ys = zip(*pts)
+    return float(make_interp_spline(xs, ys, k=1)(x))
 
 
 def fit_stage_times(points: Mapping[int, Mapping[str, float]], source: str = "", kind: str = "best") -> FittedCost:

@@ -9,15 +9,16 @@ ones the study ran on.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import random
 from pathlib import Path
 
-import dataclasses
+import numpy as np
 
 from ...atomic import atomic_write_json
 from ...names import positive_int
+from ...stats import BAND, band, resamples
 from .. import advisor as A
 from ..figures import grid_rows, run_config
 from ..results import collect_study, load_traces, text_can_drift
@@ -26,8 +27,7 @@ from ..runs import is_fixed
 ADVICE_FILE = "advice.json"
 SCHEMA = "ddtree_lab.advice/1"
 N_BOOT = 1000
-BAND = (0.05, 0.95)
-DEFAULT_PROJECTION = "random:qwen3-8b"  # a real-size target for studies run on a small pair
+DEFAULT_PROJECTION = "random:qwen3-8b"  # a real-size target for the named pairs, which are laptop-size
 
 
 def _prompt_taus(res: dict) -> dict[str, tuple[int, int]]:
@@ -103,13 +103,6 @@ def _tau(per_prompt: dict[str, tuple[int, int]], ids: list[str]) -> float:
     return acc / rounds if rounds else float("nan")
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
-
-
 def best_budget(taus: dict[int, dict], costs: dict[int, float], n_boot: int = N_BOOT, seed: int = 0) -> dict:
     """tokens/s(B) = τ(B)/cost(B), the best B, and a bootstrap over prompts (the same resample for every
     budget, since the prompts are shared): a band per budget and how often each budget wins."""
@@ -117,40 +110,51 @@ def best_budget(taus: dict[int, dict], costs: dict[int, float], n_boot: int = N_
     if not ids:
         raise A.AdvisorError("the DDTree runs share no prompt with recorded rounds")
     point = {b: _tau(taus[b], ids) / costs[b] for b in taus}
-    rng = random.Random(seed)
-    draws = {b: [] for b in taus}
-    wins = {b: 0 for b in taus}
-    for _ in range(n_boot):
-        sample = [rng.choice(ids) for _ in ids]
-        tps = {b: _tau(taus[b], sample) / costs[b] for b in taus}
-        for b, v in tps.items():
-            draws[b].append(v)
-        wins[max(tps, key=lambda b: (tps[b], -b))] += 1
+    budgets = sorted(taus)
+    accepted, rounds = (np.array([[taus[b][i][k] for i in ids] for b in budgets], dtype=float) for k in (0, 1))
+    idx = resamples(len(ids), n_boot, seed)
+    draws = accepted[:, idx].sum(-1) / rounds[:, idx].sum(-1) / np.array([costs[b] for b in budgets])[:, None]
+    wins = np.bincount(draws.argmax(0), minlength=len(budgets))  # argmax takes the first: ties to the smaller B
     best = max(point, key=lambda b: (point[b], -b))
     return {"best": best, "tokens_per_second": point,
-            "band": {b: [_quantile(d, BAND[0]), _quantile(d, BAND[1])] for b, d in draws.items()},
-            "best_frequency": {b: w / n_boot for b, w in wins.items() if w}, "prompts": len(ids), "n_boot": n_boot}
+            "band": {b: band(draws[i], BAND) for i, b in enumerate(budgets)},
+            "best_frequency": {b: int(w) / n_boot for b, w in zip(budgets, wins) if w}, "prompts": len(ids),
+            "n_boot": n_boot}
+
+
+def advised_shape(st: dict, model: str | None = None) -> "A.ModelShape":
+    """The shape a study's τ is priced on, one rule for `ddtree-lab advise` and the report: `model` when given;
+    else the study's own (a `random:<shape>` pair, or its checkpoint directories); else, for a named pair,
+    DEFAULT_PROJECTION."""
+    if model:
+        return A.model_shape(model)
+    if st["pair"].startswith("random:"):
+        return A.model_shape(st["pair"])
+    if not st["pair"] and st["dirs"]:
+        return A.shape_from_dirs(*st["dirs"])
+    return A.model_shape(DEFAULT_PROJECTION)
+
+
+def bench_files(study_dir: str | os.PathLike, bench: list[str] | None = None) -> list[str]:
+    """The bench e2e JSONs that give the `measured` machine: those given, else the study's bench/e2e*.json."""
+    return [str(p) for p in bench or sorted(Path(study_dir).glob("bench/e2e*.json"))]
 
 
 def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, model: str | None = None,
            bench: list[str] | None = None, n_boot: int = N_BOOT, seed: int = 0) -> dict:
     """The advice.json dict of a study."""
-    known = A.known_machines()
     for m in machines or []:
-        if m not in known:
-            raise A.AdvisorError(f"unknown machine {m!r}; known: {', '.join(known)}")
+        A.check_machine_name(m)
     st = study_taus(study_dir)
-    if model or st["pair"] or not st["dirs"]:
-        shape_name = model or st["pair"] or DEFAULT_PROJECTION
-        shape = A.model_shape(shape_name)
-    else:  # a study of checkpoint directories: their own shape
-        shape = A.shape_from_dirs(*st["dirs"])
-        shape_name = st["pair"] = shape.name
+    shape = advised_shape(st, model)
+    shape_name = shape.name
+    if not st["pair"] and st["dirs"]:
+        st["pair"] = str(st["dirs"][0])  # a study of checkpoint directories goes by its target's, as its shape
     cal = A.load_calibration()
-    bench = [str(p) for p in bench or []]
+    bench = bench_files(study_dir, bench)
     bench_data = [A.read_bench(p) for p in bench]
     measured = next((b for b in bench_data if (b.get("roofline") or {}).get("copy_bytes_per_second")), None)
-    names = machines or [*A.machines_data()["machines"], *([A.MEASURED] if measured else [])]
+    names = machines or [*A.profile_names(), *([A.MEASURED] if measured else [])]
     ctx, budgets = st["context_tokens"], sorted(st["budgets"])
     all_ids = sorted(set.intersection(*(set(t) for t in st["budgets"].values())))
     out = {"schema": SCHEMA, "study": st["study"], "study_pair": st["pair"], "model": shape_name,
@@ -193,10 +197,10 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
                                "device": st["device"]}
     except A.AdvisorError as e:
         out["measured_fit"] = {"refused": str(e)}
-    shipped = A.repo_bench_dir()
-    files = bench or (sorted(str(p) for p in shipped.glob("e2e_*.json")) if shipped.is_dir() else [])
-    out["check"] = A.check_bench(files, cal) if files else {"checked": [], "skipped": [], "passed": False,
-                                                            "note": "no bench e2e JSON found"}
+    files = bench or A.shipped_bench_files()
+    out["check"] = A.check_bench(files, cal) if files else {
+        "checked": [], "skipped": [], "passed": False,
+        "note": "this install ships no bench e2e JSON to check the model against; give --bench FILE"}
     return out
 
 
@@ -271,9 +275,10 @@ def add_advise_args(p) -> None:
     p.add_argument("--machine", action="append", default=None,
                    help=f"a machine profile (repeatable): {', '.join(A.known_machines())}; default: all")
     p.add_argument("--model", default=None, help="the shape whose cost τ is applied to, e.g. random:qwen3-8b "
-                                                 "(default: the study's pair)")
+                                                 f"(default: the study's own, {DEFAULT_PROJECTION} for a named pair)")
     p.add_argument("--bench", action="append", default=None,
-                   help="bench e2e JSON(s): the model check and the 'measured' machine (default: docs/bench)")
+                   help="bench e2e JSON(s): the model check and the 'measured' machine (default: the study's "
+                        "bench/e2e*.json, else, for the check, the files shipped with the package)")
     p.add_argument("--out", default=None, help="where to write advice.json (default: STUDY_DIR/advice.json)")
     p.add_argument("--boot", type=positive_int, default=N_BOOT, help="bootstrap resamples over prompts")
 
