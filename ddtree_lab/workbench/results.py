@@ -27,7 +27,7 @@ from ..metrics import summarize_taus
 from ..names import AUTO, RESULTS_FILE, RUN_FILE, STUDY_FILE, TRACES_FILE
 from ..pairs import load_pair
 from ..prompts import prompt_text, read_prompt_set
-from .advisor.auto import row_blocks_at_height
+from .advisor.trace_stats import row_blocks_at_height
 from .measurement import conditions, load_average, timing_caveats, timing_record, timing_text
 from .runs import RunParams, auto_candidates, input_digests, is_fixed, read_run_status, run_name
 

@@ -435,6 +435,15 @@ def test_the_report_and_advise_give_one_answer_per_study(tmp_path, capsys):
     assert add_section(Page(), named)["model"] == advise(named, n_boot=20)["model"] == DEFAULT_PROJECTION
 
 
+def test_the_readme_and_the_docs_name_each_advisor_module():
+    mods = sorted(p.name for p in (REPO / "ddtree_lab" / "workbench" / "advisor").glob("*.py") if p.stem != "__init__")
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if "workbench/advisor/`" in line)
+    docs = (REPO / "docs" / "workbench.md").read_text()
+    code = docs[docs.index("Code: the package `workbench/advisor/`"):].split("\n\n")[0]
+    for m in mods:
+        assert f"`{m}`" in row and f"`{m}`" in code, m
+
+
 def _installed_copy(dest: Path) -> Path:
     """The package as an install holds it: pyproject's packages and their package data, nothing else of the
     checkout (weights left out: the advisor reads configs only)."""

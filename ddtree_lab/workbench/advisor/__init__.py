@@ -4,30 +4,32 @@ The round cost model, two ways: `fit.FittedCost`, per-stage a + b·B + c·B² le
 stage times (a `bench e2e` JSON or a study's runs) with leave-one-out error; and `cost.round_cost`, first
 principles for a named machine (weights read, dense or through the expert union of MoE layers and their row
 blocks' re-reads; KV and activation bytes; FLOPs; kernel launches), with efficiency factors fitted once on H200 data
-(`check.calibrate`, stored in machines.json) and checked against bench measurements (`check.check_bench`).
-`auto.replay_auto` replays the engine's own budget="auto" rule on a study's traces, and `auto.auto_ceiling`
-bounds what any choice could gain on them. `study` applies a
+(`calibration.calibrate`, stored in machines.json, the table of GPUs) and checked against bench measurements
+(`check.check_bench`). `trace_stats` reads a study's traces (the measured MoE routing, the draft confidence's
+calibration); `auto_replay.replay_auto` replays the engine's own budget="auto" rule on them, and
+`auto_replay.auto_ceiling` bounds what any choice could gain. `study` applies a
 study's measured τ to the model (`ddtree-lab advise`, advice.json); `figures` is the report's section.
 Torch-free below `study` (but for `replay_auto` and `auto_ceiling`, which read the engine's rule): shapes come from configs,
 stage times from JSON.
 """
 from __future__ import annotations
 
-from .auto import auto_ceiling, best_grouped_choice, expert_load, replay_auto, tau_at, tau_calibration
-from .check import CHECK_BUDGETS, CHECK_TOLERANCE, calibrate, calibrate_moe, check_bench, shipped_bench_files
+from .auto_replay import auto_ceiling, best_grouped_choice, replay_auto, tau_at
+from .calibration import calibrate, calibrate_moe
+from .check import CHECK_BUDGETS, CHECK_TOLERANCE, check_bench, shipped_bench_files
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .machines import (MACHINES_FILE, MEASURED, AdvisorError, Calibration, Machine, check_machine_name, get_machine,
                        known_machines, load_calibration, machine_for_device, machines_data, profile_names,
                        spec_bandwidth)
 from .shapes import ExpertLoad, ModelShape, model_shape, shape_from_configs, shape_from_dirs
+from .trace_stats import expert_load, tau_calibration
 
-__all__ = ["AdvisorError", "auto_ceiling", "best_grouped_choice", "CHECK_BUDGETS", "CHECK_TOLERANCE", "Calibration", "ExpertLoad", "FIT_KINDS", "FIT_STAGES",
-           "FittedCost", "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "Machine", "ModelShape", "PARTS", "PART_TITLES",
-           "RoundCost", "Terms", "bench_points", "calibrate", "calibrate_moe", "check_bench", "check_machine_name",
-           "draft_terms",
-           "expert_load", "fit_bench", "fit_stage_times", "get_machine", "known_machines",
-           "load_calibration", "machine_for_device", "machines_data", "model_shape", "profile_names", "read_bench",
-           "replay_auto", "round_cost", "shape_from_configs", "shape_from_dirs", "shipped_bench_files", "spec_bandwidth",
-           "tau_at", "tau_calibration",
+__all__ = ["AdvisorError", "auto_ceiling", "bench_points", "best_grouped_choice", "calibrate", "calibrate_moe",
+           "Calibration", "check_bench", "CHECK_BUDGETS", "check_machine_name", "CHECK_TOLERANCE", "draft_terms",
+           "expert_load", "ExpertLoad", "fit_bench", "FIT_KINDS", "fit_stage_times", "FIT_STAGES", "FittedCost",
+           "get_machine", "known_machines", "load_calibration", "Machine", "machine_for_device", "machines_data",
+           "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "model_shape", "ModelShape", "PART_TITLES", "PARTS",
+           "profile_names", "read_bench", "replay_auto", "round_cost", "RoundCost", "shape_from_configs",
+           "shape_from_dirs", "shipped_bench_files", "spec_bandwidth", "tau_at", "tau_calibration", "Terms",
            "verify_terms"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
+
 from ...kernels.moe_layout import row_height
 from .machines import AdvisorError
 
@@ -69,23 +71,16 @@ class ModelShape:
         p = k / e
         if p >= 1:  # every token reads every expert
             return e * -(-tokens // h)
-        blocks = 0.0
-        for n in range(1, tokens + 1):  # P(n) in logs: (1 − p)^T underflows for few experts and large T
-            log_pmf = (math.lgamma(tokens + 1) - math.lgamma(n + 1) - math.lgamma(tokens - n + 1)
-                       + n * math.log(p) + (tokens - n) * math.log1p(-p))
-            blocks += math.exp(log_pmf) * -(-n // h)
-        return e * blocks
+        from scipy.stats import binom  # slow to import; only uniform routing needs it
+
+        n = np.arange(1, tokens + 1)
+        return e * float(np.dot(binom.pmf(n, tokens, p), np.ceil(n / h)))
 
 
 def _interp_log(curve: Mapping[int, float], x: float) -> float:
-    pts = sorted((float(k), float(v)) for k, v in curve.items())
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x <= x1:
-            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return y0 + w * (y1 - y0)
-    return pts[-1][1]
+    """Linear in log tokens between the measured sizes, flat beyond them."""
+    xs, ys = zip(*sorted((float(k), float(v)) for k, v in curve.items()))
+    return float(np.interp(math.log(x), np.log(xs), ys))
 
 
 def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> ModelShape:

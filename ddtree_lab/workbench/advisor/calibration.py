@@ -1,0 +1,128 @@
+"""The calibration the cost model runs on, fitted once (machines.json's `calibration.fit`; tests re-fit and
+compare): the efficiency factors and kernel counts on H200 bench e2e and profile JSONs (`calibrate`), the MoE
+block's terms on the fused-MoE kernel bench (`calibrate_moe`)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes
+from .check import modelled
+from .cost import Terms, draft_terms, verify_terms
+from .fit import read_bench
+from .machines import AdvisorError, Calibration, get_machine, load_calibration
+from .shapes import model_shape
+
+
+def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_layers: Sequence[int]) -> dict:
+    """Kernels per layer and fixed, per stage, from `bench profile` JSONs of two shapes with
+    different layer counts (tree build and commit do not scale with layers: their mean)."""
+    def stage_counts(p, method, stage):
+        row = next(r for r in p["rows"] if r["method"] == method)
+        return float(row["stages"][stage]["kernels_per_round"])
+
+    out = {}
+    for stage, method, lay in (("verify", "ddtree", layers), ("ar", "ar", layers), ("draft", "ddtree", draft_layers)):
+        src = "verify" if stage == "ar" else stage
+        (n0, n1), (k0, k1) = lay, [stage_counts(p, method, src) for p in profiles]
+        per = (k1 - k0) / (n1 - n0)
+        out[stage] = [per, k0 - per * n0]
+    for stage in ("tree_build", "commit"):
+        out[stage] = [0.0, sum(stage_counts(p, "ddtree", stage) for p in profiles) / len(profiles)]
+    return out
+
+
+def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Path], machine: str = "h200") -> dict:
+    """Fit the efficiency factors once: eta_bw, eta_flops and the launch time by least squares on the
+    log of every draft and verify stage time; the tree build's time per node and per vocabulary entry of each
+    drafted position, and commit's per token, by least squares on those stages. Returns the `calibration.fit`
+    dict of machines.json."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    benches = [read_bench(p) for p in e2e_paths]
+    shapes = [model_shape(b["model"]) for b in benches]
+    profiles = [json.loads(Path(p).read_text()) for p in profile_paths]
+    pshapes = [model_shape(p["model"]) for p in profiles]
+    kernels = _profile_kernels(profiles, [s.layers for s in pshapes], [s.draft_layers for s in pshapes])
+    m = get_machine(machine)
+    copy = [b["roofline"]["copy_bytes_per_second"] for b in benches
+            if (b.get("roofline") or {}).get("copy_bytes_per_second")]
+    base = Calibration(1.0, 1.0, 0.0, 0.0, 0.0, sum(copy) / len(copy) / m.bandwidth, kernels)
+
+    obs = []  # (terms, measured seconds)
+    for b, s in zip(benches, shapes):
+        ctx = int(b.get("prompt_len") or 512)
+        for r in filter(modelled, b["rows"]):
+            st = r["stage_seconds_per_round"]
+            if r["method"] == "ar":
+                obs.append((verify_terms(s, 1, ctx, base, "ar"), st["verify"]))
+                continue
+            nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
+            obs.append((verify_terms(s, nodes + 1, ctx, base), st["verify"]))
+            obs.append((draft_terms(s, ctx, base), st["draft"]))
+
+    def resid(x):
+        cal = Calibration(x[0], x[1], x[2], 0, 0, base.copy_over_spec, kernels)
+        return [math.log(sum(t.seconds(m, cal).values()) / y) for t, y in obs]
+
+    fit = least_squares(resid, x0=[0.8, 0.6, 2e-6], bounds=([0.05, 0.05, 0.0], [1.0, 1.0, 1e-4]))
+    eta_bw, eta_flops, launch = (float(v) for v in fit.x)
+    per = {}  # tree build: per node and per vocabulary entry of each drafted position (its top-k); commit: per token
+    for stage, extra in (("tree_build", 0), ("commit", 1)):
+        xs, ys = [], []
+        for b, s in zip(benches, shapes):
+            for r in filter(modelled, b["rows"]):
+                if r["method"] == "ar":
+                    continue
+                nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
+                xs.append([nodes + extra, (s.block_size - 1) * s.vocab] if stage == "tree_build" else [nodes + extra])
+                ys.append(r["stage_seconds_per_round"][stage] - kernels[stage][1] * launch)
+        per[stage] = [max(0.0, float(c)) for c in np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]]
+    return {"eta_bw": eta_bw, "eta_flops": eta_flops, "launch_seconds": launch,
+            "tree_node_seconds": per["tree_build"][0], "tree_vocab_seconds": per["tree_build"][1],
+            "commit_node_seconds": per["commit"][0],
+            "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}
+
+
+def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None = None,
+                  machine: str = "h200") -> dict:
+    """The MoE block's time beyond its bytes and FLOPs, from `bench fused_moe` JSONs (the block alone at
+    1 … 1025 tokens; independent, alike and crowded routing, so the fit sees few and many experts, one row
+    block each or many, at one T): least squares of measured − modelled = moe_block_seconds + moe_pair_seconds
+    · T·k + moe_sort_seconds · [T > ROUTE_IN_ALIGN_MAX_T] + re-read bytes / (spec bandwidth ·
+    moe_reread_over_bandwidth), the re-read bytes being (row blocks − experts touched) · an expert's weights.
+    Kernel-level data, so the e2e check of MoE rounds stays a check. -> those calibration.fit keys."""
+    import numpy as np
+
+    cal = cal or load_calibration()
+    m = get_machine(machine)
+    xs, ys = [], []
+    for path in fused_moe_paths:
+        d = json.loads(Path(path).read_text())
+        sh = d["shape"]
+        h, w, k = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"])
+        elsize = 4 if d.get("dtype") == "float32" else 2
+        for r in d["rows"]:
+            if "row_blocks" not in r:
+                raise AdvisorError(f"{path}: a row without row_blocks (written before they were recorded); "
+                                   "re-run python -m ddtree_lab.bench.fused_moe")
+            parts = Terms(weights=r["touched_bytes"], flops=2 * r["T"] * k * 3 * h * w).seconds(m, cal)
+            core = parts["weights"] + parts["flops"]
+            reread = reread_bytes(r["row_blocks"], r["experts_touched"], h, w, elsize)
+            xs.append([1.0, float(r["T"] * k), float(r["T"] > ROUTE_IN_ALIGN_MAX_T), reread / m.bandwidth])
+            ys.append(r["triton_us"] * 1e-6 - core)
+    if len(xs) < 5:
+        raise AdvisorError(f"{', '.join(map(str, fused_moe_paths))}: {len(xs)} rows; the MoE fit needs at least 5")
+    block, pair, sort, reread = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
+    return {"moe_block_seconds": max(0.0, float(block)), "moe_pair_seconds": max(0.0, float(pair)),
+            "moe_sort_seconds": max(0.0, float(sort)), "moe_reread_over_bandwidth": _positive_inverse(reread)}
+
+
+def _positive_inverse(seconds_per_spec_byte: float) -> float:
+    if seconds_per_spec_byte <= 0:
+        raise AdvisorError("the MoE fit found re-read weights free (a non-positive term): the files do not tell it "
+                           "apart; give benches with crowded routing (--similarity 0.99) beside independent routing")
+    return float(1.0 / seconds_per_spec_byte)
