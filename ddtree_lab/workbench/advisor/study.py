@@ -142,66 +142,84 @@ def bench_files(study_dir: str | os.PathLike, bench: list[str] | None = None) ->
 
 def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, model: str | None = None,
            bench: list[str] | None = None, n_boot: int = N_BOOT, seed: int = 0) -> dict:
-    """The advice.json dict of a study."""
+    """The advice.json dict of a study: what it measured, then per machine the projected budgets, the study's
+    own stage-time fit and the cost model's check."""
     for m in machines or []:
         A.check_machine_name(m)
     st = study_taus(study_dir)
     shape = advised_shape(st, model)
-    shape_name = shape.name
     if not st["pair"] and st["dirs"]:
         st["pair"] = str(st["dirs"][0])  # a study of checkpoint directories goes by its target's, as its shape
     cal = A.load_calibration()
     bench = bench_files(study_dir, bench)
     bench_data = [A.read_bench(p) for p in bench]
     measured = next((b for b in bench_data if (b.get("roofline") or {}).get("copy_bytes_per_second")), None)
-    names = machines or [*A.profile_names(), *([A.MEASURED] if measured else [])]
-    ctx, budgets = st["context_tokens"], sorted(st["budgets"])
-    all_ids = sorted(set.intersection(*(set(t) for t in st["budgets"].values())))
-    out = {"schema": SCHEMA, "study": st["study"], "study_pair": st["pair"], "model": shape_name,
-           "projection": True, "context_tokens": ctx, "topk": st["topk"], "temperature": st["temperature"],
-           "budgets": budgets, "tau": {b: _tau(t, all_ids) for b, t in st["budgets"].items()},
-           "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
-           "tau_auto": ({"run": st["auto"]["run"], "tau": _tau(st["auto"]["taus"], all_ids),
-                         "budget_share": st["auto"]["budget_share"]} if st["auto"] else None),
-           "texts": texts_note(st["texts"], st["numerics"]),
-           "calibration": dataclasses.asdict(cal), "machines": {}}
-    # the draft's confidence against the measured τ (the calibration budget="auto" would use) and, for an
-    # MoE study whose traces count experts, the measured expert-union curve (used for the study's own shape)
-    out["tau_calibration"] = {b: A.tau_calibration(t) for b, t in st["traces"].items()}
     load = A.expert_load([r for t in st["traces"].values() for r in t] + st["other_traces"])
-    out["experts_touched"] = dict(load.touched) if load else None
-    out["expert_row_blocks"] = dict(load.row_blocks) if load and load.row_blocks else None
-    load = load if shape_name == st["pair"] else None
-    largest = st["traces"][budgets[-1]]  # the rounds auto's replay and ceiling read (smaller trees are prefixes)
-    for name in names:
-        m = A.get_machine(name, measured, cal)
-        costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, load) for b in budgets}
-        round_seconds = {b: c.seconds for b, c in costs.items()}
-        ar = A.round_cost(shape, m, "ar", None, ctx, cal, load)
-        bb = best_budget(st["budgets"], round_seconds, n_boot, seed)
-        ar_tps = 1.0 / ar.seconds
-        rows = [{"budget": b, "tau": out["tau"][b], "cost_seconds": c.seconds, "stages": c.stages, "parts": c.parts,
-                 "dominant": c.dominant, "tokens_per_second": bb["tokens_per_second"][b], "band": bb["band"][b],
-                 "speedup": bb["tokens_per_second"][b] / ar_tps} for b, c in costs.items()]
-        best = next(r for r in rows if r["budget"] == bb["best"])
-        out["machines"][name] = {"title": m.title, "source": m.source, "url": m.url, "bandwidth": m.bandwidth,
-                                 "flops": m.flops, "ar": {"cost_seconds": ar.seconds, "tokens_per_second": ar_tps,
-                                                          "dominant": ar.dominant},
-                                 "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]},
-                                 "prompts": bb["prompts"], "n_boot": n_boot,
-                                 "auto_replay": A.replay_auto(largest, round_seconds),
-                                 "auto_ceiling": A.auto_ceiling(largest, round_seconds)}
-    try:  # the study's own stage times, on the machine it ran on (needs enough budgets)
-        fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
-        out["measured_fit"] = {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo,
-                               "device": st["device"]}
-    except A.AdvisorError as e:
-        out["measured_fit"] = {"refused": str(e)}
-    files = bench or A.shipped_bench_files()
-    out["check"] = A.check_bench(files, cal) if files else {
-        "checked": [], "skipped": [], "passed": False,
-        "note": "this install ships no bench e2e JSON to check the model against; give --bench FILE"}
+    out = measured_section(st, shape.name, cal, load)
+    own_load = load if shape.name == st["pair"] else None  # a measured expert union prices the study's own shape
+    for name in machines or [*A.profile_names(), *([A.MEASURED] if measured else [])]:
+        out["machines"][name] = machine_advice(st, out["tau"], shape, A.get_machine(name, measured, cal), cal,
+                                               own_load, n_boot, seed)
+    out["measured_fit"] = measured_fit(st)
+    out["check"] = model_check(bench or A.shipped_bench_files(), cal)
     return out
+
+
+def measured_section(st: dict, shape_name: str, cal, load) -> dict:
+    """What the study measured, before any machine: τ per budget on the prompts every budget ran, DFlash's and
+    auto's τ, the texts' verdict, the draft's confidence against τ and the expert union its traces counted."""
+    all_ids = sorted(set.intersection(*(set(t) for t in st["budgets"].values())))
+    return {"schema": SCHEMA, "study": st["study"], "study_pair": st["pair"], "model": shape_name,
+            "projection": True, "context_tokens": st["context_tokens"], "topk": st["topk"],
+            "temperature": st["temperature"], "budgets": sorted(st["budgets"]),
+            "tau": {b: _tau(t, all_ids) for b, t in st["budgets"].items()},
+            "tau_dflash": _tau(st["dflash"], sorted(st["dflash"])) if st["dflash"] else None,
+            "tau_auto": ({"run": st["auto"]["run"], "tau": _tau(st["auto"]["taus"], all_ids),
+                          "budget_share": st["auto"]["budget_share"]} if st["auto"] else None),
+            "texts": texts_note(st["texts"], st["numerics"]), "calibration": dataclasses.asdict(cal),
+            # the calibration budget="auto" would use, and (MoE traces) the measured expert-union curve
+            "tau_calibration": {b: A.tau_calibration(t) for b, t in st["traces"].items()},
+            "experts_touched": dict(load.touched) if load else None,
+            "expert_row_blocks": dict(load.row_blocks) if load and load.row_blocks else None,
+            "machines": {}}
+
+
+def machine_advice(st: dict, tau: dict, shape, m, cal, load, n_boot: int, seed: int) -> dict:
+    """One machine: each budget's modelled round cost and projected tokens/s with its band, the best budget,
+    AR, and budget="auto" replayed on the largest tree's rounds (smaller trees are their prefixes)."""
+    ctx, budgets = st["context_tokens"], sorted(st["budgets"])
+    costs = {b: A.round_cost(shape, m, "ddtree", b, ctx, cal, load) for b in budgets}
+    round_seconds = {b: c.seconds for b, c in costs.items()}
+    ar = A.round_cost(shape, m, "ar", None, ctx, cal, load)
+    bb = best_budget(st["budgets"], round_seconds, n_boot, seed)
+    ar_tps = 1.0 / ar.seconds
+    rows = [{"budget": b, "tau": tau[b], "cost_seconds": c.seconds, "stages": c.stages, "parts": c.parts,
+             "dominant": c.dominant, "tokens_per_second": bb["tokens_per_second"][b], "band": bb["band"][b],
+             "speedup": bb["tokens_per_second"][b] / ar_tps} for b, c in costs.items()]
+    best = next(r for r in rows if r["budget"] == bb["best"])
+    largest = st["traces"][budgets[-1]]
+    return {"title": m.title, "source": m.source, "url": m.url, "bandwidth": m.bandwidth, "flops": m.flops,
+            "ar": {"cost_seconds": ar.seconds, "tokens_per_second": ar_tps, "dominant": ar.dominant},
+            "rows": rows, "best": {**best, "best_frequency": bb["best_frequency"]}, "prompts": bb["prompts"],
+            "n_boot": n_boot, "auto_replay": A.replay_auto(largest, round_seconds),
+            "auto_ceiling": A.auto_ceiling(largest, round_seconds)}
+
+
+def measured_fit(st: dict) -> dict:
+    """The study's own stage times fitted on the machine it ran on, or why not (too few budgets)."""
+    try:
+        fit = A.fit_stage_times(st["stage_points"], f"{st['study']} stage times")
+    except A.AdvisorError as e:
+        return {"refused": str(e)}
+    return {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo, "device": st["device"]}
+
+
+def model_check(files: list[str], cal) -> dict:
+    """The cost model against bench e2e round times; a note asking for --bench when there are none."""
+    if files:
+        return A.check_bench(files, cal)
+    return {"checked": [], "skipped": [], "passed": False,
+            "note": "this install ships no bench e2e JSON to check the model against; give --bench FILE"}
 
 
 def texts_note(verdicts: dict, numerics: dict) -> dict:
