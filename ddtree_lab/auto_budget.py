@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .names import AUTO, AUTO_CANDIDATES, MAX_BUDGET
+from .names import AUTO, AUTO_CANDIDATES, AUTO_MAX_CANDIDATES, AUTO_MAX_EDGES, MAX_BUDGET
 from .tree import use_triton
 
 
@@ -28,7 +28,7 @@ from .tree import use_triton
 class AutoBudget:
     """budget="auto" and its settings; `AutoBudget()` is what "auto" means."""
 
-    budgets: tuple[int, ...] = AUTO_CANDIDATES  # the captured budgets it chooses among (at most 8)
+    budgets: tuple[int, ...] = AUTO_CANDIDATES  # the captured budgets it chooses among (AUTO_MAX_CANDIDATES)
     costs: tuple[float, ...] | None = None      # seconds per round of each; None: measured when captured
     edges: tuple[float, ...] = (1.5, 3.0)       # confidence bins: expected accepted nodes by the draft
     explore: float = 1.0     # tokens an untried budget is assumed to add over the next smaller candidate
@@ -37,9 +37,10 @@ class AutoBudget:
 
     def __post_init__(self):
         budgets = tuple(self.budgets)
-        if not 1 <= len(budgets) <= 8 or len(set(budgets)) != len(budgets) or any(
+        if not 1 <= len(budgets) <= AUTO_MAX_CANDIDATES or len(set(budgets)) != len(budgets) or any(
                 isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BUDGET for b in budgets):
-            raise ValueError(f"auto budgets={self.budgets!r}: give 1 to 8 distinct integers in 1..{MAX_BUDGET}")
+            raise ValueError(f"auto budgets={self.budgets!r}: give 1 to {AUTO_MAX_CANDIDATES} distinct integers in "
+                             f"1..{MAX_BUDGET}")
         object.__setattr__(self, "budgets", tuple(sorted(budgets)))
         if self.costs is not None:
             costs = tuple(float(c) for c in self.costs)
@@ -47,8 +48,8 @@ class AutoBudget:
                 raise ValueError(f"auto costs={self.costs!r}: give one positive number of seconds per budget")
             order = sorted(range(len(budgets)), key=lambda i: budgets[i])
             object.__setattr__(self, "costs", tuple(costs[i] for i in order))
-        if len(self.edges) > 7 or list(self.edges) != sorted(self.edges):
-            raise ValueError(f"auto edges={self.edges!r}: at most 7, ascending")
+        if len(self.edges) > AUTO_MAX_EDGES or list(self.edges) != sorted(self.edges):
+            raise ValueError(f"auto edges={self.edges!r}: at most {AUTO_MAX_EDGES}, ascending")
         if self.memory < 1 or self.weight <= 0 or self.explore < 0:
             raise ValueError("auto memory must be ≥ 1, weight > 0 and explore ≥ 0")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -287,77 +288,47 @@ def _validate(pair: Pair, method, budget, topk, max_new_tokens, temperature, pro
         raise ValueError(f"method={method!r} needs a drafter; this pair has none")
 
 
-def _program_for(pair: Pair, method, budget, topk, temperature, draft_window, cache_len, out_capacity,
-                 max_rounds, graphs: bool):
-    """Programs (and their graphs) are kept on the pair and reused while the caches stay the same. The key
-    holds every Python value a program's kernels were built from (the temperature and the draft window
-    included: a captured graph keeps the values it saw)."""
-    def make():
-        program = RoundProgram(pair, method, budget, topk, temperature, out_capacity, max_rounds)
-        return program, GraphRunner(program) if graphs else None
+@dataclass(frozen=True)
+class Plan:
+    """One call's settings once checked, and the sizes of its buffers. DFlash runs as DDTree with topk=1 and
+    budget=L; AR has no tree (budget 1: one program whatever budget was passed)."""
 
-    K = topk_width(topk, budget, pair.target.cfg.vocab_size)
-    key = (method, budget, K, float(temperature), draft_window, cache_len, out_capacity, max_rounds, graphs,
-           pair.target.attention)
-    return kept(pair, "_programs", key, pair.drafter is not None, make,
-                 lambda entry: entry[1] is not None and entry[1].release())
-
-
-def _auto_programs_for(pair: Pair, auto: AutoBudget, topk, temperature, draft_window, cache_len, out_capacity,
-                       max_rounds, graphs: bool):
-    """One program per candidate budget over one shared state (the largest owns it), with the choice's
-    state; kept like single programs, the learned table with them."""
-    def make():
-        L = pair.drafter.cfg.block_size - 1
-        state = AutoState(auto, L, max_rounds, pair.device)
-        # the learned table outlives the programs (a new prompt length re-captures them): one per pair and setting
-        learned = pair.__dict__.setdefault("_auto_learned", {})
-        state.adopt(learned.setdefault((auto.key(), topk, float(temperature), options.key()), state.learned()))
-        programs = [None] * len(auto.budgets)
-        for j in reversed(range(len(auto.budgets))):
-            programs[j] = RoundProgram(pair, "ddtree", auto.budgets[j], topk, temperature, out_capacity, max_rounds,
-                                       share=programs[-1], auto=state, auto_index=j)
-        return programs, [GraphRunner(p) for p in programs] if graphs else [None] * len(programs), state
-
-    def release(entry):
-        for runner in entry[1]:
-            if runner is not None:
-                runner.release()
-
-    key = ("auto", auto.key(), topk, float(temperature), draft_window, cache_len, out_capacity, max_rounds, graphs,
-           pair.target.attention)
-    return kept(pair, "_auto_programs", key, True, make, release)
+    method: str
+    budget: int | AutoBudget
+    topk: int | None
+    auto: AutoBudget | None      # budget="auto"'s settings (DDTree only)
+    temperature: float
+    seed: int
+    max_new_tokens: int
+    stop_ids: frozenset
+    draft_window: int | None
+    graphs: bool                 # replay the rounds (and the prefill) as CUDA graphs
+    trace: bool
+    profile: bool
+    round_times: bool            # keep each round's stage times on the result
+    sync_every: int              # rounds queued between host reads
+    lag: int                     # host reads in flight before the host waits for one
+    out_capacity: int            # emitted tokens the device holds
+    context_room: int            # the committed context's slots in the caches
+    cache_len: int               # the context's room, then a tree's
+    max_rounds: int
 
 
-@torch.inference_mode()
-def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk: int | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, trace: bool = True,
-             stop: list[int] | None = None, draft_window: int | None = None, profile: bool = False,
-             cuda_graphs: bool | None = None, sync_every: int = 1) -> GenerationResult:
-    """Generate up to `max_new_tokens` new tokens from `prompt` (text, chat messages or token ids).
-
-    budget: DDTree's node budget, or "auto" / an AutoBudget: each round's budget chosen on the device among
-    captured ones (auto_budget.py).
-    cuda_graphs: replay each round's stages as CUDA graphs (default: on for CUDA devices).
-    sync_every: rounds run between host reads of the new tokens (more = fewer syncs, later EOS stop).
-    """
-    check_pair(pair)
-    prompt_ids = encode_prompt(pair, prompt)
-    budget = resolve_budget(budget)
-    _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids), seed)
-    auto = budget if isinstance(budget, AutoBudget) and method == "ddtree" else None
-    target, drafter, device = pair.target, pair.drafter, pair.device
+def plan_call(pair: Pair, prompt_len: int, method, budget, topk, max_new_tokens, temperature, seed, trace, stop,
+              draft_window, profile, cuda_graphs, sync_every, round_times) -> Plan:
+    """generate's arguments (validated) as the call runs them, with its buffers' sizes."""
+    device = pair.device
     graphs = (device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
     if graphs and device.type != "cuda":
         raise ValueError("cuda_graphs=True needs a CUDA device")
+    auto = budget if isinstance(budget, AutoBudget) and method == "ddtree" else None
     sync_every = 1 if trace else max(1, int(sync_every))
     # profiling synchronises after every stage anyway; a lagged read would only add a round to its counts
     lag = host_read_lag(device, trace, profile)
-    stop_ids = set(pair.eos_token_ids if stop is None else stop)
-    L = drafter.cfg.block_size - 1 if drafter is not None else 0
+    L = pair.drafter.cfg.block_size - 1 if pair.drafter is not None else 0
     if method == "dflash":
         budget, topk = L, 1
-    elif method == "ar":  # no tree: one program whatever budget was passed
+    elif method == "ar":
         budget, topk = 1, None
     span = L + 1 if method != "ar" else 1
     max_tree = (auto.budgets[-1] if auto else budget) + 1 if method == "ddtree" else span
@@ -367,135 +338,280 @@ def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk:
     # never changes how a smaller tree's verify is launched.
     ahead = (lag + 1) * sync_every
     out_capacity = max_new_tokens + ahead * span + span
-    context_room = -(-(len(prompt_ids) + out_capacity + 1) // 256) * 256
-    cache_len = context_room + -(-max_tree // 64) * 64
-    max_rounds = max_new_tokens + ahead + 1
-    target.setup_cache(cache_len, max_past=context_room)
-    if drafter is not None:
-        drafter.setup_cache(cache_len, max_past=context_room)
-        drafter.window = draft_window
-    if auto is not None:
-        programs, runners, auto_state = _auto_programs_for(pair, auto, topk, temperature, draft_window, cache_len,
-                                                           out_capacity, max_rounds, graphs)
-    else:
-        program, runner = _program_for(pair, method, budget, topk, temperature, draft_window, cache_len,
-                                       out_capacity, max_rounds, graphs)
-        programs, runners, auto_state = [program], [runner], None
-    program = programs[-1]  # owns the decoding state (every program when there is one)
-    program.choose.generator.manual_seed(seed)
-    n = len(prompt_ids)
-    prefill = prefill_for(pair, n, program.layers, method != "ar") if padded_prefill(graphs, target) else None
-    capture_seconds = 0.0  # graph captures, before the clock starts or taken off it
-    if prefill is not None and prefill.graph is None and device.type == "cuda":  # a new padded length
-        capture_start = time.perf_counter()
-        prefill.capture()
-        torch.cuda.synchronize()
-        capture_seconds += time.perf_counter() - capture_start
-    clock = StageClock(device, sync=profile)
-    start = time.perf_counter()
+    context_room = -(-(prompt_len + out_capacity + 1) // 256) * 256
+    return Plan(method=method, budget=budget, topk=topk, auto=auto, temperature=temperature, seed=seed,
+                max_new_tokens=max_new_tokens, stop_ids=frozenset(pair.eos_token_ids if stop is None else stop),
+                draft_window=draft_window, graphs=graphs, trace=trace, profile=profile, round_times=round_times,
+                sync_every=sync_every, lag=lag, out_capacity=out_capacity, context_room=context_room,
+                cache_len=context_room + -(-max_tree // 64) * 64, max_rounds=max_new_tokens + ahead + 1)
 
-    # Prefill: the prompt's KV, the drafter's context, and the first new token.
+
+def round_programs(pair: Pair, plan: Plan) -> tuple[list[RoundProgram], list, AutoState | None]:
+    """The caches sized for the call, and its round programs: one, or under budget="auto" one per candidate over
+    one shared state; -> (programs, each one's GraphRunner or None, the choice's state or None). The last
+    program owns the decoding state."""
+    pair.target.setup_cache(plan.cache_len, max_past=plan.context_room)
+    if pair.drafter is not None:
+        pair.drafter.setup_cache(plan.cache_len, max_past=plan.context_room)
+        pair.drafter.window = plan.draft_window
+    if plan.auto is not None:
+        return _auto_programs_for(pair, plan)
+    program, runner = _program_for(pair, plan)
+    return [program], [runner], None
+
+
+def _program_for(pair: Pair, plan: Plan):
+    """Programs (and their graphs) are kept on the pair and reused while the caches stay the same. The key
+    holds every Python value a program's kernels were built from (the temperature and the draft window
+    included: a captured graph keeps the values it saw)."""
+    def make():
+        program = RoundProgram(pair, plan.method, plan.budget, plan.topk, plan.temperature, plan.out_capacity,
+                               plan.max_rounds)
+        return program, GraphRunner(program) if plan.graphs else None
+
+    K = topk_width(plan.topk, plan.budget, pair.target.cfg.vocab_size)
+    key = (plan.method, plan.budget, K, float(plan.temperature), plan.draft_window, plan.cache_len, plan.out_capacity,
+           plan.max_rounds, plan.graphs, pair.target.attention)
+    return kept(pair, "_programs", key, pair.drafter is not None, make,
+                lambda entry: entry[1] is not None and entry[1].release())
+
+
+def _auto_programs_for(pair: Pair, plan: Plan):
+    """One program per candidate budget over one shared state (the largest owns it), with the choice's
+    state; kept like single programs, the learned table with them."""
+    auto = plan.auto
+
+    def make():
+        L = pair.drafter.cfg.block_size - 1
+        state = AutoState(auto, L, plan.max_rounds, pair.device)
+        # the learned table outlives the programs (a new prompt length re-captures them): one per pair and setting
+        learned = pair.__dict__.setdefault("_auto_learned", {})
+        state.adopt(learned.setdefault((auto.key(), plan.topk, float(plan.temperature), options.key()),
+                                       state.learned()))
+        programs = [None] * len(auto.budgets)
+        for j in reversed(range(len(auto.budgets))):
+            programs[j] = RoundProgram(pair, "ddtree", auto.budgets[j], plan.topk, plan.temperature, plan.out_capacity,
+                                       plan.max_rounds, share=programs[-1], auto=state, auto_index=j)
+        runners = [None] * len(programs)
+        if plan.graphs:  # captured in this order (set_up_rounds): a shared pool is the first candidate's
+            shared = options.current().candidate_pools == "shared"
+            for j, program in enumerate(programs):
+                runners[j] = GraphRunner(program, pool_of=runners[0] if shared and j else None)
+        return programs, runners, state
+
+    def release(entry):
+        for runner in entry[1]:
+            if runner is not None:
+                runner.release()
+
+    key = ("auto", auto.key(), plan.topk, float(plan.temperature), plan.draft_window, plan.cache_len,
+           plan.out_capacity, plan.max_rounds, plan.graphs, pair.target.attention)
+    return kept(pair, "_auto_programs", key, True, make, release)
+
+
+def prefill_program(pair: Pair, plan: Plan, n: int, layers: list[int]):
+    """Where graphs run, the prefill at the prompt's padded length (captured now if that length is new); -> (it,
+    or None for an eager prefill; the seconds its capture took, kept off the clock)."""
+    if not padded_prefill(plan.graphs, pair.target):
+        return None, 0.0
+    prefill = prefill_for(pair, n, layers, plan.method != "ar")
+    if prefill.graph is not None or pair.device.type != "cuda":
+        return prefill, 0.0
+    start = time.perf_counter()
+    prefill.capture()
+    torch.cuda.synchronize()
+    return prefill, time.perf_counter() - start
+
+
+def run_prefill(pair: Pair, plan: Plan, program: RoundProgram, prefill, prompt_ids: list[int]) -> None:
+    """The prompt's KV, the drafter's context, and the first new token (the program's first bonus)."""
+    n, device = len(prompt_ids), pair.device
     with torch.profiler.record_function("prefill"):
         if prefill is not None:
             logits = prefill.run(prompt_ids)
         else:
             positions = torch.arange(n, device=device)
-            logits, hidden = target(torch.tensor(prompt_ids, device=device), positions, 0,
-                                    TreeMask.causal(n, device), program.layers,
-                                    logits_rows=torch.tensor([n - 1], device=device))
-            if method != "ar":
-                drafter.append_context(hidden, positions)
+            logits, hidden = pair.target(torch.tensor(prompt_ids, device=device), positions, 0,
+                                         TreeMask.causal(n, device), program.layers,
+                                         logits_rows=torch.tensor([n - 1], device=device))
+            if plan.method != "ar":
+                pair.drafter.append_context(hidden, positions)
     program.reset(n, program.choose(logits)[0])
-    clock.mark("other")
-    prefill_seconds = time.perf_counter() - start
-    round_capture_seconds = 0.0
-    capture_start, set_up = time.perf_counter(), False
+
+
+def set_up_rounds(programs: list[RoundProgram], runners: list, auto: AutoState | None, device):
+    """Each program's stages as (name, fn): replayed graphs (captured on the first call of this shape) or eager;
+    under budget="auto" each candidate's round cost, measured once. -> (the stage lists, the seconds the set-up
+    took, or None where there was none)."""
+    start, set_up = time.perf_counter(), False
     for runner in runners:
-        if runner is not None and not runner.graphs:  # first call of this shape: capture (not counted)
+        if runner is not None and not runner.graphs:
             runner.capture()
             torch.cuda.synchronize()
             set_up = True
-    stage_sets = [runner.stages() if runner is not None else
-                  [(name, then(pre, fn)) for name, fn, pre in p.stages] for p, runner in zip(programs, runners)]
-    if auto_state is not None and not auto_state.measured:  # each candidate's round cost, once (not counted)
-        auto_state.set_capture_costs(measure_costs(stage_sets, program.save_state, program.restore_state, device))
+    stage_sets = [runner.stages() if runner is not None else [(name, then(pre, fn)) for name, fn, pre in p.stages]
+                  for p, runner in zip(programs, runners)]
+    if auto is not None and not auto.measured:
+        owner = programs[-1]
+        auto.set_capture_costs(measure_costs(stage_sets, owner.save_state, owner.restore_state, device))
         set_up = True
-    if set_up:
-        round_capture_seconds = time.perf_counter() - capture_start
-        capture_seconds += round_capture_seconds
-        clock.mark("capture")
+    return stage_sets, time.perf_counter() - start if set_up else None
 
-    tokens: list[int] = [int(program.out[0])]
+
+@dataclass
+class Decoded:
+    """What the round loop leaves: the tokens (and auto's proposals) last read, and each round's candidate."""
+
+    tokens: list[int]
+    proposals: list[int] = field(default_factory=list)
+    chosen: list[int] = field(default_factory=list)      # each round's program (its candidate under auto)
+    traces: list[RoundTrace] = field(default_factory=list)
+    rounds: int = 0                                      # rounds run, those past a stop included
+
+
+def decode_rounds(plan: Plan, programs: list[RoundProgram], stage_sets: list, auto: AutoState | None,
+                  clock: StageClock) -> Decoded:
+    """Rounds until max_new_tokens or a stop token is read: `sync_every` rounds queued per host read, with up to
+    `lag` reads in flight."""
+    owner = programs[-1]
+    done = Decoded(tokens=[int(owner.out[0])])
     # budget="auto": the host runs the candidate the device proposed after round source_round(r), read with
     # the tokens (proposals = [bin 0's, round 0's, …]); before any read, the last call's bin-0 proposal. A fixed
     # budget has one candidate.
-    first_choice = auto_state.start(lag, sync_every) if auto_state is not None else 0
-    proposals: list[int] = []
-    chosen: list[int] = []
-    rounds: list[RoundTrace] = []
-    n_rounds = 0
+    first_choice = auto.start(plan.lag, plan.sync_every) if auto is not None else 0
     reads: list = []  # host reads in flight, oldest first, each `sync_every` rounds after the last
-    while len(tokens) < max_new_tokens and not stop_ids.intersection(tokens):
-        if reads and len(tokens) + len(reads) * sync_every >= max_new_tokens:
+    while len(done.tokens) < plan.max_new_tokens and not plan.stop_ids.intersection(done.tokens):
+        if reads and len(done.tokens) + len(reads) * plan.sync_every >= plan.max_new_tokens:
             # every queued round adds a token at least, so these reach the limit: wait, queue no more
-            tokens, proposals = _finish_read(reads[-1])
+            done.tokens, done.proposals = _finish_read(reads[-1])
             reads.clear()
             continue
-        for _ in range(sync_every):
-            clock.round = n_rounds
-            source = source_round(n_rounds, lag, sync_every)
-            j = first_choice if source < 0 or len(proposals) < 2 else proposals[1 + min(source, len(proposals) - 2)]
-            chosen.append(j)
-            position, root = (int(program.n), int(program.bonus)) if trace else (0, 0)
-            for name, fn in stage_sets[j]:
-                with torch.profiler.record_function(name):  # stage spans in profiler timelines
-                    fn()
-                clock.mark(name)
-            if trace:
-                rounds.append(programs[j].trace_round(n_rounds, position, root) if method != "ar" else
-                              RoundTrace(n_rounds, position, root, None, [0], [], int(program.bonus),
-                                         **routing_fields(target)))
-            n_rounds += 1
-        reads.append(_start_read(program, auto_state, n_rounds))
-        if len(reads) > lag:  # the host waits for the oldest read: one sync per `sync_every` rounds
-            tokens, proposals = _finish_read(reads.pop(0))
+        for _ in range(plan.sync_every):
+            source = source_round(done.rounds, plan.lag, plan.sync_every)
+            j = first_choice if source < 0 or len(done.proposals) < 2 else \
+                done.proposals[1 + min(source, len(done.proposals) - 2)]
+            run_round(plan, programs, j, stage_sets[j], clock, done)
+        reads.append(_start_read(owner, auto, done.rounds))
+        if len(reads) > plan.lag:  # the host waits for the oldest read: one sync per `sync_every` rounds
+            done.tokens, done.proposals = _finish_read(reads.pop(0))
         clock.mark("other")
-    if reads:  # rounds queued past a stop token: their tokens are trimmed below, their rounds not counted
-        tokens, proposals = _finish_read(reads[-1])
+    if reads:  # rounds queued past a stop token: their tokens are trimmed, their rounds not counted
+        done.tokens, done.proposals = _finish_read(reads[-1])
+    return done
 
-    wall = time.perf_counter() - start - round_capture_seconds
-    if auto_state is not None:
-        auto_state.finish(proposals[0] if proposals else None)
-    out, stop_reason = _trim(tokens, max_new_tokens, stop_ids)
-    acceptance = _rounds_needed(program.taus[:n_rounds].tolist(), len(out))
+
+def run_round(plan: Plan, programs: list[RoundProgram], j: int, stages: list, clock: StageClock,
+              done: Decoded) -> None:
+    """Round `done.rounds` on program j: its stages, each timed by the clock; its trace when tracing."""
+    owner = programs[-1]
+    clock.round = done.rounds
+    done.chosen.append(j)
+    position, root = (int(owner.n), int(owner.bonus)) if plan.trace else (0, 0)
+    for name, fn in stages:
+        with torch.profiler.record_function(name):  # stage spans in profiler timelines
+            fn()
+        clock.mark(name)
+    if plan.trace:
+        done.traces.append(programs[j].trace_round(done.rounds, position, root) if plan.method != "ar" else
+                           RoundTrace(done.rounds, position, root, None, [0], [], int(owner.bonus),
+                                      **routing_fields(owner.target)))
+    done.rounds += 1
+
+
+def stage_times(clock: StageClock, counted: int, wall: float) -> tuple[dict, dict]:
+    """-> (seconds per stage over the call, seconds per stage per round). The captures are off the clock; rounds
+    past the stop (computed, not counted) are overhead, not round time; what no stage covers is "other"."""
     totals, per_round = clock.resolve()
     totals.pop("capture", None)
-    if auto_state is not None:  # each counted round's time (stages and the host's read) for the next call's
-        # costs; the first round's also holds the host's start-up reads, so it is left out
-        counted = range(1, len(acceptance))
-        auto_state.observe([chosen[i] for i in counted], [sum(per_round.get(i, {}).values()) for i in counted])
-    for r in rounds:
-        r.stage_seconds = per_round.get(r.index, {})
-    for index, spent in per_round.items():  # rounds past the stop: overhead, not round time
-        if index >= len(acceptance):
+    for index, spent in per_round.items():
+        if index >= counted:
             for stage in (s for s in STAGES if s != "other"):
                 sec = spent.get(stage, 0.0)
                 totals[stage] -= sec
                 totals["other"] += sec
     totals["other"] += max(0.0, wall - sum(totals.values()))
+    return totals, per_round
+
+
+def learn_round_costs(auto: AutoState, chosen: list[int], per_round: dict, counted: int) -> None:
+    """Each counted round's time (stages and the host's read) for the next call's costs; the first round's also
+    holds the host's start-up reads, so it is left out."""
+    rounds = range(1, counted)
+    auto.observe([chosen[i] for i in rounds], [sum(per_round.get(i, {}).values()) for i in rounds])
+
+
+def finish_call(pair: Pair, plan: Plan, prompt_ids: list[int], programs: list[RoundProgram], auto: AutoState | None,
+                clock: StageClock, done: Decoded, wall: float, prefill_seconds: float,
+                capture_seconds: float) -> GenerationResult:
+    """The tokens up to the limit or the stop, the rounds that produced them, the time per stage (and per round
+    when asked), auto's learning from the call; -> the result."""
+    if auto is not None:
+        auto.finish(done.proposals[0] if done.proposals else None)
+    out, stop_reason = _trim(done.tokens, plan.max_new_tokens, plan.stop_ids)
+    acceptance = _rounds_needed(programs[-1].taus[:done.rounds].tolist(), len(out))
+    totals, per_round = stage_times(clock, len(acceptance), wall)
+    if auto is not None:
+        learn_round_costs(auto, done.chosen, per_round, len(acceptance))
+    for r in done.traces:
+        r.stage_seconds = per_round.get(r.index, {})
     return GenerationResult(
-        method=method, prompt_tokens=prompt_ids, tokens=out, text=pair.decode(out),
+        method=plan.method, prompt_tokens=prompt_ids, tokens=out, text=pair.decode(out),
         acceptance_lengths=acceptance, stage_seconds={s: totals.get(s, 0.0) for s in STAGES},
         wall_seconds=wall, trimmed=1 + sum(acceptance) - len(out), stop_reason=stop_reason,
-        settings={"method": method, "budget": ("auto" if auto else budget) if method != "ar" else None,
-                  **({"auto": _auto_settings(auto, auto_state)} if auto else {}),
-                  "topk": topk, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                  "seed": seed, "draft_window": draft_window, "attention": target.attention,
-                  "device": str(device), "dtype": str(pair.dtype).replace("torch.", ""),
-                  "cuda_graphs": graphs, "sync_every": sync_every, "capture_seconds": capture_seconds},
-        rounds=rounds, prefill_seconds=prefill_seconds,
-        round_budgets=[programs[j].budget for j in chosen[:len(acceptance)]] if method != "ar" else [],
+        settings=_call_settings(pair, plan, auto, capture_seconds), rounds=done.traces,
+        prefill_seconds=prefill_seconds,
+        round_budgets=[programs[j].budget for j in done.chosen[:len(acceptance)]] if plan.method != "ar" else [],
+        round_stage_seconds=[{s: per_round.get(i, {}).get(s, 0.0) for s in STAGES} for i in range(len(acceptance))]
+        if plan.round_times else None,
     )
+
+
+@torch.inference_mode()
+def generate(pair: Pair, prompt, method: str = "ddtree", budget: int = 64, topk: int | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, trace: bool = True,
+             stop: list[int] | None = None, draft_window: int | None = None, profile: bool = False,
+             cuda_graphs: bool | None = None, sync_every: int = 1, round_times: bool = False) -> GenerationResult:
+    """Generate up to `max_new_tokens` new tokens from `prompt` (text, chat messages or token ids).
+
+    budget: DDTree's node budget, or "auto" / an AutoBudget: each round's budget chosen on the device among
+    captured ones (auto_budget.py).
+    cuda_graphs: replay each round's stages as CUDA graphs (default: on for CUDA devices).
+    sync_every: rounds run between host reads of the new tokens (more = fewer syncs, later EOS stop).
+    round_times: keep each round's stage times (`GenerationResult.round_stage_seconds`) without tracing.
+    """
+    check_pair(pair)
+    prompt_ids = encode_prompt(pair, prompt)
+    budget = resolve_budget(budget)
+    _validate(pair, method, budget, topk, max_new_tokens, temperature, len(prompt_ids), seed)
+    plan = plan_call(pair, len(prompt_ids), method, budget, topk, max_new_tokens, temperature, seed, trace, stop,
+                     draft_window, profile, cuda_graphs, sync_every, round_times)
+    programs, runners, auto = round_programs(pair, plan)
+    owner = programs[-1]  # owns the decoding state (every program when there is one)
+    owner.choose.generator.manual_seed(seed)
+    # graph captures happen before the clock starts, or are taken off it
+    prefill, capture_seconds = prefill_program(pair, plan, len(prompt_ids), owner.layers)
+    clock = StageClock(pair.device, sync=profile)
+    start = time.perf_counter()
+    run_prefill(pair, plan, owner, prefill, prompt_ids)
+    clock.mark("other")
+    prefill_seconds = time.perf_counter() - start
+    stage_sets, set_up_seconds = set_up_rounds(programs, runners, auto, pair.device)
+    if set_up_seconds is not None:  # a first call of this shape: its captures are not counted
+        capture_seconds += set_up_seconds
+        clock.mark("capture")
+    done = decode_rounds(plan, programs, stage_sets, auto, clock)
+    wall = time.perf_counter() - start - (set_up_seconds or 0.0)
+    return finish_call(pair, plan, prompt_ids, programs, auto, clock, done, wall, prefill_seconds, capture_seconds)
+
+
+def _call_settings(pair: Pair, plan: Plan, auto: AutoState | None, capture_seconds: float) -> dict:
+    """The call's settings as its result records them (JSON-ready)."""
+    return {"method": plan.method, "budget": ("auto" if plan.auto else plan.budget) if plan.method != "ar" else None,
+            **({"auto": _auto_settings(plan.auto, auto)} if plan.auto else {}),
+            "topk": plan.topk, "max_new_tokens": plan.max_new_tokens, "temperature": plan.temperature,
+            "seed": plan.seed, "draft_window": plan.draft_window, "attention": pair.target.attention,
+            "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""),
+            "cuda_graphs": plan.graphs, "sync_every": plan.sync_every, "capture_seconds": capture_seconds}
 
 
 def _auto_settings(auto: AutoBudget, state: AutoState) -> dict:

@@ -41,11 +41,24 @@ def warm_up(fn, times: int = 2) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
+_captured = {"round": 0, "prefill": 0}
+
+
+def captures() -> dict[str, int]:
+    """Programs this process has captured, by kind: "round" (one GraphRunner's stages) and "prefill" (a padded
+    prefill). A bench reads it around its timed passes: a capture there is a program made again, whose first
+    replays run cold."""
+    return dict(_captured)
+
+
 class GraphRunner:
     """Captures each stage of a RoundProgram as a CUDA graph and replays them."""
 
-    def __init__(self, program):  # a decode.RoundProgram
+    def __init__(self, program, pool_of: "GraphRunner | None" = None):
+        """program: a decode.RoundProgram; pool_of: a runner captured before this one whose memory pool these
+        graphs share (programs that never run at once, as budget="auto"'s candidates, may)."""
         self.program = program
+        self.pool_of = pool_of
         self.graphs: list[tuple[str, torch.cuda.CUDAGraph, object]] = []
         self.pool = None
 
@@ -59,6 +72,7 @@ class GraphRunner:
 
         warm_up(one_round)
         p.restore_state(saved)
+        self.pool = self.pool_of.pool if self.pool_of is not None else None
         with capturing():
             for name, fn, pre in p.stages:
                 g = torch.cuda.CUDAGraph()
@@ -67,6 +81,7 @@ class GraphRunner:
                 self.pool = self.pool or g.pool()
                 self.graphs.append((name, g, pre))
         p.restore_state(saved)
+        _captured["round"] += 1
 
     def stages(self):
         return [(name, then(pre, g.replay)) for name, g, pre in self.graphs]
@@ -113,6 +128,7 @@ class Prefill:
         self.graph = torch.cuda.CUDAGraph()
         with capturing(), torch.cuda.graph(self.graph):
             self.forward()
+        _captured["prefill"] += 1
 
     def run(self, prompt_ids: list[int]) -> torch.Tensor:
         """-> logits [1, V] of the prompt's last token; caches filled as an unpadded prefill would."""

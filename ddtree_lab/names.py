@@ -10,6 +10,8 @@ TRITON_BACKENDS = ("triton", "invariant")                      # the backends wh
 MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
 AUTO = "auto"                                                    # budget="auto": chosen per round (auto_budget.py)
 AUTO_CANDIDATES = (16, 32, 64, 128, 256)                         # what "auto" chooses among unless told
+AUTO_MAX_CANDIDATES = 8  # budgets one "auto" may choose among: a captured round each, a lane each in its kernel's block
+AUTO_MAX_EDGES = AUTO_MAX_CANDIDATES - 1  # its confidence bins' edges: the kernel reads them in that same block
 
 # dtype spellings a user may write -> the canonical name (torch.<name>)
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",

@@ -1,9 +1,10 @@
 """Process-wide engine choices, in one explicit place.
 
 Each is a choice between implementations that give the same tokens (which code builds the tree, how
-the host reads results, how layers compile, the verify kernel's launch), set for a whole run by the
-bench CLI or a test. They are read when a round program is built, and `key()` is part of every captured
-program's cache key: a program captured under one choice is never replayed under another.
+the host reads results, how layers compile, the verify kernel's launch, where auto's captured candidates keep
+their memory), set for a whole run by the bench CLI or a test. They are read when a round program is built,
+and `key()` is part of every captured program's cache key: a program captured under one choice is never
+replayed under another.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 TREE_BUILDS = ("sort", "count", "fused")
 TREE_KERNELS = ("triton", "torch")
 TREE_TOPKS = ("torch", "triton")
+CANDIDATE_POOLS = ("each", "shared")
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,13 @@ class Options:
     compile_options: tuple = ()
     # kernels/tree_attention.launch_config overrides for the verify kernel, as sorted (key, value) pairs.
     attention_launch: tuple = ()
+    # budget="auto"'s captured candidates: "each" keeps its graphs' memory in a pool of its own, "shared" puts all
+    # of them in one (they never run at once); None: each.
+    candidate_pools: str | None = None
 
     def __post_init__(self):
         for name, allowed in (("tree_kernels", TREE_KERNELS), ("tree_build", TREE_BUILDS),
-                              ("tree_topk", TREE_TOPKS)):
+                              ("tree_topk", TREE_TOPKS), ("candidate_pools", CANDIDATE_POOLS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)} (or None)")

@@ -75,6 +75,10 @@ class GenerationResult:
     rounds: list[RoundTrace] = field(default_factory=list)
     prefill_seconds: float = 0.0   # the prompt's forward (counted in stage "other")
     round_budgets: list[int] = field(default_factory=list)  # each round's tree budget (DFlash, DDTree)
+    # generate(round_times=True): per counted round, seconds per stage of STAGES, as the events between the
+    # stages timed them ("other": the host's reads after the round; the first round also holds the host's
+    # start-up); None unless asked
+    round_stage_seconds: list[dict[str, float]] | None = None
 
     @property
     def mean_acceptance(self) -> float:
@@ -98,6 +102,8 @@ class GenerationResult:
             "trimmed": self.trimmed, "stop_reason": self.stop_reason,
             "prefill_seconds": self.prefill_seconds, "round_budgets": self.round_budgets,
         }
+        if self.round_stage_seconds is not None:
+            d["round_stage_seconds"] = self.round_stage_seconds
         if with_rounds:
             d["rounds"] = [r.to_json() for r in self.rounds]
         return d

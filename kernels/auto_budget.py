@@ -19,7 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_CANDIDATES = 8
+try:
+    from ..names import AUTO_MAX_CANDIDATES
+except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): the installed package's vocabulary
+    from ddtree_lab.names import AUTO_MAX_CANDIDATES
+
 FAR = 2 ** 30  # a node index beyond every budget (masked path slots)
 _FAR = tl.constexpr(FAR)
 
@@ -97,7 +101,7 @@ def launch_sizes(path, budgets, edges, n_conf: int) -> dict:
     """_auto_kernel's compile-time sizes."""
     NB = edges.shape[0] + 1
     return dict(J=budgets.shape[0], NB=NB, BLOCK_P=max(16, triton.next_power_of_2(path.shape[0])),
-                BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=MAX_CANDIDATES,
+                BLOCK_C=max(16, triton.next_power_of_2(n_conf)), BLOCK_J=AUTO_MAX_CANDIDATES,
                 BLOCK_R=max(2, triton.next_power_of_2(NB + 1)))
 
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 import ddtree_lab as dl
+from ddtree_lab.atomic import atomic_write_json
 from ddtree_lab.prompts import read_prompt_set
 
 
@@ -41,6 +44,11 @@ def costs_or_exit(ap: argparse.ArgumentParser, path: str) -> dict[int, float]:
         return gpu_costs(path)
     except ValueError as e:
         ap.error(str(e))
+
+
+def command_line(tool: str) -> str:
+    """How this run was started, for its JSON."""
+    return shlex.join(["python", f"tools/{tool}", *sys.argv[1:]])
 
 
 def priced_args(description: str, passes: int) -> argparse.ArgumentParser:
@@ -83,9 +91,9 @@ def main() -> None:
         passes.append({"tokens_per_second": tau / cost, "vs_best_fixed": tau / cost / fixed[best], "rounds": share})
         print(f"auto pass {i}: {tau / cost:.0f} tokens/s, {tau / cost / fixed[best]:.3f} of budget {best}; rounds {share}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from,
-                       "costs": costs, "fixed": fixed, "best": best, "auto": passes}, f, indent=1)
+        atomic_write_json(args.out, {"command": command_line("auto_priced.py"), "pair": args.pair,
+                                     "prompts": args.prompts, "costs_from": args.costs_from, "costs": costs,
+                                     "fixed": fixed, "best": best, "auto": passes})
 
 
 if __name__ == "__main__":

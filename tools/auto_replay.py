@@ -19,16 +19,16 @@ its best budget in hindsight, and one budget per confidence bin, at the host's r
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import ddtree_lab as dl
+from ddtree_lab.atomic import atomic_write_json
 from ddtree_lab.prompts import read_prompt_set
 from ddtree_lab.workbench import advisor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: the sibling tool's reader
-from auto_priced import costs_or_exit, priced_args  # noqa: E402
+from auto_priced import command_line, costs_or_exit, priced_args  # noqa: E402
 
 
 def traced_rows(pair, prompts, budget: int, max_new_tokens: int) -> list[dict]:
@@ -77,11 +77,10 @@ def main() -> None:
           f"{ceiling['per_round']:.4f}; one per confidence bin at the read lag {ceiling['per_bin']:.4f} "
           f"({ceiling['per_bin_choice']}), on the round's own confidence {ceiling['same_round']:.4f}")
     if args.out:
-        head = {"command": " ".join(["python tools/auto_replay.py", *sys.argv[1:]]), "pair": args.pair, "prompts": args.prompts, "costs_from": args.costs_from, "costs": costs,
-                "lag": args.lag, "ceiling": ceiling}
-        with open(args.out, "w") as f:
-            json.dump({**head, **runs[0]} if len(runs) == 1 and not runs[0]["settings"] else {**head, "runs": runs},
-                      f, indent=1)
+        head = {"command": command_line("auto_replay.py"), "pair": args.pair, "prompts": args.prompts,
+                "costs_from": args.costs_from, "costs": costs, "lag": args.lag, "ceiling": ceiling}
+        atomic_write_json(args.out, {**head, **runs[0]} if len(runs) == 1 and not runs[0]["settings"] else
+                          {**head, "runs": runs})
 
 
 if __name__ == "__main__":

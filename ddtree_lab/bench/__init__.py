@@ -1,6 +1,8 @@
 """`ddtree-lab bench` (cli.py) and the micro-benchmarks: speed measured side by side in one run, as JSON.
 
-  e2e.py         rounds end to end: stage times, tokens/s, the AR step's roofline; prompts; profiles
+  e2e.py         rounds end to end: stage times, tokens/s, the AR step's roofline; prompts; profiles; the
+                 timed passes every bench over prompts shares
+  overhead.py    what budget="auto" costs beyond its rounds, per call and per round; the MoE counts' read
   attention.py   verify attention: triton vs sdpa vs flex (python -m ddtree_lab.bench.attention)
   timing.py      a call timed inside a captured graph; the copy bandwidth (torch only)
   tree_build.py  the one-launch tree build's warps (python -m ddtree_lab.bench.tree_build)

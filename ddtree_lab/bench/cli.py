@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import options
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_json
 from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..decode import host_read_lag
 from ..environment import environment
@@ -20,6 +20,7 @@ from ..prompts import read_prompt_set
 from ..runtime import device_defaults
 from .timing import device_copy_gbps
 from .e2e import bench_model, bench_prompts, profile_rounds, run_e2e
+from .overhead import auto_overhead, auto_rounds, check_budget_span, moe_counting
 
 
 def _add_runtime_args(p) -> None:
@@ -69,14 +70,10 @@ def add_bench_args(p) -> None:
     _add_runtime_args(e)
     e.add_argument("--out", default="outputs/bench/e2e.json", help="JSON written here")
     r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
-    r.add_argument("--pair", default="lab", help="a named pair")
-    r.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
-    r.add_argument("--n-prompts", type=positive_int, default=8, help="prompts from the set")
+    _add_prompt_set_args(r, repeats=3)
     r.add_argument("--budgets", type=bench_budget_arg, nargs="+", default=[16, 32, 64, 128, 256],
                    help="DDTree budgets; 'auto' adds budget='auto' choosing among the others, and "
                         "'auto:memory=8192,explore=0.5' another auto with those settings, side by side")
-    r.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt")
-    r.add_argument("--repeats", type=positive_int, default=3, help="interleaved passes over all methods; tok/s is the median")
     _add_runtime_args(r)
     r.add_argument("--out", default="outputs/bench/prompts.json", help="JSON written here")
     f = sub.add_parser("profile", help="kernels and GPU time per stage of eager rounds (torch.profiler)")
@@ -87,6 +84,43 @@ def add_bench_args(p) -> None:
     f.add_argument("--rounds", type=positive_int, default=8, help="rounds profiled per method")
     _add_runtime_args(f)
     f.add_argument("--out", default="outputs/bench/profile.json", help="JSON written here")
+    o = sub.add_parser("auto-overhead", help="what budget='auto' costs beyond its rounds: fixed B against autos "
+                                             "over B (bench/overhead.py)")
+    _add_prompt_set_args(o, repeats=3)
+    o.add_argument("--budget", type=tree_budget_arg, default=64,
+                   help="B: fixed B and 2B; auto over (B,), over (B, 8B) and (B, 2B) with the larger priced out, over "
+                        "(B/2, B) priced equal, and over 16..256")
+    o.add_argument("--pools", action="store_true",
+                   help="also run each auto with one memory pool for all its candidates' graphs")
+    _add_runtime_args(o)
+    o.add_argument("--out", default="outputs/bench/auto_overhead.json", help="JSON written here")
+    a = sub.add_parser("auto-rounds", help="per-round stage times of fixed budgets and auto, by the budget each "
+                                           "round ran at, and the captures in timed passes (bench/overhead.py)")
+    _add_prompt_set_args(a, repeats=4)
+    a.add_argument("--budget", type=tree_budget_arg, default=32,
+                   help="B: fixed B/2, B and 2B; auto over the three, over (B,), over (B, 2B) with 2B priced out")
+    _add_runtime_args(a)
+    a.add_argument("--out", default="outputs/bench/auto_rounds.json", help="JSON written here")
+    m = sub.add_parser("moe-counting", help="what a traced round's read of the MoE expert counts costs, against the "
+                                            "round (bench/overhead.py)")
+    m.add_argument("--model", default="random:qwen3-30b-a3b", help="an MoE target: as for e2e")
+    m.add_argument("--budget", type=tree_budget_arg, default=64, help="DDTree budget")
+    m.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
+    m.add_argument("--max-new-tokens", type=positive_int, default=48, help="new tokens per traced call")
+    m.add_argument("--repeats", type=positive_int, default=3, help="traced calls timed, each with its reads")
+    m.add_argument("--reads", type=positive_int, default=50, help="reads of the counts timed per repeat")
+    _add_runtime_args(m)
+    m.add_argument("--out", default="outputs/bench/moe_counting.json", help="JSON written here")
+
+
+def _add_prompt_set_args(p, repeats: int) -> None:
+    """A pair and prompts from one of its sets, as the benches over real prompts take them."""
+    p.add_argument("--pair", default="lab", help="a named pair")
+    p.add_argument("--prompts", default="lab:code", help="prompt set, e.g. lab:code or a .jsonl path")
+    p.add_argument("--n-prompts", type=positive_int, default=8, help="prompts from the set")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt")
+    p.add_argument("--repeats", type=positive_int, default=repeats,
+                   help="interleaved passes over all runs, each in an order rotated by one; tok/s is the median")
 
 
 ATTN_CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "num_splits", "split_target", "waves",
@@ -138,58 +172,114 @@ def run_options(args) -> dict:
     return chosen
 
 
+def command_line(args) -> str:
+    """The bench as a command that runs it again, every option spelled out (defaults included): a JSON's
+    `command`."""
+    parts = ["ddtree-lab", "bench", args.bench]
+    for key, value in vars(args).items():
+        if key in ("command", "func", "bench") or value is None or value is False or value == []:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    return shlex.join(parts)
+
+
+def bench_kernels(args) -> dict:
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels needs a CUDA GPU")
+    from .attention import bench_tree_attention, summary_table
+
+    rows = bench_tree_attention(args.trees, args.contexts, tuple(args.backends), progress=True)
+    print(summary_table(rows), file=sys.stderr)
+    return {"copy_gbps": device_copy_gbps(), "rows": rows}
+
+
+def load_bench_pair(args):
+    """The named pair a bench over prompts runs, as its runtime flags ask."""
+    return load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention, compile=args.compile)
+
+
+def prompt_set(args) -> dict:
+    """What the JSON of a bench over prompts says of them, with the prompts (popped by the caller)."""
+    prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
+    return {"prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "prompts": prompts}
+
+
+def bench_prompts_cli(args) -> dict:
+    if all(is_auto_label(b) for b in args.budgets):
+        raise ValueError("--budgets auto: give fixed budgets beside it; auto chooses among them")
+    pair = load_bench_pair(args)
+    chosen = prompt_set(args)
+    prompts = chosen.pop("prompts")
+    return {"pair": pair.describe(), "compile": args.compile, "tree_kernels": args.tree_kernels, **chosen,
+            **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens, repeats=args.repeats)}
+
+
+def bench_auto_overhead(args) -> dict:
+    check_budget_span(args.budget, 8, "auto-overhead")  # before the pair loads
+    pair = load_bench_pair(args)
+    chosen = prompt_set(args)
+    prompts = chosen.pop("prompts")
+    return {"pair": pair.describe(), "compile": args.compile, "attention": args.attention, "dtype": args.dtype,
+            **chosen, **auto_overhead(pair, prompts, args.budget, args.max_new_tokens, args.repeats, args.pools)}
+
+
+def bench_auto_rounds(args) -> dict:
+    check_budget_span(args.budget, 2, "auto-rounds")
+    pair = load_bench_pair(args)
+    chosen = prompt_set(args)
+    prompts = chosen.pop("prompts")
+    return {"pair": pair.describe(), "compile": args.compile, "attention": args.attention, "dtype": args.dtype,
+            **chosen, **auto_rounds(pair, prompts, args.budget, args.max_new_tokens, args.repeats)}
+
+
+def bench_moe_counting(args) -> dict:
+    pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
+    return {"model": args.model, "dtype": args.dtype, "attention": args.attention, "compile": args.compile,
+            **moe_counting(pair, args.budget, args.prompt_len, args.max_new_tokens, args.repeats, args.reads)}
+
+
+def bench_profile(args) -> dict:
+    pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
+    runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+    rows = []
+    for method, budget in runs:
+        row = profile_rounds(pair, method, budget, args.prompt_len, args.rounds)
+        rows.append(row)
+        print(f"  {method:6s} budget={budget!s:5s} {row['kernels_per_round']:6.0f} kernels "
+              f"{row['us_per_round']:9.1f} us/round  " + " ".join(
+                  f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
+                  for s, v in row["stages"].items()), file=sys.stderr, flush=True)
+    return {"model": args.model, "dtype": args.dtype, "attention": args.attention, "compile": args.compile,
+            "tree_kernels": args.tree_kernels, "rows": rows}
+
+
+def bench_e2e_cli(args) -> dict:
+    start = time.perf_counter()
+    result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
+                     args.compile, args.tp)
+    return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
+
+
+BENCHES = {"kernels": bench_kernels, "e2e": bench_e2e_cli, "prompts": bench_prompts_cli, "profile": bench_profile,
+           "auto-overhead": bench_auto_overhead, "auto-rounds": bench_auto_rounds, "moe-counting": bench_moe_counting}
+
+
 def run_bench_cli(args) -> int:
     if hasattr(args, "device"):  # the end-to-end benches: what --dtype and --attention mean on this device
         for key, value in device_defaults(args.device).items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
     options.replace(**run_options(args))  # for this process: the CLI runs one bench and exits
-    compile_mode = getattr(args, "compile_mode", "default")
-    attn_config = dict(options.current().attention_launch)
-    if args.bench == "kernels":
-        if not torch.cuda.is_available():
-            raise ValueError("bench kernels needs a CUDA GPU")
-        from .attention import bench_tree_attention, summary_table
-
-        rows = bench_tree_attention(args.trees, args.contexts, tuple(args.backends), progress=True)
-        result = {"kind": "kernels", "environment": environment(), "copy_gbps": device_copy_gbps(), "rows": rows}
-        print(summary_table(rows), file=sys.stderr)
-    elif args.bench == "prompts":
-        if all(is_auto_label(b) for b in args.budgets):
-            raise ValueError("--budgets auto: give fixed budgets beside it; auto chooses among them")
-        pair = load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention,
-                         compile=args.compile)
-        prompts = [p["prompt"] for p in read_prompt_set(args.prompts, args.n_prompts)]
-        result = {"kind": "prompts", "environment": environment(), "pair": pair.describe(), "compile": args.compile,
-                  "tree_kernels": args.tree_kernels,
-                  "prompt_set": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                  **bench_prompts(pair, prompts, args.budgets, args.max_new_tokens, repeats=args.repeats)}
-    elif args.bench == "profile":
-        pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
-        runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
-        rows = []
-        for method, budget in runs:
-            row = profile_rounds(pair, method, budget, args.prompt_len, args.rounds)
-            rows.append(row)
-            print(f"  {method:6s} budget={budget!s:5s} {row['kernels_per_round']:6.0f} kernels "
-                  f"{row['us_per_round']:9.1f} us/round  " + " ".join(
-                      f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
-                      for s, v in row["stages"].items()), file=sys.stderr, flush=True)
-        result = {"kind": "profile", "environment": environment(), "model": args.model, "dtype": args.dtype,
-                  "attention": args.attention, "compile": args.compile, "tree_kernels": args.tree_kernels, "rows": rows}
-    else:
-        start = time.perf_counter()
-        result = {"kind": "e2e", "environment": environment(),
-                  **run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention,
-                            args.device, args.compile, args.tp)}
-        result["tree_kernels"] = args.tree_kernels
-        result["bench_seconds"] = time.perf_counter() - start
+    result = {"kind": args.bench, "command": command_line(args), "environment": environment(),
+              **BENCHES[args.bench](args)}
     result["tree_build"] = getattr(args, "tree_build", "auto")
     result["tree_topk"] = getattr(args, "tree_topk", "auto")
-    result["attn_config"] = attn_config
-    result["compile_mode"] = compile_mode
+    result["attn_config"] = dict(options.current().attention_launch)
+    result["compile_mode"] = getattr(args, "compile_mode", "default")
     result["host_read_lag"] = host_read_lag(getattr(args, "device", "cuda"))
     if getattr(args, "tp", 1) == 1 or torch.distributed.get_rank() == 0:  # tensor parallel: rank 0 writes
-        atomic_write_text(Path(args.out), json.dumps(result, indent=2))
+        atomic_write_json(Path(args.out), result, indent=2)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -18,14 +18,13 @@ from typing import Any
 
 from .. import pairs
 from ..environment import PACKAGE_DIR, REPO_DIR
-from ..names import ATTENTION_BACKENDS, AUTO, MAX_BUDGET, METHODS, STUDY_DTYPES
+from ..names import ATTENTION_BACKENDS, AUTO, AUTO_MAX_CANDIDATES, MAX_BUDGET, METHODS, STUDY_DTYPES
 from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
 from ..runtime import RuntimeCheckError, check_runtime
 
 DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
 PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-AUTO_MAX_CANDIDATES = 8  # AutoBudget's limit: one captured round per candidate (auto_budget.py)
 
 
 class StudyError(ValueError):

@@ -247,3 +247,82 @@ def test_prompts_band_resamples_prompts_and_rechooses_the_best():
     band = prompts_band(row([1.0, 1.0, 1.0, 1.0]), [a, b], n_boot=300)
     assert band["high"] == pytest.approx(1.0) and band["low"] < 0.9 and 0.0 < band["at_least_best"] < 1.0
     assert band["centre"] == pytest.approx(1.0)  # the whole set: a 40 tokens in 4 s, b in 5 s, so a is the best
+
+
+def test_timed_passes_warm_up_then_rotate_the_runs(tmp_path, monkeypatch):
+    """The one loop of the timing benches: untimed, the caches grown, each prompt length once and a pass of every
+    run; then each repeat runs every run over all prompts, in an order rotated by one, under the run's options."""
+    import ddtree_lab as dl
+    import ddtree_lab.bench.e2e as e2e
+
+    pair = dl.load_pair("lab")
+    calls = []
+    real = e2e.generate
+
+    def counted(pair, prompt, **kw):
+        calls.append((kw.get("method"), kw.get("budget"), kw.get("max_new_tokens"), options.current().candidate_pools))
+        return real(pair, prompt, **kw)
+
+    monkeypatch.setattr(e2e, "generate", counted)
+    runs = [e2e.Run("ar", "ar"), e2e.Run("ddtree 4", budget=4),
+            e2e.Run("shared", budget=dl.AutoBudget(budgets=(2, 4)), options=(("candidate_pools", "shared"),))]
+    passes, orders = e2e.timed_passes(pair, ["def f(x):", "class A:"], runs, repeats=3, max_new_tokens=5,
+                                      round_times=True)
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert calls[0] == ("ddtree", 4, 5, None)                                    # the caches grown
+    assert calls[1:3] == [("ar", None, 2, None)] * 2                            # each prompt length once
+    assert [c[:2] for c in calls[3:9]] == [("ar", None)] * 2 + [("ddtree", 4)] * 2 + [("ddtree", runs[2].budget)] * 2
+    assert len(calls) == 9 + 3 * 3 * 2 and {c[3] for c in calls if c[1] is runs[2].budget} == {"shared"}
+    assert options.current().candidate_pools is None                            # put back after each call
+    for run_passes in passes:
+        assert len(run_passes) == 3 and all(len(p.results) == 2 for p in run_passes)
+        p = run_passes[0]
+        assert p.tokens == 10 and p.captures == {"round": 0, "prefill": 0}     # the CPU captures nothing
+        assert p.seconds == sum(r.wall_seconds for r in p.results) and p.rounds == len(p.taus)
+        assert all(len(r.round_stage_seconds) == len(r.acceptance_lengths) for r in p.results)
+    per_repeat, median, nearest = e2e.median_repeat(passes[1])
+    assert sorted(per_repeat)[1] == median == per_repeat[nearest]
+
+
+def test_auto_overhead_against_fixed_b_repeat_by_repeat(tmp_path):
+    res = bench(tmp_path, "auto-overhead", "--pair", "lab", "--n-prompts", "1", "--budget", "4", "--max-new-tokens",
+                "6", "--repeats", "2", "--pools", "--device", "cpu")
+    assert res["kind"] == "auto-overhead" and res["budget"] == 4 and res["n_prompts"] == 1
+    assert res["command"].startswith("ddtree-lab bench auto-overhead ") and "--pools" in res["command"]
+    assert "--budget 4" in res["command"] and f"--out {tmp_path / 'bench.json'}" in res["command"]
+    runs = res["runs"]
+    assert list(runs)[:4] == ["fixed 4", "fixed 8", "auto over (4,)", "auto over (4,), one pool"]
+    assert len(runs) == 2 + 2 * 5 and len(res["order_per_repeat"]) == 2
+    for row in runs.values():
+        assert len(row["vs_fixed_per_repeat"]) == 2 and row["tokens_per_second"] > 0
+        assert row["prompts_alike_first_run"] == 1  # float32: every run emits fixed 4's tokens
+    assert runs["fixed 4"]["vs_fixed"] == 1.0
+    assert set(runs["auto over (4, 32), 32 priced out"]["budget_rounds"]) == {"4"}  # 32 priced out: never run
+    with pytest.raises(ValueError, match="--budget 256: bench auto-overhead also runs 128 and 2048; give 2..128"):
+        bench(tmp_path, "auto-overhead", "--pair", "no-such-pair", "--budget", "256", "--device", "cpu")
+
+
+def test_auto_rounds_per_round_stage_medians_by_budget(tmp_path):
+    res = bench(tmp_path, "auto-rounds", "--pair", "lab", "--n-prompts", "1", "--budget", "4", "--max-new-tokens",
+                "8", "--repeats", "2", "--device", "cpu")
+    runs = res["runs"]
+    assert list(runs) == ["fixed 4", "fixed 8", "fixed 2", "auto over (2, 4, 8)", "auto over (4,)",
+                          "auto over (4, 8), 8 priced out"]
+    for name, row in runs.items():
+        assert row["captures_in_timed_passes"] == 0 == row["prefill_captures_in_timed_passes"]  # no graphs on a CPU
+        for budget, cell in row["by_budget"].items():
+            assert cell["rounds"] > 0 and set(cell["us_median"]) == {"draft", "tree_build", "verify", "commit", "other"}
+            assert cell["us_median"]["verify"] > 0 and cell["us_median_of_the_four_stages"] > 0
+    assert set(runs["fixed 8"]["by_budget"]) == {"8"} and set(runs["auto over (4, 8), 8 priced out"]["by_budget"]) == {"4"}
+
+
+def test_moe_counting_reads_the_expert_counts_of_a_traced_round(tmp_path, tmp_path_factory, tiny_dir):
+    moe = tmp_path_factory.mktemp("moe_pair")
+    make_tiny_pair(moe, arch="qwen3_moe")
+    res = bench(tmp_path, "moe-counting", "--model", str(moe), "--budget", "8", "--prompt-len", "12",
+                "--max-new-tokens", "6", "--repeats", "2", "--reads", "3", "--device", "cpu")
+    assert len(res["rows"]) == 2 and all(r["round_ms"] > 0 and r["count_ms"] > 0 for r in res["rows"])
+    assert res["median_share"] == pytest.approx(sorted(r["share"] for r in res["rows"])[0] / 2
+                                                + sorted(r["share"] for r in res["rows"])[1] / 2)
+    with pytest.raises(ValueError, match="no MoE layer"):
+        bench(tmp_path, "moe-counting", "--model", str(tiny_dir), "--device", "cpu")

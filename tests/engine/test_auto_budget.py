@@ -116,6 +116,37 @@ def test_auto_in_cuda_graphs_equals_ar(trace):
     assert res.settings["auto"]["costs_measured"] and all(0 < c < 0.1 for c in costs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph memory pools exist on a GPU only")
+def test_candidates_in_one_shared_pool_equal_a_pool_each(use_options):
+    """options.candidate_pools="shared": every candidate's graphs go into the first candidate's memory pool (they
+    never run at once); the same tokens as a pool each, kept apart from those programs."""
+    pair = dl.load_pair("lab", device="cuda", dtype="float32", attention="triton")
+    prompt = "def quicksort(items):"
+    auto = dl.AutoBudget(budgets=(8, 16, 32))
+    ar = dl.generate(pair, prompt, method="ar", max_new_tokens=48, stop=[]).tokens
+    runners = {}
+    for pools in ("each", "shared"):
+        use_options(candidate_pools=pools)
+        kept = set(pair.__dict__.get("_auto_programs", {}))
+        for _ in range(2):
+            assert dl.generate(pair, prompt, budget=auto, max_new_tokens=48, stop=[]).tokens == ar
+        new = [v for k, v in pair._auto_programs.items() if k not in kept]
+        assert len(new) == 1  # programs of their own: the option is part of the key
+        runners[pools] = new[0][1]
+    each, shared = runners["each"], runners["shared"]
+    assert all(r.pool_of is None for r in each) and len({r.pool for r in each}) == 3
+    assert shared[0].pool_of is None and all(r.pool_of is shared[0] for r in shared[1:])
+    assert len({r.pool for r in shared}) == 1 and shared[0].pool not in {r.pool for r in each}
+
+
+def test_candidate_pools_is_a_checked_option():
+    from ddtree_lab import options
+
+    with pytest.raises(ValueError, match="candidate_pools='one' is not one of each, shared"):
+        with options.using(candidate_pools="one"):
+            pass
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the update's own stream exists on a GPU only; the CPU "
                     "twin is test_kernel_path_equals_torch_path (the same kernel under the interpreter, in order)")
 def test_update_beside_the_commit_equals_the_torch_rule(use_options):

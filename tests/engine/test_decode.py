@@ -309,3 +309,25 @@ def test_fixed_shape_sdpa_reads_up_to_the_bound_only():
     torch.testing.assert_close(bounded, eager)
     k[:, past + 3 + T:], v[:, past + 3 + T:] = float("nan"), float("nan")  # past the bound: never read
     assert not tree_attention(q, k, v, past_t, TreeMask(anc), "sdpa", max_past=past + 3).isnan().any()
+
+
+def test_round_times_give_each_counted_round_its_stage_times_untraced(tiny_pair):
+    """generate(round_times=True): one dict per counted round with every stage, as the clock timed the rounds;
+    nothing else changes, and without it there is none."""
+    from ddtree_lab.names import STAGES
+
+    for method, budget in (("ar", None), ("ddtree", 6)):
+        plain = dl.generate(tiny_pair, [3, 4, 5], method=method, budget=budget, max_new_tokens=20, stop=[], trace=False)
+        timed = dl.generate(tiny_pair, [3, 4, 5], method=method, budget=budget, max_new_tokens=20, stop=[],
+                            trace=False, round_times=True)
+        assert plain.round_stage_seconds is None and "round_stage_seconds" not in plain.to_json()
+        assert timed.tokens == plain.tokens and timed.acceptance_lengths == plain.acceptance_lengths
+        per_round = timed.round_stage_seconds
+        assert len(per_round) == len(timed.acceptance_lengths) and all(list(r) == list(STAGES) for r in per_round)
+        assert all(r["verify"] > 0 and (r["draft"] > 0) == (method != "ar") for r in per_round)
+        for stage in ("draft", "tree_build", "verify", "commit"):  # the call's stage totals are these rounds'
+            assert timed.stage_seconds[stage] == pytest.approx(sum(r[stage] for r in per_round))
+        assert timed.to_json()["round_stage_seconds"] == per_round
+    traced = dl.generate(tiny_pair, [3, 4, 5], budget=6, max_new_tokens=20, stop=[], round_times=True)
+    assert [r.stage_seconds for r in traced.rounds] == [
+        {k: v for k, v in r.items() if k in t.stage_seconds} for r, t in zip(traced.round_stage_seconds, traced.rounds)]

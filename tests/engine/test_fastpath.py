@@ -101,3 +101,28 @@ def test_captures_survive_garbage_collection(gpu_pairs):
             assert dl.generate(pair, prompt, budget=budget, max_new_tokens=16, stop=[]).tokens == want, budget
     finally:
         gc.set_threshold(*threshold)
+
+
+def test_the_capture_counter_counts_by_kind():
+    from ddtree_lab import graphs
+
+    counts = graphs.captures()
+    assert set(counts) == {"round", "prefill"} and all(n >= 0 for n in counts.values())
+    counts["round"] += 100  # a copy: the counter is read, not handed out
+    assert graphs.captures()["round"] == counts["round"] - 100
+
+
+@cuda
+def test_a_new_shape_is_captured_once_then_replayed(gpu_pairs):
+    """graphs.captures() counts a round program's capture and a padded prefill's, once each, as a bench reads it
+    around its timed passes."""
+    from ddtree_lab import graphs
+
+    pair = gpu_pairs["triton"]
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    before = graphs.captures()
+    dl.generate(pair, prompt, budget=23, max_new_tokens=40, stop=[])
+    after = graphs.captures()
+    assert after["round"] - before["round"] == 1 and after["prefill"] - before["prefill"] <= 1
+    dl.generate(pair, prompt, budget=23, max_new_tokens=40, stop=[])
+    assert graphs.captures() == after

@@ -7,10 +7,10 @@ each tensor (and keeps a tensor as it is when no form reproduces it bit for bit)
 safetensors parts of at most --part-mib, and records a sha256 per tensor; `unpack` rebuilds the
 HF directory and checks every hash (docs/smollm2.md gives the sizes).
 
-A helper for moving files between machines, not part of the installed package:
+Run on either machine (from a checkout, installed or not):
 
-    python tools/smollm2_ship.py pack   TARGET_DIR PACK_DIR [--part-mib 30]
-    python tools/smollm2_ship.py unpack PACK_DIR_OR_PARTS... OUT_DIR
+    python -m ddtree_lab.train.smollm2.ship pack   TARGET_DIR PACK_DIR [--part-mib 30]
+    python -m ddtree_lab.train.smollm2.ship unpack PACK_DIR_OR_PARTS... OUT_DIR
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def unpack(sources: list[Path], out: Path, log=print) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python tools/smollm2_ship.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree_lab.train.smollm2.ship", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack")
     a.add_argument("target")

@@ -1,12 +1,12 @@
-"""tools/smollm2_ship.py: the SmolLM2 target carried to another machine in few files, bit for bit."""
+"""train/smollm2/ship.py: the SmolLM2 target carried to another machine in few files, bit for bit."""
 import pytest
 import torch
 
 
-def test_ship_target_bit_exact(tmp_path, load_tool):
+def test_ship_target_bit_exact(tmp_path):
     """pack stores Q4_1 / Q8_0-born tensors as their block codes; unpack rebuilds them bit for bit."""
     from safetensors.torch import load_file, save_file
-    ship = load_tool("smollm2_ship")
+    from ddtree_lab.train.smollm2 import ship
     g = torch.Generator().manual_seed(0)
     q4 = torch.randint(0, 16, (256, 32), generator=g).float()  # 4 KiB of codes: more than a part holds
     d4, m4 = (torch.rand(256, generator=g) * 0.01).half(), (-torch.rand(256, generator=g) * 0.05).half()
