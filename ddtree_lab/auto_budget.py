@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .names import AUTO, AUTO_CANDIDATES, AUTO_MAX_CANDIDATES, AUTO_MAX_EDGES, MAX_BUDGET
+from .names import AUTO, AUTO_CANDIDATES, AUTO_MAX_CANDIDATES, AUTO_MAX_EDGES, MAX_BUDGET, is_budget
 from .tree import use_triton
 
 
@@ -38,7 +38,7 @@ class AutoBudget:
     def __post_init__(self):
         budgets = tuple(self.budgets)
         if not 1 <= len(budgets) <= AUTO_MAX_CANDIDATES or len(set(budgets)) != len(budgets) or any(
-                isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BUDGET for b in budgets):
+                not is_budget(b) for b in budgets):
             raise ValueError(f"auto budgets={self.budgets!r}: give 1 to {AUTO_MAX_CANDIDATES} distinct integers in "
                              f"1..{MAX_BUDGET}")
         object.__setattr__(self, "budgets", tuple(sorted(budgets)))

@@ -217,11 +217,7 @@ def rank_zero_reports():
         yield ""
         return
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
-        try:
-            yield f" (rank {process_rank()})"
-        except BaseException:
-            sys.stderr = sys.__stderr__  # a crash's traceback stays visible
-            raise
+        yield f" (rank {process_rank()})"  # a crash's traceback prints after the redirect ends
 
 
 def main(argv=None) -> int:

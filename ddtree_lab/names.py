@@ -34,18 +34,23 @@ def topk_width(topk: int | None, budget: int, vocab: int) -> int:
     return min(topk or budget, budget, vocab)
 
 
+def is_budget(value) -> bool:
+    """The one rule for a tree budget: an integer (not a bool) in 1..MAX_BUDGET."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BUDGET
+
+
 def parse_budget(text):
     """A budget as a user writes it (command line, study file): an integer in 1..MAX_BUDGET, or "auto"."""
     if isinstance(text, str) and text.strip().lower() == AUTO:
         return AUTO
     if isinstance(text, bool) or (not isinstance(text, int) and not (isinstance(text, str) and text.strip().isdigit())):
         raise ValueError(f"{text!r} is neither an integer budget nor {AUTO!r}")
-    if not 1 <= int(text) <= MAX_BUDGET:
+    if not is_budget(int(text)):
         raise ValueError(f"budget {int(text)} is out of range 1..{MAX_BUDGET}")
     return int(text)
 
 
-def _argparse_type(parse, name: str):
+def _argparse_type(parse):
     """A parser of one value as an argparse type: its ValueError becomes argparse's one line, before anything runs."""
     import argparse
 
@@ -54,7 +59,6 @@ def _argparse_type(parse, name: str):
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    parse_arg.__name__ = name  # argparse names the type in its message
     return parse_arg
 
 
@@ -70,10 +74,10 @@ def int_in(lo: int, hi: int | None = None, what: str = "value"):
         if hi is not None and not lo <= value <= hi:
             raise ValueError(f"{what} {value} is out of range {lo}..{hi}")
         return value
-    return _argparse_type(parse, what)
+    return _argparse_type(parse)
 
 
-budget_arg = _argparse_type(parse_budget, "budget")    # a command line's budget: an integer or "auto"
+budget_arg = _argparse_type(parse_budget)    # a command line's budget: an integer or "auto"
 tree_budget_arg = int_in(1, MAX_BUDGET, "budget")      # an integer budget only (the benches that take no "auto")
 positive_int = int_in(1, what="value")                  # counts: rounds, tokens, prompts, repeats
 non_negative_int = int_in(0, what="value")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import options
-from .names import MAX_BUDGET, topk_width
+from .names import MAX_BUDGET, is_budget, topk_width
 
 
 @dataclass
@@ -53,7 +53,7 @@ class DraftTree:
 
 
 def check_budget(budget: int, topk: int | None) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+    if not is_budget(budget):
         raise ValueError(f"budget={budget!r} is out of range: it must be an integer in 1..{MAX_BUDGET}")
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         raise ValueError(f"topk={topk!r} must be a positive integer or None")

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import pairs
 from ..environment import PACKAGE_DIR, REPO_DIR
-from ..names import ATTENTION_BACKENDS, AUTO, AUTO_MAX_CANDIDATES, MAX_BUDGET, METHODS, STUDY_DTYPES
+from ..names import ATTENTION_BACKENDS, AUTO, AUTO_MAX_CANDIDATES, MAX_BUDGET, METHODS, STUDY_DTYPES, is_budget
 from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
 from ..runtime import RuntimeCheckError, check_runtime
 
@@ -179,7 +179,7 @@ def _grid_budgets(value, src: str | None) -> list:
             out.append(AUTO)
         elif not _is(b, int):
             raise StudyError(where, f"must be an integer or {AUTO!r}, got {b!r}", src)
-        elif not 1 <= b <= MAX_BUDGET:
+        elif not is_budget(b):
             raise StudyError(where, f"{b} is out of range 1..{MAX_BUDGET}", src)
         else:
             out.append(b)
