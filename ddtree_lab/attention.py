@@ -134,6 +134,26 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return _sdpa_attention(q, k_cache, v_cache, past_len, mask, window, max_past)
 
 
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, past_len, mask: TreeMask, backend: str, latent_dim: int,
+                  scale: float, max_past: int | None = None) -> torch.Tensor:
+    """MLA in the absorbed form (ddtree_lab/mla.py): q [H, T, C + R] over cache rows [S, C + R] ([latent ; RoPE
+    key], the latent also the value) -> [H, T, latent_dim], the same visibility as tree_attention. Backends:
+    "triton" (kernels/mla_attention.py) or the dense "sdpa" reference; the model refuses the others."""
+    if backend == "triton":
+        from .kernels.mla_attention import mla_tree_attention
+
+        return mla_tree_attention(q, cache, past_len, mask.bits, latent_dim, scale, max_past_len=max_past)
+    T = q.shape[1]
+    if isinstance(past_len, torch.Tensor):
+        kv_len = cache.shape[0] if max_past is None else min(cache.shape[0], max_past + T)
+    else:
+        kv_len = past_len + T
+    rows = cache[None, None, :kv_len]                                                  # [1, 1, kv_len, C + R]
+    out = F.scaled_dot_product_attention(q[None], rows, rows[..., :latent_dim], attn_mask=mask.dense(past_len, kv_len, None),
+                                         scale=scale, enable_gqa=True)
+    return out[0]
+
+
 def _sdpa_attention(q, k_cache, v_cache, past_len, mask: TreeMask, window, max_past: int | None = None):
     T = q.shape[1]
     # eager: only the used slots; fixed shapes: the slots up to the bound (the whole cache without one), masked

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 
 from .attention import check_backend
 from .config import (CheckpointError, ConfigError, DrafterConfig, TargetConfig, check_pair,
-                     drafter_config_from_hf, read_json, target_config_from_hf)
+                     drafter_config_from_hf, read_json, target_config_from_hf, text_model_config)
 from .drafter import Drafter
 from .model import Target
 from . import parallel
@@ -179,6 +180,8 @@ def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) ->
     if n_parts == 1:
         return param.shape[0]
     cfg = module.cfg
+    if ".shared_experts." in name:  # DeepSeek's shared experts: gate then up, each n_shared · I rows
+        return cfg.moe_intermediate_size * cfg.n_shared_experts
     if ".experts." in name:  # per-expert tensors: gate/up [I, H] rows of gate_up, down [H, I] rows of down
         return cfg.hidden_size if name.endswith("down_proj.weight") else cfg.moe_intermediate_size
     if ".wqkv." in ours:
@@ -207,11 +210,31 @@ def _layer_mapping(prefix: str, i: int, qk_norm: bool, bias: bool) -> dict[str, 
     return m
 
 
+MLA_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+MLA_Q_PROJECTIONS = {False: ("q_a_proj", "q_a_layernorm", "q_b_proj"), True: ("q_proj",)}  # by q_lora_rank is None
+
+
+def _mla_layer_mapping(i: int, cfg: TargetConfig) -> dict[str, list[str]]:
+    """A DeepSeek-V3 layer's norms, MLA projections (stored under the reference's names) and dense MLP."""
+    src, ours = f"model.layers.{i}", f"layers.{i}"
+    m = {f"{ours}.{n}.weight": [f"{src}.{n}.weight"] for n in ("input_layernorm", "post_attention_layernorm")}
+    for proj in MLA_Q_PROJECTIONS[cfg.mla.q_lora_rank is None] + MLA_PROJECTIONS:
+        m[f"{ours}.self_attn.{proj}.weight"] = [f"{src}.self_attn.{proj}.weight"]
+    m[f"{ours}.mlp.gate_up.weight"] = [f"{src}.mlp.gate_proj.weight", f"{src}.mlp.up_proj.weight"]
+    m[f"{ours}.mlp.down.weight"] = [f"{src}.mlp.down_proj.weight"]
+    return m
+
+
 def _moe_mapping(i: int, cfg: TargetConfig, stacked: bool) -> dict[str, list[str]]:
     """Layer i's sparse block: the router, and the experts per expert (gate, up of each expert in turn) or
-    stacked as transformers holds them in memory."""
+    stacked as transformers holds them in memory; DeepSeek's correction bias and shared experts."""
     src, ours = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
     m = {f"{ours}.router.weight": [f"{src}.gate.weight"]}
+    if cfg.arch == "deepseek_v3":
+        m[f"{ours}.router.e_score_correction_bias"] = [f"{src}.gate.e_score_correction_bias"]
+        if cfg.n_shared_experts:
+            m[f"{ours}.shared.gate_up.weight"] = [f"{src}.shared_experts.{p}_proj.weight" for p in ("gate", "up")]
+            m[f"{ours}.shared.down.weight"] = [f"{src}.shared_experts.down_proj.weight"]
     if stacked:
         m[f"{ours}.gate_up"] = [f"{src}.experts.gate_up_proj"]
         m[f"{ours}.down"] = [f"{src}.experts.down_proj"]
@@ -227,7 +250,8 @@ def target_mapping(cfg: TargetConfig, reader: _TensorReader | None = None) -> di
     the checkpoint holds them so; without one (saving) they are written per expert."""
     m = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     for i in range(cfg.num_hidden_layers):
-        m.update(_layer_mapping("model.", i, cfg.qk_norm, cfg.attention_bias))
+        m.update(_layer_mapping("model.", i, cfg.qk_norm, cfg.attention_bias) if cfg.mla is None
+                 else _mla_layer_mapping(i, cfg))
         if cfg.is_moe_layer(i):
             for name in ("gate_up.weight", "down.weight"):
                 del m[f"layers.{i}.mlp.{name}"]
@@ -259,19 +283,21 @@ def _load(kind, directory, device, dtype, read_config, model_cls, mapping, shard
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{kind} directory {directory} does not exist")
-    cfg = read_config(read_json(directory / "config.json"), directory / "config.json")
+    raw = read_json(directory / "config.json")
+    cfg = read_config(raw, directory / "config.json")
+    wrapped = kind == "target" and text_model_config(raw, directory)[1]
     rank, tp = shard
     local_cfg = parallel.local_config(cfg, tp) if tp > 1 else cfg
     with torch.device("meta"):
         model = model_cls(local_cfg).to(dtype)
     model = model.to_empty(device=device)
-    reader = _TensorReader(directory, shard=shard)
+    reader = _TensorReader(directory, shard=shard, strip_prefix=TEXT_MODEL_PREFIX if wrapped else "")
     if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
         reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
     wanted = mapping(cfg, reader)
-    _check_all_used(reader, wanted, cfg)
+    _check_all_used(reader, wanted, cfg, skipped=_skipped_tensors(reader, raw, cfg, wrapped))
     _fill(model, reader, wanted)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
+    model.rotary = type(model.rotary)(cfg.rope_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -280,10 +306,34 @@ def _load(kind, directory, device, dtype, read_config, model_cls, mapping, shard
 _IGNORABLE = (".rotary_emb.inv_freq",)
 
 
-def _check_all_used(reader: _TensorReader, mapping: dict[str, list[str]], cfg) -> None:
+TEXT_MODEL_PREFIX = "language_model."  # where a multimodal wrapper keeps its text model's tensors
+
+
+def _skipped_tensors(reader: _TensorReader, raw: dict, cfg, wrapped: bool) -> set[str]:
+    """Stored tensors of parts the engine does not run, each kind named in one note: a multimodal wrapper's
+    vision tower and projector, and DeepSeek's multi-token-prediction layers (numbered past the last layer)."""
+    skipped, notes = set(), []
+    if wrapped:
+        outside = {n for n, stored in reader.stored_names.items() if not stored.startswith(TEXT_MODEL_PREFIX)}
+        skipped |= outside
+        if outside:
+            notes.append(f"{len(outside)} tensors outside the text model (vision tower, projector)")
+    extra = (raw.get("text_config") if wrapped else raw) or {}
+    mtp = int(extra.get("num_nextn_predict_layers") or 0) if getattr(cfg, "arch", "") == "deepseek_v3" else 0
+    layers = [f"model.layers.{cfg.num_hidden_layers + j}." for j in range(mtp)]
+    past = {n for n in reader.files if n.startswith(tuple(layers))} if layers else set()
+    if past:
+        skipped |= past
+        notes.append(f"{len(past)} tensors of the multi-token-prediction layer(s), which decoding does not use")
+    if notes:
+        print(f"note: {reader.directory}: skipped " + "; ".join(notes), file=sys.stderr)
+    return skipped
+
+
+def _check_all_used(reader: _TensorReader, mapping: dict[str, list[str]], cfg, skipped: set[str] = frozenset()) -> None:
     """Every stored tensor must be read: one left over means the config describes another model than the
     weights (too few layers, the wrong architecture), which would load and silently compute something else."""
-    used = {name for stored in mapping.values() for name in stored}
+    used = {name for stored in mapping.values() for name in stored} | set(skipped)
     tied_head = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     unused = sorted(n for n in reader.files if n not in used and n not in tied_head
                     and not n.endswith(_IGNORABLE))

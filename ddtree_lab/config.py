@@ -11,8 +11,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
+                     "DeepseekV3ForCausalLM": "deepseek_v3"}
+# model_type values that name a supported architecture when `architectures` does not (a multimodal wrapper's
+# text_config often has none): Kimi K2 checkpoints are DeepSeek-V3 by another name.
+SUPPORTED_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
+                         "kimi_k2": "deepseek_v3"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigError(ValueError):
@@ -26,11 +31,59 @@ class CheckpointError(ValueError):
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    type: str = "default"  # default | linear | llama3
+    type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the band between beta_fast and beta_slow rotations (over the original context) is blended between
+    # extrapolated and interpolated frequencies; mscale / mscale_all_dim set the cos/sin factor and (MLA) the
+    # softmax scale; attention_factor, when given, is the cos/sin factor itself.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by (yarn's attention factor; 1 for every other type)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V3): queries through an optional low-rank projection (q_lora_rank;
+    None = one plain projection), keys and values expanded from one compressed latent a token (kv_lora_rank
+    values, RMS-normed) that is what the cache holds, beside one RoPE key shared by every head."""
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # RoPE pairs are adjacent dims (x0, x1), (x2, x3)… rather than the two halves
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values a token caches per layer: the latent and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
@@ -58,19 +111,49 @@ class TargetConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # DeepSeek-V3 (arch deepseek_v3): MLA attention, sigmoid routing with a score-correction bias over groups of
+    # experts (the top topk_group of n_group groups, each scored by its best two), weights from the uncorrected
+    # scores times routed_scaling_factor, n_shared_experts always-on experts of moe_intermediate_size each, and
+    # dense layers below first_k_dense_replace (then every moe_layer_freq-th layer is sparse).
+    mla: MlaConfig | None = None
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
 
     @property
     def qk_norm(self) -> bool:
         return self.arch in ("qwen3", "qwen3_moe")
 
     @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention scores: 1/sqrt(head dim), for MLA times yarn's mscale(mscale_all_dim)²."""
+        if self.mla is None:
+            return self.head_dim ** -0.5
+        scale = self.mla.qk_head_dim ** -0.5
+        if self.rope.type == "yarn" and self.rope.mscale_all_dim:
+            scale *= yarn_mscale(self.rope.factor, self.rope.mscale_all_dim) ** 2
+        return scale
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates: a whole head, or MLA's RoPE part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0 and any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer i has a sparse MoE block (the rule transformers' Qwen3Moe applies)."""
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        """Layer i has a sparse MoE block (the rules of Qwen3Moe and of DeepSeek-V3's reference code)."""
+        if self.num_experts == 0:
+            return False
+        if self.arch == "deepseek_v3":
+            return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json dict transformers (4.x and 5.x) reads for this model."""
@@ -84,11 +167,26 @@ class TargetConfig:
                     high_freq_factor=self.rope.high_freq_factor,
                     original_max_position_embeddings=self.rope.original_max_position_embeddings,
                 )
+            if self.rope.type == "yarn":
+                r = self.rope
+                rope_scaling.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale,
+                                    mscale_all_dim=r.mscale_all_dim, truncate=r.truncate,
+                                    original_max_position_embeddings=r.original_max_position_embeddings)
+                if r.attention_factor is not None:
+                    rope_scaling["attention_factor"] = r.attention_factor
         eos = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
-        moe = {} if self.arch != "qwen3_moe" else {
-            "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
+        moe = {}
+        if self.arch == "qwen3_moe":
+            moe = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                   "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                   "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
+        elif self.arch == "deepseek_v3":
+            moe = {"n_routed_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                   "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                   "scoring_func": self.scoring_func, "topk_method": "noaux_tc", "n_group": self.n_group,
+                   "topk_group": self.topk_group, "routed_scaling_factor": self.routed_scaling_factor,
+                   "n_shared_experts": self.n_shared_experts, "first_k_dense_replace": self.first_k_dense_replace,
+                   "moe_layer_freq": self.moe_layer_freq, **asdict(self.mla)}
         return {
             "architectures": [arch_name],
             "model_type": self.arch,
@@ -131,6 +229,10 @@ class DrafterConfig:
     mask_token_id: int = 0
     rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 4096
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim
 
     def __post_init__(self):
         if not self.target_layer_ids:
@@ -211,6 +313,12 @@ def _rope_from_hf(cfg: dict, where: Path) -> RopeConfig:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(merged.get("original_max_position_embeddings",
                                                         cfg.get("max_position_embeddings", 8192))),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        attention_factor=None if merged.get("attention_factor") is None else float(merged["attention_factor"]),
+        truncate=bool(merged.get("truncate", True)),
     )
 
 
@@ -220,12 +328,35 @@ def _eos_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def target_config_from_hf(cfg: dict, where: Path) -> TargetConfig:
+def text_model_config(cfg: dict, where: Path) -> tuple[dict, bool]:
+    """The config of the text model: `cfg` itself, or a multimodal wrapper's `text_config` when the wrapper's
+    own architecture is not a supported target (the second value says which)."""
+    archs = cfg.get("architectures") or []
+    if any(a in SUPPORTED_TARGETS for a in archs) or not isinstance(cfg.get("text_config"), dict):
+        return cfg, False
+    return cfg["text_config"], True
+
+
+def _architecture(cfg: dict, where: Path, wrapped: bool) -> str:
     archs = cfg.get("architectures") or []
     arch = next((SUPPORTED_TARGETS[a] for a in archs if a in SUPPORTED_TARGETS), None)
+    if arch is None and (wrapped or not archs):
+        arch = SUPPORTED_MODEL_TYPES.get(cfg.get("model_type"))
     if arch is None:
-        raise ConfigError(f"{where}: field 'architectures' is {archs!r}; supported targets: "
-                          f"{', '.join(SUPPORTED_TARGETS)}")
+        field_name = "text_config.architectures" if wrapped else "architectures"
+        raise ConfigError(f"{where}: field '{field_name}' is {archs!r} (model_type {cfg.get('model_type')!r}); "
+                          f"supported targets: {', '.join(SUPPORTED_TARGETS)} (model_type "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+    return arch
+
+
+def target_config_from_hf(cfg: dict, where: Path) -> TargetConfig:
+    cfg, wrapped = text_model_config(cfg, where)
+    if wrapped:
+        where = Path(f"{where} (text_config)")
+    arch = _architecture(cfg, where, wrapped)
+    if arch == "deepseek_v3":
+        return _deepseek_from_hf(cfg, where)
     hidden = _need(cfg, "hidden_size", where)
     heads = _need(cfg, "num_attention_heads", where)
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -288,6 +419,106 @@ def _moe_from_hf(cfg: dict, where: Path, layers: int) -> dict:
                 moe_intermediate_size=_need(cfg, "moe_intermediate_size", where),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), decoder_sparse_step=step,
                 mlp_only_layers=list(dense))
+
+
+DEEPSEEK_TOPK_METHODS = (None, "noaux_tc")  # grouped top-k on bias-corrected scores (the V2 methods are refused)
+
+
+def _int_field(cfg: dict, key: str, where: Path, default: int, low: int = 0) -> int:
+    value = cfg.get(key, default)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{where}: field '{key}' should be an integer ≥ {low}, got {value!r}")
+    return value
+
+
+def _mla_from_hf(cfg: dict, where: Path) -> MlaConfig:
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is not None and (not isinstance(q_lora, int) or isinstance(q_lora, bool) or q_lora < 1):
+        raise ConfigError(f"{where}: field 'q_lora_rank' should be a positive integer or null, got {q_lora!r}")
+    mla = MlaConfig(q_lora_rank=q_lora, kv_lora_rank=_need(cfg, "kv_lora_rank", where),
+                    qk_nope_head_dim=_need(cfg, "qk_nope_head_dim", where),
+                    qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", where),
+                    v_head_dim=_need(cfg, "v_head_dim", where),
+                    rope_interleave=bool(cfg.get("rope_interleave", True)))
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(mla, key) < 1 or key == "qk_rope_head_dim" and mla.qk_rope_head_dim % 2:
+            raise ConfigError(f"{where}: field '{key}' is {getattr(mla, key)}; it must be positive "
+                              f"{'and even ' if key == 'qk_rope_head_dim' else ''}")
+    return mla
+
+
+def _deepseek_moe_from_hf(cfg: dict, where: Path, layers: int) -> dict:
+    """The routed and shared experts of a DeepSeek-V3 config, every field that changes the math read or refused."""
+    key = "n_routed_experts" if cfg.get("n_routed_experts") is not None else "num_local_experts"
+    experts = _need(cfg, key, where)
+    top_k = _need(cfg, "num_experts_per_tok", where)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ConfigError(f"{where}: field 'num_experts_per_tok' is {top_k} with {experts} experts ('{key}'); "
+                          f"it must be in 1..{experts}")
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring not in ("sigmoid", "softmax"):
+        raise ConfigError(f"{where}: field 'scoring_func' is {scoring!r}; supported: 'sigmoid', 'softmax'")
+    method = cfg.get("topk_method")
+    if method not in DEEPSEEK_TOPK_METHODS:
+        raise ConfigError(f"{where}: field 'topk_method' is {method!r}; only 'noaux_tc' (grouped top-k on "
+                          "bias-corrected scores) is supported")
+    n_group = _int_field(cfg, "n_group", where, 1, low=1)
+    topk_group = _int_field(cfg, "topk_group", where, 1, low=1)
+    if experts % n_group:
+        raise ConfigError(f"{where}: field 'n_group' is {n_group}; it must divide the {experts} experts")
+    if topk_group > n_group:
+        raise ConfigError(f"{where}: field 'topk_group' is {topk_group}; it must be at most n_group ({n_group})")
+    if n_group > 1 and experts // n_group < 2:
+        raise ConfigError(f"{where}: field 'n_group' is {n_group}: a group is scored by its best two experts, "
+                          f"so it needs at least two ({experts} experts)")
+    if top_k > topk_group * (experts // n_group):
+        raise ConfigError(f"{where}: field 'num_experts_per_tok' is {top_k}, more than the {topk_group} groups "
+                          f"of {experts // n_group} experts routing may pick from")
+    scaling = cfg.get("routed_scaling_factor", 1.0)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+        raise ConfigError(f"{where}: field 'routed_scaling_factor' should be a positive number, got {scaling!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=_need(cfg, "moe_intermediate_size", where),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), scoring_func=scoring, n_group=n_group,
+                topk_group=topk_group, routed_scaling_factor=float(scaling),
+                n_shared_experts=_int_field(cfg, "n_shared_experts", where, 0),
+                first_k_dense_replace=_int_field(cfg, "first_k_dense_replace", where, 0),
+                moe_layer_freq=_int_field(cfg, "moe_layer_freq", where, 1, low=1))
+
+
+def _deepseek_from_hf(cfg: dict, where: Path) -> TargetConfig:
+    """A DeepSeek-V3 (or Kimi K2) text model: MLA attention and DeepSeek's MoE."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+    if cfg.get("attention_bias"):
+        raise ConfigError(f"{where}: field 'attention_bias' is true; MLA projections with biases are not supported")
+    layers = _need(cfg, "num_hidden_layers", where)
+    heads = _need(cfg, "num_attention_heads", where)
+    mla = _mla_from_hf(cfg, where)
+    moe = _deepseek_moe_from_hf(cfg, where, layers) if (cfg.get("n_routed_experts") or cfg.get("num_local_experts")) else {}
+    probe = TargetConfig(arch="deepseek_v3", num_hidden_layers=layers, **moe)
+    dense_layers = [i for i in range(layers) if not probe.is_moe_layer(i)]
+    rope = _rope_from_hf(cfg, where)
+    return TargetConfig(
+        arch="deepseek_v3",
+        vocab_size=_need(cfg, "vocab_size", where),
+        hidden_size=_need(cfg, "hidden_size", where),
+        intermediate_size=_need(cfg, "intermediate_size", where) if dense_layers else int(cfg.get("intermediate_size") or 0),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,  # every head has its own keys, expanded from the shared latent
+        head_dim=mla.qk_head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope=rope,
+        eos_token_id=_eos_list(cfg.get("eos_token_id")),
+        bos_token_id=cfg.get("bos_token_id"),
+        mla=mla,
+        **moe,
+    )
 
 
 def drafter_config_from_hf(cfg: dict, where: Path) -> DrafterConfig:
@@ -363,4 +594,27 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig):
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, blended, scaled)
+    elif rope.type == "yarn":
+        inv = _yarn_inv_freq(head_dim, rope)
     return inv.float()
+
+
+def _yarn_inv_freq(dim: int, rope: RopeConfig):
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those that turn more than beta_fast times kept, a linear ramp between (computed in
+    fp32, as the reference does, so the tables agree bit for bit)."""
+    import torch
+
+    def correction_dim(rotations):  # the dim index whose frequency turns `rotations` times over the context
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of width zero
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import options
+from .attention import tree_attention
 from .config import RopeConfig, rope_inv_freq
 
 
@@ -82,6 +83,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int = 0):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self.factor = rope.cos_sin_factor  # yarn scales cos and sin; 1 (no multiply) for other types
         self.max_positions = max_positions
         self._tables: dict = {}
 
@@ -89,6 +91,8 @@ class Rotary(nn.Module):
         # positions [..., T] -> cos, sin [..., T, D]
         freqs = positions.float()[..., None] * self.inv_freq  # [..., T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
+        if self.factor != 1.0:
+            return (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -201,6 +205,15 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp(self.post_attention_layernorm(x))
         return x, mlp if self.reduce is None else self.reduce(mlp)
 
+    def attend(self, q, cache, past_len, mask, backend: str, max_past=None) -> torch.Tensor:
+        """q [Hq, T, D] over this layer's cache [2, Hkv, S, D] (K, V) -> [Hq, T, D]."""
+        return tree_attention(q, cache[0], cache[1], past_len, mask, backend, max_past=max_past)
+
+    def causal_attention(self, q, kv):
+        """Training: q [B, Hq, T, D], kv [B, 2, Hkv, T, D], causal -> [B, Hq, T, D]."""
+        k, v = kv.unbind(1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
 
 def compile_fn(fn, **kwargs):
     """torch.compile(fn) with options.compile_options (e.g. mode="max-autotune-no-cudagraphs", to let the
@@ -208,9 +221,9 @@ def compile_fn(fn, **kwargs):
     return torch.compile(fn, **{**dict(options.current().compile_options), **kwargs})
 
 
-def compiled_layer_ops(**options):
-    """(attention_inputs, attention_output, norm) compiled once, to call as fn(module, …) on any layer
-    or RMSNorm: a norm left eager is ~7 small kernels, compiled it is one."""
-    return (compile_fn(DecoderLayer.attention_inputs, **options),
-            compile_fn(DecoderLayer.attention_output, **options),
+def compiled_layer_ops(layer_cls=DecoderLayer, **options):
+    """(attention_inputs, attention_output, norm) compiled once, to call as fn(module, …) on any layer of
+    `layer_cls` or RMSNorm: a norm left eager is ~7 small kernels, compiled it is one."""
+    return (compile_fn(layer_cls.attention_inputs, **options),
+            compile_fn(layer_cls.attention_output, **options),
             compile_fn(RMSNorm.forward, **options))

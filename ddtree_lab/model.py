@@ -11,23 +11,42 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, cache_slots, check_backend, static_cache, tree_attention, write_slots
+from .attention import TreeMask, cache_slots, check_backend, static_cache, write_slots
 from .config import TargetConfig
 from .layers import (ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear,
                      set_batch_invariant)
-from .moe import SparseMoE, expert_routing
+from .mla import MlaBlock
+from .moe import SparseMoE, expert_routing, moe_routing
+from .names import MLA_BACKENDS
 from .tree import use_triton
+
+
+def sparse_block(cfg: TargetConfig, index: int) -> SparseMoE | None:
+    """Layer index's MoE block (None where the layer is dense)."""
+    if not cfg.is_moe_layer(index):
+        return None
+    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                     cfg.norm_topk_prob, routing=moe_routing(cfg),
+                     shared_intermediate=cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
 class Block(DecoderLayer):
     def __init__(self, cfg: TargetConfig, index: int = 0):
-        moe = None
-        if cfg.is_moe_layer(index):
-            moe = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                            cfg.norm_topk_prob)
         super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                          cfg.num_key_value_heads, cfg.head_dim, cfg.qk_norm, cfg.rms_norm_eps,
-                         cfg.attention_bias, mlp=moe)
+                         cfg.attention_bias, mlp=sparse_block(cfg, index))
+
+
+def block_class(cfg: TargetConfig) -> type:
+    """The decoder layer of this architecture: GQA (Block) or MLA (MlaBlock)."""
+    return Block if cfg.mla is None else MlaBlock
+
+
+def make_block(cfg: TargetConfig, index: int) -> nn.Module:
+    if cfg.mla is None:
+        return Block(cfg, index)
+    return MlaBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.mla, cfg.rms_norm_eps,
+                    cfg.attention_scale, mlp=sparse_block(cfg, index))
 
 
 class Target(nn.Module):
@@ -35,21 +54,23 @@ class Target(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(make_block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
-        self.kv: torch.Tensor | None = None  # [L, 2, Hkv, S_max, D], the static cache
+        self.rotary = Rotary(cfg.rope_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
+        self.kv: torch.Tensor | None = None  # the static cache: [L, 2, Hkv, S_max, D]; MLA [L, 1, 1, S_max, C + R]
         self.max_past: int | None = None    # the most committed slots a forward sees (None: S_max − T)
         self.attention = "sdpa"
-        self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
+        layer_cls = block_class(cfg)
+        self._attention_inputs, self._attention_output = layer_cls.attention_inputs, layer_cls.attention_output
         self._norm = RMSNorm.forward
 
     def compile_layers(self, **options) -> "Target":
         """Fuse each layer's elementwise work with torch.compile (one compiled function serves every
         layer: modules are graph inputs, not constants). The first calls compile; graph capture's
         warm-up takes care of that."""
-        self._attention_inputs, self._attention_output, self._norm = compiled_layer_ops(**options)
+        self._attention_inputs, self._attention_output, self._norm = compiled_layer_ops(block_class(self.cfg),
+                                                                                         **options)
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -72,7 +93,8 @@ class Target(nn.Module):
         self.max_past = max_past
         c = self.cfg
         p = self.embed_tokens.weight
-        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim)
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, max_len, c.head_dim) if c.mla is None else (
+            c.num_hidden_layers, 1, 1, max_len, c.mla.cache_width)  # MLA: one latent row a token (mla.py)
         self.kv = static_cache(self.kv, shape, device or p.device, dtype or p.dtype)
 
     def set_attention(self, backend: str) -> None:
@@ -80,6 +102,9 @@ class Target(nn.Module):
         have the same bits in any tree, in a prefill and in an AR step (dense targets: the fused MoE kernels
         tile by the number of tokens)."""
         check_backend(backend)
+        if self.cfg.mla is not None and backend not in MLA_BACKENDS:
+            raise ValueError(f"attention={backend!r} covers GQA targets; an MLA target runs "
+                             f"{' or '.join(repr(b) for b in MLA_BACKENDS)}")
         if backend == "invariant" and self.cfg.is_moe:
             raise ValueError("attention='invariant' covers dense targets; this one has MoE layers, whose fused "
                              "kernels tile by the number of tokens")
@@ -124,9 +149,8 @@ class Target(nn.Module):
             x, q, kv = self._attention_inputs(blk, x, delta, cos, sin)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
             if li - 1 in wanted:  # x is now layer li-1's output
                 captured[wanted[li - 1]] = x[0]
-            write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D]
-            att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], past_len, mask, self.attention,
-                                 max_past=self.max_past)  # [Hq, T, D]
+            write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D] (MLA [1, 1, S, C + R])
+            att = blk.attend(q[0], self.kv[li], past_len, mask, self.attention, self.max_past)  # [Hq, T, D or C]
             x, delta = self._attention_output(blk, x, att[None])
         x = x + delta
         if len(self.layers) - 1 in wanted:
@@ -146,10 +170,7 @@ class Target(nn.Module):
         captured = [None] * len(hidden_layers)
         for li, blk in enumerate(self.layers):
             x, q, kv = blk.attention_inputs(x, torch.zeros_like(x), cos, sin)
-            k, v = kv.unbind(1)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            x, delta = blk.attention_output(x, att)
+            x, delta = blk.attention_output(x, blk.causal_attention(q, kv))
             x = x + delta
             if li in wanted:
                 captured[wanted[li]] = x
@@ -161,7 +182,7 @@ class Target(nn.Module):
         for i < count (default all; int or device tensor). One Triton launch where the tree kernels
         run in Triton (kernels/kv_compact.py); else a gather that copies before the scatter writes, so
         overlapping moves are safe (it moves every entry: those past count land in scratch slots)."""
-        if use_triton(src.device) and self.cfg.head_dim in (16, 32, 64, 128, 256):  # the kernel's head dims
+        if use_triton(src.device) and self.kv.shape[-1] in (16, 32, 64, 128, 256):  # the kernel's row widths
             from .kernels.kv_compact import compact_kv
 
             compact_kv(self.kv, past_len, src, src.shape[0] if count is None else count)

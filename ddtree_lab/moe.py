@@ -1,7 +1,8 @@
-"""The sparse mixture-of-experts MLP of Qwen3Moe targets.
+"""The sparse mixture-of-experts MLP of Qwen3Moe and DeepSeek-V3 targets.
 
-A router picks each token's top-k of E experts (softmax, then optionally renormalised over the k); each
-expert is a SwiGLU MLP; the block's output is the routing-weighted sum of the k experts' outputs. Experts
+A router picks each token's top-k of E experts (Qwen3Moe: softmax, then optionally renormalised over the k;
+DeepSeek-V3: grouped sigmoid routing, moe_layout.route_grouped_reference); each expert is a SwiGLU MLP; the
+block's output is the routing-weighted sum of the k experts' outputs (plus DeepSeek's shared experts). Experts
 are stored stacked: `gate_up` [E, 2I, H] (gate rows, then up rows) and `down` [E, H, I].
 
 Two paths, both of fixed shape with no host synchronisation, so a round stays one captured graph:
@@ -11,11 +12,15 @@ reads it after a forward to count the experts touched; an untraced replay never 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels.moe_layout import GATHER_LIMIT_BYTES, gather_bytes, route_reference, routing_stats
+from .kernels.moe_layout import (GATHER_LIMIT_BYTES, gather_bytes, route_grouped_reference, route_reference,
+                                 routing_stats)
+from .layers import GatedMLP
 from .tree import use_triton
 
 
@@ -26,13 +31,39 @@ def _grouped_mm_fits(x: torch.Tensor, I: int) -> bool:
             and H % 8 == 0 and I % 8 == 0)
 
 
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's router (moe_layout.route_grouped_reference): sigmoid or softmax scores, a correction bias,
+    groups, scaling. Qwen3Moe routes by softmax top-k instead (None), inside the fused kernel."""
+
+    scoring: str = "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+
+def moe_routing(cfg) -> GroupedRouting | None:
+    """The router of a target config's MoE blocks."""
+    if cfg.arch != "deepseek_v3":
+        return None
+    return GroupedRouting(cfg.scoring_func, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+
+
 def moe_torch(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               top_k: int, renormalize: bool, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H] in x's dtype, in torch, fixed shapes. On CUDA in bf16: the (token, expert) pairs
-    sorted by expert and two grouped matmuls over device offsets (each touched expert's weights read once).
-    Elsewhere: each token gathers its k experts' weights, [T, k, 2I, H] (fine for the small models that
-    run on a CPU, not for large ones: past GATHER_LIMIT_BYTES it is refused)."""
+    """x [T, H] -> [T, H] in x's dtype, in torch, fixed shapes, softmax top-k routing (moe_torch_routed)."""
+    weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)  # [T, k] each
+    return moe_torch_routed(x, weights, ids, w_gate_up, w_down, counts)
+
+
+def moe_torch_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], routing weights/ids [T, k] -> [T, H] in x's dtype, in torch, fixed shapes. On CUDA in bf16: the
+    (token, expert) pairs sorted by expert and two grouped matmuls over device offsets (each touched expert's
+    weights read once). Elsewhere: each token gathers its k experts' weights, [T, k, 2I, H] (fine for the small
+    models that run on a CPU, not for large ones: past GATHER_LIMIT_BYTES it is refused)."""
     T, H = x.shape
+    top_k = ids.shape[1]
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
     grouped = _grouped_mm_fits(x, I)
@@ -40,7 +71,6 @@ def moe_torch(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
         raise ValueError(f"moe_torch: the per-token gather of {T} tokens × {top_k} experts needs {need / 2**30:.1f} "
                          f"GiB, over the {GATHER_LIMIT_BYTES / 2**30:.0f} GiB limit; run the fused kernel "
                          "(Triton) or bf16 on CUDA (grouped matmul)")
-    weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)  # [T, k] each
     flat = ids.reshape(-1)                                                           # [T*k], pair p = t*k + j
     per_expert = torch.zeros(E, dtype=torch.int32, device=x.device) if counts is None else counts.zero_()
     per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -58,26 +88,64 @@ def moe_torch(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     return (y.float() * weights[..., None]).sum(1).to(x.dtype)
 
 
-class SparseMoE(nn.Module):
-    """Router + E SwiGLU experts, top-k routing (Qwen3Moe's sparse block)."""
+class Float32Router(nn.Module):
+    """A router that stays fp32 whatever dtype the model moves to: DeepSeek's reference routes in fp32, and a
+    bf16 router would pick other experts near ties. `weight` [E, H]; `e_score_correction_bias` [E] (a parameter
+    so checkpoints fill it as any tensor)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # take fn's device, never its dtype (fn of an empty tensor shows where it sends tensors)
+        for name, p in self._parameters.items():
+            device = fn(p.new_empty(0)).device
+            data = (torch.empty(p.shape, dtype=torch.float32, device=device) if p.is_meta
+                    else p.data.to(device=device, dtype=torch.float32))
+            self._parameters[name] = nn.Parameter(data, requires_grad=p.requires_grad)
+        return self
+
+
+class SparseMoE(nn.Module):
+    """Router + E SwiGLU experts, top-k routing: Qwen3Moe's sparse block, or with `routing` DeepSeek-V3's
+    (grouped sigmoid routing, fp32 router, plus `shared_intermediate` wide shared experts on every token)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
+                 routing: GroupedRouting | None = None, shared_intermediate: int = 0):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate = intermediate
-        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.intermediate, self.routing = intermediate, routing
+        self.router = nn.Linear(hidden, num_experts, bias=False) if routing is None else Float32Router(hidden, num_experts)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shared = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
         # tokens per expert in the last forward (not saved; written in place, so graphs keep its address)
         self.register_buffer("counts", torch.zeros(num_experts, dtype=torch.int32), persistent=False)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, ids [T, k]) of a grouped router, in torch (fixed shapes)."""
+        r = self.routing
+        logits = F.linear(x.float(), self.router.weight)                                      # [T, E] fp32
+        return route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k, r.n_group,
+                                       r.topk_group, r.scoring, self.renormalize, r.scaling)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
-        return _dispatch(self, x.reshape(-1, x.shape[-1])).view(x.shape)
+        out = _dispatch(self, x.reshape(-1, x.shape[-1])).view(x.shape)
+        return out if self.shared is None else out + self.shared(x)
 
 
 @torch.compiler.disable  # a compiled layer calls the kernels as they are: they take no tracing
 def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    if moe.routing is not None:
+        weights, ids = moe.route(x)
+        if use_triton(x.device):
+            from .kernels.fused_moe import fused_moe_routed
+
+            return fused_moe_routed(x, weights, ids, moe.gate_up, moe.down, counts=moe.counts)[0]
+        return moe_torch_routed(x, weights, ids, moe.gate_up, moe.down, counts=moe.counts)
     if use_triton(x.device):
         from .kernels.fused_moe import fused_moe
 

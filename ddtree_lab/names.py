@@ -6,6 +6,7 @@ METHODS = ("ar", "dflash", "ddtree")                            # AR, single-pat
 STAGES = ("draft", "tree_build", "verify", "commit", "other")  # a round's stages, then everything else
 ATTENTION_BACKENDS = ("sdpa", "triton", "flex", "invariant")    # verify attention: dense reference, kernel, flex,
 #   and the batch-invariant target (kernels/batch_invariant.py: every budget and AR give a token the same bits)
+MLA_BACKENDS = ("sdpa", "triton")  # an MLA target's: the dense reference and its kernel (mla.py)
 TRITON_BACKENDS = ("triton", "invariant")                      # the backends whose kernels need CUDA or the interpreter
 MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
 AUTO = "auto"                                                    # budget="auto": chosen per round (auto_budget.py)

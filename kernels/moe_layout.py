@@ -7,6 +7,7 @@ which runs without torch, reads the same facts the kernel launches with.
     row_blocks(P, S, h)        the grid's bound on row blocks, for any routing
     blocks_at_height(counts, h)  the row blocks a routing runs, Σ_e ceil(n_e / h)
     route_reference(...)       the routing in torch: the kernel's ground truth and the engine's torch path
+    route_grouped_reference(...)  DeepSeek-V3's grouped sigmoid routing (the engine computes it for the kernel)
     routing_stats(counts)      experts touched, the busiest expert's tokens, row blocks per height
     moe_weight_bytes, reread_bytes, gather_bytes   bytes a block reads, re-reads, or gathers in torch
 """
@@ -80,6 +81,29 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool):
     if renormalize:
         vals = vals / vals.sum(-1, keepdim=True)
     return vals, ids
+
+
+def route_grouped_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                            scoring: str, renormalize: bool, scaling: float):
+    """DeepSeek-V3's routing. logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64), best first.
+    Scores are sigmoid (or softmax) of the fp32 logits; the choice uses them plus the correction bias [E]: each of
+    n_group groups is scored by the sum of its best two corrected scores, the top topk_group groups stay open and
+    the top_k corrected scores among their experts win. Weights are the uncorrected scores of the winners (the bias
+    steers load, never the output), divided by their sum when `renormalize`, times `scaling`. Ties go to the
+    lower index (stable descending sorts), as in route_reference."""
+    scores = logits.float().sigmoid() if scoring == "sigmoid" else logits.float().softmax(-1)   # [T, E]
+    choice = scores + bias.float()
+    T, E = choice.shape
+    if n_group > 1:
+        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)       # [T, G]
+        groups = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]  # [T, g]
+        open_ = group_scores.new_zeros(group_scores.shape).bool().scatter_(1, groups, True)
+        choice = choice.masked_fill(~open_.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]                   # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def expert_bytes(hidden: int, width: int, dtype_bytes: int) -> int:

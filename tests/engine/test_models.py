@@ -103,8 +103,8 @@ def test_reads_transformers_4_and_5_rope_keys(tmp_path):
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     a, b = target_config_from_hf(old, tmp_path), target_config_from_hf(new, tmp_path)
     assert a.rope == b.rope and a.rope.type == "llama3" and a.rope.theta == 5e5
-    bad = dict(new, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})
-    with pytest.raises(ValueError, match="yarn"):
+    bad = dict(new, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="longrope"):
         target_config_from_hf(bad, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(old))
 
