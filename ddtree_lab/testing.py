@@ -8,7 +8,7 @@ import torch
 
 from .attention import TreeMask
 from .checkpoint import save_drafter, save_target
-from .config import DrafterConfig, RopeConfig, TargetConfig
+from .config import DrafterConfig, MlaConfig, RopeConfig, TargetConfig
 from .drafter import Drafter
 from .model import Target
 
@@ -23,12 +23,25 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, 
                 decoder_sparse_step=1, mlp_only_layers=[1])
 
 
+# arch="deepseek_v3": MLA with a q LoRA, yarn RoPE, 8 experts in 4 groups (2 open) top-2 with sigmoid scores and a
+# correction bias, one shared expert, layer 0 dense
+TINY_DEEPSEEK = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                     scoring_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
+                     first_k_dense_replace=1, num_key_value_heads=4, head_dim=32,
+                     mla=MlaConfig(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                   v_head_dim=24),
+                     rope=RopeConfig(theta=10000.0, type="yarn", factor=4.0, original_max_position_embeddings=128,
+                                     mscale=1.0, mscale_all_dim=1.0))
+
+
 def tiny_target_config(arch: str = "qwen3", vocab_size: int = 300, **overrides) -> TargetConfig:
     cfg = dict(arch=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                tie_word_embeddings=arch == "qwen3", rope=RopeConfig(theta=10000.0), eos_token_id=[])
     if arch == "qwen3_moe":
         cfg.update(TINY_MOE)
+    if arch == "deepseek_v3":
+        cfg.update(TINY_DEEPSEEK)
     cfg.update(overrides)
     return TargetConfig(**cfg)
 
@@ -73,7 +86,8 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> None:
 def make_tiny_pair(directory, arch: str = "qwen3", vocab_size: int = 300, seed: int = 0,
                    tokenizer: bool = True, dtype=torch.float32, **target_overrides) -> tuple[Path, Path]:
     """Write a random target + DFlash drafter (+ tokenizer) under `directory`; return their dirs.
-    arch="qwen3_moe" writes a mixture-of-experts target (TINY_MOE, overridable) with a dense drafter."""
+    arch="qwen3_moe" writes a mixture-of-experts target (TINY_MOE, overridable) with a dense drafter;
+    arch="deepseek_v3" a DeepSeek-V3 one (TINY_DEEPSEEK)."""
     directory = Path(directory)
     tcfg = tiny_target_config(arch, vocab_size, **target_overrides)
     dcfg = tiny_drafter_config(tcfg)
