@@ -1,7 +1,8 @@
 """Tensor parallelism for the target: `load_pair(..., tp=N)` in each of N processes (torchrun).
 
 Each process holds 1/N of every layer: its share of the query and KV heads (the fused QKV rows,
-column-parallel, with their KV cache) and of the MLP width or every expert's width (gate/up rows,
+column-parallel, with their KV cache; MLA: its heads' expansions of the replicated latent, whose cache every
+process keeps whole) and of the MLP width or every expert's width (gate/up rows,
 column-parallel; down columns, row-parallel). A layer's attention output and MLP output are then partial
 sums, so each is summed across processes by one all-reduce (`DecoderLayer.reduce`): two a decoder layer,
 one per block. Embedding, router, norms, LM head and the drafter are replicated, so every process computes
@@ -65,8 +66,10 @@ class Split:
 
 
 # Stored [out, in] projections (and q/k/v biases [out]) split by output rows: column-parallel.
+# MLA: the per-head expansions (q_b_proj, or q_proj without a q LoRA, and kv_b_proj) split by heads; the shared
+# latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
 _SPLIT_BY_ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-                  "gate_proj.weight", "up_proj.weight")
+                  "gate_proj.weight", "up_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")
 # Stored [out, in] projections split by input columns: row-parallel, their outputs partial sums.
 _SPLIT_BY_COLUMNS = ("o_proj.weight", "down_proj.weight")
 
@@ -118,14 +121,16 @@ def shard_into(full, local, rank: int, tp: int) -> None:
             if ".qkv.wqkv." in name:  # [(Hq + 2 Hkv)·D, H] or its bias: q, k and v heads, each split
                 q, k, v = p.split([Hq * D, Hkv * D, Hkv * D], dim=0)
                 part = torch.cat([_rows(t, 0, rank, tp) for t in (q, k, v)], 0)
+            elif name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight", "kv_b_proj.weight")):
+                part = _rows(p, 0, rank, tp)  # MLA: [heads · d, in], this rank's heads
             elif name.endswith("o_proj.weight"):  # [H, Hq·D]: the columns of this rank's heads
                 part = _rows(p, 1, rank, tp)
-            elif name.endswith("mlp.gate_up.weight") or name.endswith("mlp.gate_up"):
+            elif name.endswith(("gate_up.weight", "mlp.gate_up")):  # dense, shared or routed experts
                 # dense [2I, H] or experts [E, 2I, H]: gate rows then up rows, each split
                 dim = p.dim() - 2
                 gate, up = p.chunk(2, dim=dim)
                 part = torch.cat([_rows(gate, dim, rank, tp), _rows(up, dim, rank, tp)], dim)
-            elif name.endswith("mlp.down.weight") or name.endswith("mlp.down"):  # [.., H, I]: columns
+            elif name.endswith(("down.weight", "mlp.down")):  # [.., H, I]: columns
                 part = _rows(p, p.dim() - 1, rank, tp)
             else:  # embedding, norms, router, LM head: replicated
                 part = p

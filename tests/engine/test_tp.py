@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import ddtree_lab as dl
 from ddtree_lab import parallel
 from ddtree_lab.checkpoint import load_target
-from ddtree_lab.config import CheckpointError
+from ddtree_lab.config import CheckpointError, MlaConfig
 from ddtree_lab.testing import make_tiny_pair, tiny_target_config
 
 PROMPT = [5, 17, 3, 99, 42, 7, 1, 64]
@@ -29,13 +29,18 @@ def _worker(rank: int, world: int, init_file: str, dirs, out: str) -> None:
     pair = dl.load_pair(target=dirs[0], drafter=dirs[1], tp=world)
     tokens = {f"{m}-{b}": dl.generate(pair, PROMPT, method=m, budget=b, max_new_tokens=24, stop=[]).tokens
               for m, b in RUNS}
-    heads = pair.target.layers[0].qkv.n_heads
+    heads = _heads(pair.target)
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"tokens": tokens, "heads": heads, "kv": list(pair.target.kv.shape)}, f)
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def _heads(target) -> int:
+    blk = target.layers[0]
+    return blk.qkv.n_heads if hasattr(blk, "qkv") else blk.self_attn.n_heads  # GQA or MLA
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_two_way_tensor_parallel_equals_one_process(tmp_path, arch):
     dirs = make_tiny_pair(tmp_path / "pair", arch=arch, seed=4, tokenizer=False)
     whole = dl.load_pair(target=dirs[0], drafter=dirs[1])
@@ -47,8 +52,11 @@ def test_two_way_tensor_parallel_equals_one_process(tmp_path, arch):
     got = [json.load(open(f"{out}.{r}")) for r in range(2)]
     for g in got:
         assert g["tokens"] == want  # every rank emits the whole target's tokens
-        assert g["heads"] == whole.target.layers[0].qkv.n_heads // 2  # each holds half the heads
-        assert g["kv"][2] == whole.target.kv.shape[2] // 2            # and half the KV cache
+        assert g["heads"] == _heads(whole.target) // 2  # each holds half the heads
+        if arch == "deepseek_v3":  # the latent is every head's: each rank caches it whole
+            assert g["kv"][2:] == [1, *whole.target.kv.shape[3:]] and whole.target.kv.shape[2] == 1
+        else:
+            assert g["kv"][2] == whole.target.kv.shape[2] // 2  # and half the KV cache
 
 
 def test_sizes_that_do_not_split_are_refused():
@@ -79,6 +87,9 @@ SLICE_CASES = {  # arch, target overrides, experts stacked
     "llama-bias": ("llama", {"attention_bias": True}, False),
     "moe-per-expert": ("qwen3_moe", {}, False),
     "moe-stacked": ("qwen3_moe", {}, True),
+    "deepseek": ("deepseek_v3", {}, False),
+    "deepseek-plain-q": ("deepseek_v3", {"mla": MlaConfig(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                                                         qk_rope_head_dim=16, v_head_dim=24)}, False),
 }
 
 
