@@ -18,6 +18,8 @@ def recognise(rec) -> tuple[str, str, str] | None:
     """A record's (engine, tool, field set), or None when it is no known benchmark record."""
     if not isinstance(rec, dict):
         return None
+    if failed_run_record(rec):
+        return "sglang", SERVING, "failed run"
     if {"run_name", "batch_size", "input_len", "output_len", "latency"} <= rec.keys():
         return "sglang", ONE_BATCH, "one batch"
     if "completed" in rec and ("total_token_throughput" in rec or "num_prompts" in rec
@@ -29,6 +31,17 @@ def recognise(rec) -> tuple[str, str, str] | None:
         return "sglang", SERVING, "with server_info" if "server_info" in rec or "tag" in rec else "older"
     return None
 
+
+def failed_run_record(rec: dict) -> bool:
+    """The serving benchmark's record of a run that failed before measuring anything: the backend,
+    `completed: 0` and the `error` (nothing else is needed: settings then come from the file name)."""
+    return "backend" in rec and rec.get("completed") == 0 and isinstance(rec.get("error"), str)
+
+
+# A cut record holding one of these got as far as the results: it is truncated, never a run that died
+# before writing anything (ingest.TINY_FILE_BYTES)
+RESULT_FIELDS = frozenset({"completed", "output_throughput", "request_throughput", "total_output_tokens",
+                           "total_output", "latency"})
 
 _KNOWN_FIELDS = {"completed", "total_output_tokens", "total_output", "output_throughput", "run_name",
                  "batch_size", "backend", "dataset_name", "request_rate", "max_concurrency", "num_prompts",

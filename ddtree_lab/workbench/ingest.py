@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..atomic import atomic_write_json
-from .formats import (ONE_BATCH, SERVING, SETTINGS, VLLM_SERVE, _KNOWN_FIELDS, _int, _num, absent_means_ar,
-                      field_settings, name_settings, recognise, recognise_partial, server_args)
+from .formats import (ONE_BATCH, RESULT_FIELDS, SERVING, SETTINGS, VLLM_SERVE, _KNOWN_FIELDS, _int, _num,
+                      absent_means_ar, field_settings, name_settings, recognise, recognise_partial, server_args)
 from .jsonstream import compress_ratio, read_document, read_lines
 
 SCHEMA = 1
@@ -140,6 +140,7 @@ def make_run(path: str, parsed, fmt: tuple, names: dict) -> Run:
     run.values.update(completed=completed, failed=failed, output_throughput=thr, mean_tpot_ms=tpot,
                       accept_length=acc, speedup_over_ar=None)
     run.extra["sent"] = sent
+    run.extra["error"] = rec.get("error") if isinstance(rec.get("error"), str) and rec["error"].strip() else None
     out = _int(rec.get("total_output_tokens", rec.get("total_output")))
     retok = _int(rec.get("total_output_tokens_retokenized", rec.get("total_output_retokenized")))
     run.extra["retokenized_ratio"] = retok / out if out and retok is not None else None
@@ -156,6 +157,8 @@ def judge(run: Run, parsed) -> None:
                                                 f"read: {parsed.error})")
         return
     errs = f"; first error: {d.error_samples[0][:160]!r}" if d.error_samples else ""
+    if run.extra.get("error"):  # the run's own error (a run that failed before measuring)
+        errs = f"; error: {run.extra['error'][:160]!r}" + errs
     if completed == 0:
         run.verdict, run.reason = "failed", f"completed == 0{errs}"
         return
@@ -259,12 +262,18 @@ def ingest_file(path: Path, root: Path | None) -> tuple[list[Run], list[dict]]:
         fmt = recognise(p.value)
         if fmt is None and p.error and isinstance(p.value, dict) and _KNOWN_FIELDS & p.value.keys():
             fmt = tool or recognise_partial(p.value)
-        tiny = p.error and not runs and size < TINY_FILE_BYTES
+        # a run that died before writing its record leaves a few bytes of it; a cut record that got to
+        # its results (completed, throughput) is a record cut short, whatever the file's size
+        tiny = p.error and not runs and size < TINY_FILE_BYTES and not (
+            isinstance(p.value, dict) and RESULT_FIELDS & p.value.keys())
         if fmt is not None or tiny:
             run = make_run(name, p, fmt, names) if fmt else _bare_run(name, p.line, names)
             tool = fmt or tool
             if tiny:  # a run that died before writing its record, not a record cut short
                 run.verdict, run.reason = "failed", f"tiny file ({size} bytes) holding no complete record"
+            elif run.verdict == "truncated" and p is not parsed[-1]:  # more of the file follows
+                run.reason = (f"cut off mid-file: the record stops after {p.size} bytes and the file goes on "
+                              f"({p.error})")
             runs.append(run)
         elif p.error:
             notes.append({"file": name, "reason": f"line {p.line}: not JSON ({p.error})"})

@@ -338,6 +338,43 @@ def test_appended_file_cut_in_its_last_record(tmp_path):
                                                                             (3, "truncated", 4)]
 
 
+def test_a_record_of_backend_completed_0_and_error_is_a_failed_run(tmp_path):
+    """What the serving benchmark writes for a run that failed before measuring: failed, settings from the name,
+    the error shown; not JSON of no known format."""
+    rec = {"backend": "sglang", "completed": 0, "error": "Server disconnected without sending a response."}
+    (tmp_path / "ddtree_b16t4_c32.jsonl").write_text(S.jsonl(rec))
+    doc = I.ingest([tmp_path])
+    assert doc["unrecognised"] == []
+    [r] = doc["runs"]
+    assert (r["tool"], r["verdict"], r["method"], r["budget"], r["topk"], r["concurrency"]) == \
+           ("sglang bench_serving", "failed", "ddtree", 16, 4, 32)
+    assert r["sources"] == {"method": "filename", "budget": "filename", "topk": "filename", "concurrency": "filename"}
+    assert "completed == 0" in r["reason"] and "Server disconnected without sending" in r["reason"]
+    assert r["completed"] == 0 and r["output_throughput"] is None
+    # an error with completed > 0 is no such record: of no known format as before
+    (tmp_path / "ddtree_b16t4_c32.jsonl").write_text(S.jsonl({**rec, "completed": 3}))
+    assert I.ingest([tmp_path])["runs"] == []
+
+
+def test_a_record_cut_off_keeps_its_fields_and_is_truncated_not_failed(tmp_path):
+    """Cut after its results, in a file under TINY_FILE_BYTES or mid-file: truncated, with completed and throughput."""
+    text = json.dumps(S.serving("older", completed=60, throughput=1234.5))
+    cut = text[: text.index('"output_throughput"') + 30]
+    assert len(cut) < I.TINY_FILE_BYTES
+    (tmp_path / "ddtree_b8t4.jsonl").write_text(cut)
+    first, second = S.jsonl(S.serving(concurrency=1)), S.jsonl(S.serving(concurrency=2, throughput=777.0))
+    (tmp_path / "sweep.jsonl").write_text(first + second[:600] + "\n" + S.jsonl(S.serving(concurrency=4)))
+    runs = _by_name(I.ingest([tmp_path]))
+    small = runs["ddtree_b8t4.jsonl", 1]
+    assert (small["verdict"], small["completed"], small["output_throughput"], small["budget"], small["topk"]) == \
+           ("truncated", 60, 1234.5, 8, 4)
+    assert "ends inside this record" in small["reason"]
+    mid = runs["sweep.jsonl", 2]
+    assert (mid["verdict"], mid["completed"], mid["concurrency"]) == ("truncated", 64, 2)
+    assert "cut off mid-file" in mid["reason"] and "ends inside" not in mid["reason"]
+    assert [runs["sweep.jsonl", n]["verdict"] for n in (1, 3)] == ["ok", "ok"]
+
+
 def test_mid_file_bad_line_keeps_the_rest(tmp_path):
     (tmp_path / "mixed.jsonl").write_text(S.jsonl(S.serving()) + "garbage line\n" + S.jsonl(S.serving()))
     doc = I.ingest([tmp_path])
