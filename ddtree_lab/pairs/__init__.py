@@ -99,12 +99,10 @@ def resolve(name: str) -> tuple[Path, Path]:
 def check(name: str) -> None:
     """Raise CheckpointError unless `name` would load (without loading it): for refusing a study early."""
     if name.startswith(RANDOM_PREFIX):
-        from .random import RANDOM_SHAPES
+        from .random import shape_entry, unknown_shape_message
 
-        shape = name[len(RANDOM_PREFIX):]
-        if shape not in RANDOM_SHAPES:
-            raise CheckpointError(f"unknown random shape {shape!r} (known: "
-                                  f"{', '.join(RANDOM_PREFIX + k for k in RANDOM_SHAPES)})")
+        if shape_entry(name[len(RANDOM_PREFIX):]) is None:
+            raise CheckpointError(unknown_shape_message(name[len(RANDOM_PREFIX):]))
         return
     resolve(name)
 

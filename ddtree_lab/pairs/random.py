@@ -2,7 +2,9 @@
 so real costs can be measured without the weights. The sizes are the models' public configs."""
 from __future__ import annotations
 
-from ..config import DrafterConfig, RopeConfig, TargetConfig
+import dataclasses
+
+from ..config import DrafterConfig, MlaConfig, RopeConfig, TargetConfig
 
 RANDOM_SHAPES = {
     "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -20,24 +22,61 @@ RANDOM_SHAPES = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           max_position_embeddings=40960, tie_word_embeddings=False, rope=RopeConfig(theta=1e6),
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # Kimi K2.6's text model (DeepSeek-V3 architecture, its published config) at full width; the whole 61 layers
+    # do not fit one GPU, so the shape keeps KIMI_LAYERS of them (the first dense, as in the model) unless a name
+    # asks for another depth: random:kimi-k2.6@12.
+    "kimi-k2.6": dict(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                      num_hidden_layers=8, num_attention_heads=64, num_key_value_heads=64, head_dim=192,
+                      rms_norm_eps=1e-5, max_position_embeddings=262144, tie_word_embeddings=False,
+                      rope=RopeConfig(theta=50000.0, type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                      mla=MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                    v_head_dim=128),
+                      num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, norm_topk_prob=True,
+                      scoring_func="sigmoid", n_group=1, topk_group=1, routed_scaling_factor=2.827,
+                      n_shared_experts=1, first_k_dense_replace=1),
 }
+DEPTH_SEPARATOR = "@"  # random:<shape>@<layers>: the shape at another depth (its drafter taps spread over it)
 DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
-# The drafters' MLP width where it is not the target's dense width. A drafter is dense: an MoE target's
-# expert width is never its size.
-DRAFT_INTERMEDIATE = {"qwen3-30b-a3b": 6144}
+# The drafters' sizes where they are not the target's attention and dense MLP sizes (a drafter is dense: an MoE
+# target's expert width is never its size). Kimi's published DFlash drafter: six layers of 64 query and 8 KV
+# heads of 128, its MLP the target's dense width.
+DRAFTER_OVERRIDES = {
+    "qwen3-30b-a3b": dict(intermediate_size=6144),
+    "kimi-k2.6": dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+}
+
+
+def shape_entry(shape: str) -> dict | None:
+    """The sizes of a random shape name (`qwen3-8b`, `kimi-k2.6@12`), None when unknown (torch-free)."""
+    base, sep, depth = shape.partition(DEPTH_SEPARATOR)
+    entry = RANDOM_SHAPES.get(base)
+    if entry is None or not sep:
+        return entry
+    if not depth.isdigit() or not 1 <= int(depth) <= 256:
+        return None
+    return {**entry, "num_hidden_layers": int(depth)}
+
+
+def unknown_shape_message(shape: str) -> str:
+    return (f"unknown random shape {shape!r}; known: {', '.join('random:' + s for s in RANDOM_SHAPES)} "
+            f"(any of them at another depth: random:<shape>{DEPTH_SEPARATOR}<layers>, 1..256)")
 
 
 def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
     """The target and drafter configs of a random shape (nothing allocated)."""
-    tcfg = TargetConfig(**RANDOM_SHAPES[shape])
-    dcfg = DrafterConfig(hidden_size=tcfg.hidden_size,
-                         intermediate_size=DRAFT_INTERMEDIATE.get(shape, tcfg.intermediate_size),
-                         num_hidden_layers=DRAFT_LAYERS, num_attention_heads=tcfg.num_attention_heads,
-                         num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
-                         vocab_size=tcfg.vocab_size, block_size=16, num_target_layers=tcfg.num_hidden_layers,
-                         mask_token_id=tcfg.vocab_size - 1, rope=tcfg.rope,
-                         max_position_embeddings=tcfg.max_position_embeddings)
-    return tcfg, dcfg
+    entry = shape_entry(shape)
+    if entry is None:
+        raise ValueError(unknown_shape_message(shape))
+    tcfg = TargetConfig(**entry)
+    drafter = dict(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+                   num_hidden_layers=DRAFT_LAYERS, num_attention_heads=tcfg.num_attention_heads,
+                   num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+                   vocab_size=tcfg.vocab_size, block_size=16, num_target_layers=tcfg.num_hidden_layers,
+                   mask_token_id=tcfg.vocab_size - 1, rope=dataclasses.replace(tcfg.rope),
+                   max_position_embeddings=tcfg.max_position_embeddings)
+    drafter.update(DRAFTER_OVERRIDES.get(shape.partition(DEPTH_SEPARATOR)[0], {}))
+    return tcfg, DrafterConfig(**drafter)
 
 
 def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False,
@@ -52,8 +91,8 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     from ..drafter import Drafter
     from ..model import Target
 
-    if shape not in RANDOM_SHAPES:
-        raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+    if shape_entry(shape) is None:
+        raise ValueError(unknown_shape_message(shape))
     dtype = torch_dtype(dtype)
     rank = 0
     if tp != 1:
@@ -63,12 +102,12 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     models = []
     for cls, cfg in zip((Target, Drafter), shape_configs(shape)):
         with torch.device("meta"):
-            m = cls(cfg)
-        m = m.to_empty(device=device).to(dtype)
+            m = cls(cfg).to(dtype)  # allocated in its dtype at once: a wide shape has no room for an fp32 copy
+        m = m.to_empty(device=device)
         with torch.no_grad():
             for _, p in m.named_parameters():
                 p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-        m.rotary = type(m.rotary)(cfg.head_dim, cfg.rope, m.rotary.max_positions).to(device)
+        m.rotary = type(m.rotary)(cfg.rope_dim, cfg.rope, m.rotary.max_positions).to(device)
         models.append(m.eval().requires_grad_(False))
     target, drafter = models
     if tp != 1:

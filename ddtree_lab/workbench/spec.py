@@ -402,9 +402,9 @@ def _target_config(study: Study) -> dict | None:
     what is wrong with the file)."""
     m = study.models
     if m.pair and m.pair.startswith(pairs.RANDOM_PREFIX):
-        from ..pairs.random import RANDOM_SHAPES  # a torch-free table of sizes
+        from ..pairs.random import shape_entry  # a torch-free table of sizes
 
-        return RANDOM_SHAPES.get(m.pair[len(pairs.RANDOM_PREFIX):])
+        return shape_entry(m.pair[len(pairs.RANDOM_PREFIX):])
     target = _target_dir(study)
     try:
         cfg = json.loads((target / "config.json").read_text(encoding="utf-8")) if target else None
