@@ -139,6 +139,11 @@ class TargetConfig:
         return scale
 
     @property
+    def cache_values_per_token(self) -> int:
+        """Values one layer's cache holds a token: K and V of every KV head, or MLA's latent and RoPE key."""
+        return 2 * self.num_key_value_heads * self.head_dim if self.mla is None else self.mla.cache_width
+
+    @property
     def rope_dim(self) -> int:
         """The dims RoPE rotates: a whole head, or MLA's RoPE part."""
         return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim

@@ -162,8 +162,8 @@ def verify_microbench(params: RunParams, pair: Any = None, budgets: list[int] | 
     target = getattr(pair, "target", None)
     weight_bytes = weight_bytes_per_step(target)  # every matrix, one row of an untied embedding
     cfg = getattr(target, "cfg", None)
-    kv_per_pos = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                  * next(target.parameters()).element_size()) if cfg is not None else 0
+    kv_per_pos = (cfg.num_hidden_layers * cfg.cache_values_per_token * next(target.parameters()).element_size()
+                  if cfg is not None else 0)
     budgets = budgets or params.budgets or [params.budget]
     generate(pair, prompt, method="ddtree", budget=budgets[0], max_new_tokens=8, trace=False)
     points = []
