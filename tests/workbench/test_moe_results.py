@@ -10,8 +10,9 @@ from ddtree_lab.workbench import results as R
 from ddtree_lab.workbench.runs import RunParams
 
 
-def test_moe_run_records_experts_touched_and_bytes(tmp_path):
-    t, d = make_tiny_pair(tmp_path / "moe", arch="qwen3_moe", seed=2)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_moe_run_records_experts_touched_and_bytes(tmp_path, arch):
+    t, d = make_tiny_pair(tmp_path / "moe", arch=arch, seed=2)
     pair = dl.load_pair(target=t, drafter=d)
     (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "def add(a, b):"}\n')
     base = RunParams(study_name="moe", run_dir=str(tmp_path / "r"), target_dir=str(t), drafter_dir=str(d),
@@ -42,10 +43,11 @@ def test_dense_run_records_its_bytes_and_no_experts(tiny_pair):
         "verify_weight_bytes": weight_bytes_per_step(tiny_pair.target)}
 
 
-def test_report_shows_experts_and_verify_cost_for_an_moe_study(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_report_shows_experts_and_verify_cost_for_an_moe_study(tmp_path, arch):
     from ddtree_lab.workbench import report
 
-    t, d = make_tiny_pair(tmp_path / "moe", arch="qwen3_moe", seed=2)
+    t, d = make_tiny_pair(tmp_path / "moe", arch=arch, seed=2)
     pair = dl.load_pair(target=t, drafter=d)
     (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "def add(a, b):"}\n')
     study = tmp_path / "study"
