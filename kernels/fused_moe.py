@@ -2,7 +2,13 @@
 
     fused_moe(x, router_weight, w_gate_up, w_down, top_k, renormalize, counts=None)
         -> (out [T, H] in x's dtype, counts [E] int32: tokens routed to each expert in this call)
-    fused_moe_reference(...)  the torch ground truth (a loop over the experts, as the reference models run it)
+    fused_moe_routed(x, weights, ids, w_gate_up, w_down, counts=None)
+        -> the same, for routing computed elsewhere (weights/ids [T, top_k]: DeepSeek-V3's router, in torch)
+    fused_moe_reference(...), fused_moe_routed_reference(...)  the torch ground truths (a loop over the
+        experts, as the reference models run it), split the same way
+
+Expert weights are dense tensors or `int4.Int4Weights` (w4a16: the compressed-tensors pack-quantized layout,
+dequantized inside the expert kernels as each tile loads; int4.py has the layout and `dequantize`).
 
 The launch facts the engine and the cost model share (row heights, the route-in-align limit, the grid's row
 blocks) and the routing's torch reference live in moe_layout.py, which imports no Triton.
@@ -26,11 +32,15 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      `_route_align_kernel` does 2 and 3 in one program: a launch or two fewer, where serial work is small;
   4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N): one BLOCK_M block of a slot's tokens times its
      expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
-     blocks any routing can need; each program finds its slot from the counts);
+     blocks any routing can need; each program finds its slot from the counts). Both expert kernels read
+     weight tiles through `_weight_tile`: dense, or INT4 unpacked and scaled in fp32, then cast to the
+     activations' dtype for the dot (accumulated in fp32 either way);
   5. `_down_kernel`, grid (row blocks, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
      y [T·top_k, H] fp32 in pair order;
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
      atomics), cast to x's dtype.
+fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
+3-6 run as above.
 
 Why this shape: decode and verify are bound by the weights' bytes, and a tree's tokens route alike (related
 contexts), so a few experts may get most of the T tokens. A program owns one (row block, N-tile) of one
@@ -52,9 +62,17 @@ import triton
 import triton.language as tl
 
 try:
+    from .int4 import NIBBLE_OFFSET, VALUES_PER_WORD, Int4Weights, dequantize
     from .moe_layout import ROUTE_IN_ALIGN_MAX_T, route_reference, row_blocks, row_height
-except ImportError:  # loaded as a lone file (bench's --baseline, tests/kernels/test_compile.py): its neighbour
+except ImportError:  # loaded as a lone file (bench's --baseline, tests/kernels/test_compile.py): its neighbours
+    from int4 import NIBBLE_OFFSET, VALUES_PER_WORD, Int4Weights, dequantize
     from moe_layout import ROUTE_IN_ALIGN_MAX_T, route_reference, row_blocks, row_height
+
+
+_WORD = tl.constexpr(VALUES_PER_WORD)  # int4.py's layout, for the kernels: 4-bit values a packed int32
+_BITS = tl.constexpr(32 // VALUES_PER_WORD)
+_NIBBLE = tl.constexpr((1 << (32 // VALUES_PER_WORD)) - 1)
+_OFFSET = tl.constexpr(NIBBLE_OFFSET)
 
 
 def _interpret() -> bool:
@@ -210,9 +228,45 @@ def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_xt, s_we, s_wn, s_ht,
-                    TOP_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_tile(W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Expert e's rows n [BLOCK_N], columns k0 … k0 + BLOCK_K, as a [BLOCK_K, BLOCK_N] tile. Dense: the stored
+    values. INT4 (int4.py's layout): each packed word loaded once, its 8 nibbles split by shifts on a
+    broadcast, less the zero point (8, or the group's own), times the group's scale, in fp32; the tile spans
+    GROUPS = max(1, BLOCK_K // GROUP) groups of GROUP values (one when a group is at least BLOCK_K wide), so
+    scales and zero points load once a group and row."""
+    e = e.to(tl.int64)
+    if INT4:
+        words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)
+        packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None],
+                         mask=(words < K // _WORD)[:, None] & nmask[None, :], other=0)    # [BK/8, BN] int32
+        shifts = tl.arange(0, _WORD) * _BITS
+        q = (packed[:, None, :] >> shifts[None, :, None]) & _NIBBLE            # [BK/8, 8, BN]
+        q = tl.reshape(q, [GROUPS, BLOCK_K // GROUPS, BLOCK_N])                            # [tile's groups, ·, BN]
+        g = k0 // GROUP + tl.arange(0, GROUPS)                     # k0 is a multiple of GROUP when GROUPS > 1
+        gmask = (g < K // GROUP)[:, None] & nmask[None, :]
+        scale = tl.load(Scale + e * s_se + n[None, :] * s_sn + g[:, None], mask=gmask, other=0.0)   # [GROUPS, BN]
+        if HAS_ZERO:
+            zw = tl.load(Zero + e * s_ze + (n // _WORD)[None, :] * s_zn + g[:, None], mask=gmask, other=0)
+            shift = (n % _WORD) * _BITS                                                    # [BN] row n's nibble
+            zero = (zw >> shift[None, :]) & _NIBBLE                                        # [GROUPS, BN]
+        else:
+            zero = tl.full([GROUPS, BLOCK_N], _OFFSET, tl.int32)
+        w = (q - zero[:, None, :]).to(tl.float32) * scale.to(tl.float32)[:, None, :]
+        w = tl.reshape(w, [BLOCK_K, BLOCK_N])
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None], mask=(kk < K)[:, None] & nmask[None, :],
+                    other=0.0)                                                             # [BK, BN]
+    return w
+
+
+@triton.jit
+def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_xt, s_we, s_wn,
+                    s_se, s_sn, s_ze, s_zn, s_ht, TOP_K: tl.constexpr, IEEE: tl.constexpr, INT4: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0:  # past the last row block
         return
@@ -221,8 +275,6 @@ def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
     ks = tl.arange(0, BLOCK_K)
-    w_gate = W + e.to(tl.int64) * s_we + cols[None, :] * s_wn                 # [1, BN] row starts
-    w_up = w_gate + I * s_wn
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < count
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
@@ -231,11 +283,11 @@ def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + ks
-        kmask = kk < H
-        a = tl.load(X + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        wg = tl.load(w_gate + kk[:, None], mask=wmask, other=0.0)       # [BK, BN]
-        wu = tl.load(w_up + kk[:, None], mask=wmask, other=0.0)
+        a = tl.load(X + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & (kk < H)[None, :], other=0.0)
+        wg = _weight_tile(W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4,
+                          HAS_ZERO, GROUP, GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)                   # [BK, BN] gate rows
+        wu = _weight_tile(W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4,
+                          HAS_ZERO, GROUP, GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)                   # up rows
         if IEEE:
             acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
@@ -248,9 +300,10 @@ def _gate_up_kernel(X, W, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I
 
 
 @triton.jit
-def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_ht, s_we, s_wn, s_yt,
-                 IEEE: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_ht, s_we,
+                 s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0:
         return
@@ -259,17 +312,16 @@ def _down_kernel(Hbuf, W, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output columns (of H)
     cmask = cols < H
     ks = tl.arange(0, BLOCK_K)
-    w_down = W + e.to(tl.int64) * s_we + cols[None, :] * s_wn
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < count
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + ks
-        kmask = kk < I
-        a = tl.load(Hbuf + (start + rows)[:, None] * s_ht + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+        a = tl.load(Hbuf + (start + rows)[:, None] * s_ht + kk[None, :], mask=rmask[:, None] & (kk < I)[None, :],
                     other=0.0)
-        wd = tl.load(w_down + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)  # [BK, BN]
+        wd = _weight_tile(W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4,
+                          HAS_ZERO, GROUP, GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)                   # [BK, BN]
         if IEEE:
             acc = tl.dot(a, wd, acc, input_precision="ieee")
         else:
@@ -423,20 +475,40 @@ def _combine_kernel(Y, Out, H, s_yt, s_ot, TOP_K: tl.constexpr, BLOCK_H: tl.cons
     tl.store(Out + t * s_ot + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              top_k: int, renormalize: bool, counts: torch.Tensor | None = None, config: dict | None = None):
-    """x [T, H] -> (out [T, H] in x's dtype, counts [E] int32); `counts` (if given) is filled in place."""
+def _weight_shape(w) -> tuple[int, ...]:
+    return w.shape if isinstance(w, Int4Weights) else tuple(w.shape)
+
+
+def _expert_shapes(x, w_gate_up, w_down, what: str) -> tuple[int, int]:
+    """-> (E, I) after checking x [T, H], gate_up [E, 2I, H], down [E, H, I] fit (either form of weight)."""
     T, H = x.shape
-    E, two_i, H2 = w_gate_up.shape
+    E, two_i, H2 = _weight_shape(w_gate_up)
     I = two_i // 2
-    assert H2 == H and router_weight.shape == (E, H) and w_down.shape == (E, H, I), (
-        f"fused_moe: x {tuple(x.shape)}, router {tuple(router_weight.shape)}, gate_up {tuple(w_gate_up.shape)}, "
-        f"down {tuple(w_down.shape)} do not fit together")
-    assert w_gate_up.stride(2) == 1 and w_down.stride(2) == 1, "expert weights must be row-major"
-    x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
-    weights, _, counts, slot_expert, slot_start, sorted_pairs = moe_route_align(
-        F.linear(x, router_weight), top_k, renormalize, counts, cfg.get("fuse_route"))
+    assert H2 == H and _weight_shape(w_down) == (E, H, I) and two_i == 2 * I, (
+        f"{what}: x {tuple(x.shape)}, gate_up {_weight_shape(w_gate_up)}, down {_weight_shape(w_down)} do not fit "
+        "together")
+    for w in (w_gate_up, w_down):
+        assert isinstance(w, Int4Weights) or w.stride(2) == 1, "expert weights must be row-major"
+    return E, I
+
+
+def _weight_args(w) -> tuple[list, dict]:
+    """A stacked weight -> (its kernel arguments: W, Scale, Zero and their strides, _weight_tile's constexprs).
+    Dense weights pass themselves where the INT4 tensors go (never read: INT4=False)."""
+    if isinstance(w, Int4Weights):
+        zero = w.packed if w.zero is None else w.zero
+        args = [w.packed, w.scale, zero, w.packed.stride(0), w.packed.stride(1), w.scale.stride(0),
+                w.scale.stride(1), zero.stride(0), zero.stride(1)]
+        return args, dict(INT4=True, HAS_ZERO=w.zero is not None, GROUP=w.group_size)
+    return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1)
+
+
+def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, cfg: dict) -> torch.Tensor:
+    """The expert stage after the sort (launches 4-6): x [T, H], weights [T, top_k] fp32 (pair order), routed =
+    moe_align's (counts, slot_expert, slot_start, sorted_pairs) -> out [T, H] in x's dtype."""
+    T, H = x.shape
+    E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe")
+    counts, slot_expert, slot_start, sorted_pairs = routed
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
@@ -445,19 +517,62 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     one_block = T <= cfg["BLOCK_M"]
     blocks = S if one_block else row_blocks(P, S, cfg["BLOCK_M"])
     BLOCK_S = _pow2(S, 16)
+    up_args, up_const = _weight_args(w_gate_up)
+    down_args, down_const = _weight_args(w_down)
+    up_const["GROUPS"] = max(1, cfg["BLOCK_K_UP"] // up_const["GROUP"])
+    down_const["GROUPS"] = max(1, cfg["BLOCK_K_DOWN"] // down_const["GROUP"])
+    up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
-        x, w_gate_up, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), h.stride(0), TOP_K=top_k, IEEE=ieee, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
+        x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, x.stride(0), s_we, s_wn,
+        *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
+    down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
-        h, w_down, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, h.stride(0),
-        w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
+        h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, h.stride(0),
+        *down_strides, y.stride(0), IEEE=ieee, **down_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, out, H, y.stride(0), out.stride(0), TOP_K=top_k,
                                                   BLOCK_H=BLOCK_H, num_warps=4)
-    return out, counts
+    return out
+
+
+def _config(x, top_k: int, E: int, I: int, config: dict | None) -> dict:
+    T, H = x.shape
+    return {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
+              top_k: int, renormalize: bool, counts: torch.Tensor | None = None, config: dict | None = None):
+    """x [T, H] -> (out [T, H] in x's dtype, counts [E] int32); `counts` (if given) is filled in place. The
+    expert weights are dense tensors or Int4Weights (dequantized inside the kernels)."""
+    E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe")
+    assert router_weight.shape == (E, x.shape[1]), (
+        f"fused_moe: router {tuple(router_weight.shape)} does not fit x {tuple(x.shape)} and {E} experts")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = _config(x, top_k, E, I, config)
+    weights, _, *routed = moe_route_align(F.linear(x, router_weight), top_k, renormalize, counts,
+                                          cfg.get("fuse_route"))
+    return _experts(x, weights, routed, w_gate_up, w_down, top_k, cfg), routed[0]
+
+
+def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
+                     counts: torch.Tensor | None = None, config: dict | None = None):
+    """The experts for routing computed elsewhere (DeepSeek-V3's grouped router runs in torch): x [T, H],
+    weights [T, k] (fp32: each pair's factor, as given; no renormalisation here), ids [T, k] expert indices in
+    [0, E) (any int dtype; best first, though the order only fixes the sum's) -> (out [T, H] in x's dtype,
+    counts [E] int32). moe_align sorts the pairs; the expert launches are fused_moe's."""
+    E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe_routed")
+    T, top_k = ids.shape
+    assert weights.shape == ids.shape and T == x.shape[0], (
+        f"fused_moe_routed: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [T, k] with "
+        f"T = {x.shape[0]} tokens")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = _config(x, top_k, E, I, config)
+    ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
+    routed = moe_align(ids, E, counts)
+    return _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, cfg), routed[0]
 
 
 # ----------------------------------------------------------------------------- torch references
@@ -480,13 +595,15 @@ def align_reference(ids: torch.Tensor, E: int):
     return counts.int(), slot_expert[:S].int(), slot_start[:S].int(), sorted_pairs.int()
 
 
-def fused_moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor,
-                        w_down: torch.Tensor, top_k: int, renormalize: bool):
-    """The ground truth, any size: each expert on its own tokens in fp32, weighted, summed per token.
-    (A loop with data-dependent shapes: a reference, not a graph-safe path.)"""
+def fused_moe_routed_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
+                               w_down: torch.Tensor | Int4Weights):
+    """The ground truth of the experts for given routing (weights/ids [T, k]), any size: each expert on its own
+    tokens in fp32, weighted, summed per token -> (out [T, H] in x's dtype, counts [E] int32). INT4 weights are
+    dequantized first, to x's dtype (the values the kernels multiply). (A loop with data-dependent shapes: a
+    reference, not a graph-safe path.)"""
     T, H = x.shape
+    w_gate_up, w_down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (w_gate_up, w_down))
     E, two_i, _ = w_gate_up.shape
-    weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in range(E):
@@ -495,6 +612,13 @@ def fused_moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up:
             continue
         gate, up = (xf[tok] @ w_gate_up[e].float().t()).split(two_i // 2, dim=-1)
         y = (F.silu(gate) * up) @ w_down[e].float().t()                       # [n, H]
-        out.index_add_(0, tok, y * weights[tok, j, None])
+        out.index_add_(0, tok, y * weights[tok, j, None].float())
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E).int()
     return out.to(x.dtype), counts
+
+
+def fused_moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
+                        top_k: int, renormalize: bool):
+    """fused_moe's ground truth: route_reference's routing, then fused_moe_routed_reference."""
+    weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)
+    return fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)

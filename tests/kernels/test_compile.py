@@ -41,6 +41,16 @@ CHAIN_ATTN_SIGNATURE = {
     "Chain": "*i32", "ChainLen": "*i32", "PastPtr": "*i64", "past_val": "i32",
     **{s: "i32" for s in ("s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh", "s_ot", "s_chain", "n_chunks")},
     "qk_scale": "fp32"}
+# the expert kernels: dense weights pass themselves where the INT4 scales and zero points go (never read)
+GATE_UP_SIGNATURE = {
+    "X": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Hbuf": "*bf16", "Counts": "*i32",
+    "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32",
+    **{s: "i32" for s in ("s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_ht")}}
+DOWN_SIGNATURE = {
+    "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
+    "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
+    "S": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
+DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "GROUPS": 1}
 
 CASES = [
     ("tree_build", "_beam_step_kernel",
@@ -88,21 +98,23 @@ CASES = [
      {"Ids": "*i32", "ChunkCounts": "*i32", "P": "i32", "CHUNK": "i32"}, {"BLOCK_P": 128, "BLOCK_E": 128}),
     ("fused_moe", "_combine_kernel",
      {"Y": "*fp32", "Out": "*bf16", "H": "i32", "s_yt": "i32", "s_ot": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}),
-    ("fused_moe", "_gate_up_kernel",
-     {"X": "*bf16", "W": "*bf16", "Hbuf": "*bf16", "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32",
-      "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32", "s_xt": "i32", "s_we": "i32", "s_wn": "i32",
-      "s_ht": "i32"},
-     {"TOP_K": 8, "IEEE": False, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("fused_moe", "_gate_up_kernel", GATE_UP_SIGNATURE,
+     {"TOP_K": 8, "IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64,
+      "BLOCK_K": 128}),
     ("fused_moe", "_gate_up_kernel",  # fp32 weights: IEEE dot products
-     {"X": "*fp32", "W": "*fp32", "Hbuf": "*fp32", "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32",
-      "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32", "s_xt": "i32", "s_we": "i32", "s_wn": "i32",
-      "s_ht": "i32"},
-     {"TOP_K": 8, "IEEE": True, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64}),
-    ("fused_moe", "_down_kernel",
-     {"Hbuf": "*bf16", "W": "*bf16", "Y": "*fp32", "Weights": "*fp32", "Counts": "*i32", "SlotExpert": "*i32",
-      "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32", "s_ht": "i32", "s_we": "i32",
-      "s_wn": "i32", "s_yt": "i32"},
-     {"IEEE": False, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
+     {**GATE_UP_SIGNATURE, "X": "*fp32", "W": "*fp32", "Scale": "*fp32", "Zero": "*fp32", "Hbuf": "*fp32"},
+     {"TOP_K": 8, "IEEE": True, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32,
+      "BLOCK_K": 64}),
+    ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile
+     {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "GROUPS": 4, "BLOCK_S": 64,
+      "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("fused_moe", "_down_kernel",  # INT4 with zero points, a group wider than the tile
+     {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "GROUPS": 1, "BLOCK_S": 128, "ONE_BLOCK": False,
+      "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64}),
+    ("fused_moe", "_down_kernel", DOWN_SIGNATURE,
+     {"IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
     ("commit", "_advance_kernel", ADVANCE_SIGNATURE, {"BLOCK": 16}),
     ("auto_budget", "_auto_kernel", AUTO_SIGNATURE,
      {"J": 8, "NB": 8, "BLOCK_P": 16, "BLOCK_C": 1024, "BLOCK_J": 8, "BLOCK_R": 16}),
