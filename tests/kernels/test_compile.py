@@ -52,6 +52,11 @@ DOWN_SIGNATURE = {
     "S": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
 DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "GROUPS": 1}
 
+MLA_FWD_SIGNATURE = {
+    "Q": "*bf16", "Cache": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
+    "PastPtr": "*i32", **{s: "i32" for s in ("past_val", "T", "mask_words", "split_target", "min_chunk", "s_qh",
+                                             "s_qt", "s_cs", "s_oh", "s_ot")}, "qk_scale": "fp32"}
+
 CASES = [
     ("tree_build", "_beam_step_kernel",
      {"Prev": "*fp32", "Lp": "*fp32", "CandSlot": "*i64", "CandRank": "*i64", "OutScore": "*fp32",
@@ -139,6 +144,15 @@ CASES = [
      {"Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32", "Out": "*bf16", "ChainLen": "*i32", "PastPtr": "*i64",
       "past_val": "i32", "s_oh": "i32", "s_ot": "i32", "n_chunks": "i32"},
      {"G": 3, "BLOCK_G": 16, "HEAD_D": 64, "CHUNK": 512, "PAST_ON_DEVICE": True}),
+    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's latent and RoPE widths, all 64 heads a tile
+     {"H": 64, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 64, "BLOCK_N": 32, "SINGLE": False,
+      "PAST_FROM_PTR": True, "IEEE": False}),
+    ("mla_attention", "_mla_fwd", {**MLA_FWD_SIGNATURE, "Q": "*fp32", "Cache": "*fp32", "Out": "*fp32"},
+     {"H": 4, "C": 24, "R": 8, "C_PAD": 32, "R_PAD": 16, "BLOCK_M": 64, "BLOCK_N": 64, "SINGLE": True,
+      "PAST_FROM_PTR": False, "IEEE": True}),  # padded widths, fp32
+    ("mla_attention", "_mla_merge",
+     {"OPart": "*fp32", "LPart": "*fp32", "Out": "*bf16", "M": "i32", "s_oh": "i32", "s_ot": "i32",
+      "num_splits": "i32"}, {"H": 64, "C": 512, "BLOCK_R": 16, "BLOCK_C": 64}),
 ]
 
 FULL_ENV = "DDTREE_LAB_FULL_COMPILE"
