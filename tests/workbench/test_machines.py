@@ -42,7 +42,8 @@ def test_names_match_whole_words_and_the_most_specific_wins():
     assert A.machine_for_device("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
     assert A.machine_for_device("NVIDIA A100-PCIE-40GB") == "a100"
     assert A.machine_for_device("NVIDIA L40") is None and A.machine_for_device("cpu") is None  # L4 is not in it
-    assert A.machine_for_device("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtx-pro-6000"
+    assert A.machine_for_device("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtx-pro-6000-server"
+    assert A.machine_for_device("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition") == "rtx-pro-6000"
     assert A.machine_for_device("rtx-pro-6000") == "rtx-pro-6000" and A.machine_for_device(None) is None
 
 

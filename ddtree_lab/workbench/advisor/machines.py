@@ -1,10 +1,12 @@
 """What machines.json holds: every GPU the workbench knows (its name variants, spec bandwidth and, for the
 advisor's profiles, dense bf16 FLOP/s, with their sources) with the one matcher from a device name to its
 entry, and the calibration the cost model runs on (fitted once: calibration.py); the `measured` machine of a
-bench JSON."""
+bench JSON; an 8-GPU server's interconnect, and a user's own measured figures over the table's
+(`machine_profile`)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,3 +130,129 @@ def load_calibration() -> Calibration:
     if "fit" not in cal:
         raise AdvisorError(f"{MACHINES_FILE}: no calibration fit; run ddtree_lab.workbench.advisor.calibrate")
     return Calibration(**cal["fit"], settings=cal.get("settings", {}))
+
+
+# ----------------------------------------------------------------------------- interconnects and overrides
+@dataclass(frozen=True)
+class Interconnect:
+    """How one GPU of an 8-GPU server reaches the other seven (machines.json `interconnect` + `interconnects`)."""
+    kind: str                  # nvlink | pcie
+    title: str
+    bandwidth: float           # bytes/s per GPU, each direction
+    all_reduce_latency: float  # seconds, a small all-reduce over the 8 GPUs
+    all_to_all_latency: float  # seconds, a small all-to-all (dispatch, combine), reduce-scatter or all-gather
+    nvls: bool                 # the switch reduces all-reduces (NVLink SHARP)
+    nvls_latency: float | None
+    source: str
+    url: str = ""
+
+
+# What a user may set over the table (advise --set KEY=VALUE, --machine-file): key -> (field, SI per unit, unit).
+OVERRIDES = {
+    "bandwidth_gbps": ("bandwidth", 1e9, "GB/s memory bandwidth (spec-equivalent)"),
+    "flops_tflops": ("flops", 1e12, "TFLOP/s dense bf16"),
+    "link_gbps": ("link_bandwidth", 1e9, "GB/s per GPU each way over the interconnect"),
+    "all_reduce_latency_us": ("all_reduce_latency", 1e-6, "µs, a small all-reduce over the 8 GPUs"),
+    "all_to_all_latency_us": ("all_to_all_latency", 1e-6, "µs, a small all-to-all, reduce-scatter or all-gather"),
+    "nvls": ("nvls", None, "true/false: the switch reduces all-reduces"),
+    "nvls_latency_us": ("nvls_latency", 1e-6, "µs, a small NVLS all-reduce"),
+}
+_LINK_KEYS = ("link_gbps", "all_reduce_latency_us", "all_to_all_latency_us")  # enough to price a layout
+
+
+def override_value(key: str, value) -> float | bool:
+    """A user's figure for KEY, checked: a positive number (nvls: true/false)."""
+    if key not in OVERRIDES:
+        raise AdvisorError(f"unknown machine figure {key!r}; known: {', '.join(OVERRIDES)}")
+    if key == "nvls":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text not in ("true", "false", "1", "0", "yes", "no"):
+            raise AdvisorError(f"machine figure nvls={value!r}: give true or false")
+        return text in ("true", "1", "yes")
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise AdvisorError(f"machine figure {key}={value!r}: give a positive number ({OVERRIDES[key][2]})")
+    return number
+
+
+def parse_set(text: str) -> tuple[str, float | bool]:
+    """`KEY=VALUE` (advise --set) -> (key, value)."""
+    key, sep, value = str(text).partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise AdvisorError(f"--set {text!r}: give KEY=VALUE, KEY one of {', '.join(OVERRIDES)}")
+    return key.strip(), override_value(key.strip(), value.strip())
+
+
+def read_machine_file(path) -> dict[str, float | bool]:
+    """A user's measured figures: a JSON or YAML mapping of OVERRIDES keys to values."""
+    import yaml  # a JSON file is YAML too
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise AdvisorError(f"--machine-file {path}: not a readable JSON or YAML file ({e.__class__.__name__})") from None
+    if not isinstance(data, dict) or not data:
+        raise AdvisorError(f"--machine-file {path}: give a mapping of figures, e.g. {{\"link_gbps\": 50}}; "
+                           f"known: {', '.join(OVERRIDES)}")
+    return {str(k): override_value(str(k), v) for k, v in data.items()}
+
+
+def get_interconnect(name: str) -> Interconnect | None:
+    """A table entry's interconnect with its kind's latencies, None when the table has none for it."""
+    data = machines_data()
+    link = data["machines"].get(name, {}).get("interconnect")
+    if not link:
+        return None
+    kind = data["interconnects"][link["kind"]]
+    return Interconnect(link["kind"], link["title"], float(link["bandwidth_bytes_per_second"]),
+                        float(kind["all_reduce_latency_seconds"]), float(kind["all_to_all_latency_seconds"]),
+                        bool(link["nvls"]), kind.get("nvls_latency_seconds"),
+                        f"{link['source']}. Latencies: {kind['source']}", link.get("url", ""))
+
+
+def machine_profile(name: str, overrides: dict | None = None, origins: dict | None = None,
+                    need_link: bool = False) -> tuple[Machine, Interconnect | None, dict]:
+    """A named profile with the user's figures over the table's: (machine, interconnect or None, what was used:
+    {key: {value, table, origin}} in the keys' units). overrides: {key: value}; origins: {key: where it came
+    from}. need_link: refuse, in one line, a machine without interconnect figures (a layout needs them)."""
+    overrides, origins = dict(overrides or {}), dict(origins or {})
+    if name == MEASURED:
+        raise AdvisorError("machine 'measured' has no interconnect or table figures to override; name a profile")
+    m, link = get_machine(name), get_interconnect(name)
+    table_si = {"bandwidth_gbps": m.bandwidth, "flops_tflops": m.flops}
+    if link:
+        table_si.update(link_gbps=link.bandwidth, all_reduce_latency_us=link.all_reduce_latency,
+                        all_to_all_latency_us=link.all_to_all_latency, nvls=link.nvls, nvls_latency_us=link.nvls_latency)
+    si = {k: overrides[k] * OVERRIDES[k][1] if k in overrides and k != "nvls" else overrides.get(k, table_si.get(k))
+          for k in OVERRIDES}
+    if link is None and any(k in overrides for k in OVERRIDES if k not in ("bandwidth_gbps", "flops_tflops")):
+        missing = [k for k in _LINK_KEYS if k not in overrides]
+        if missing:
+            raise AdvisorError(f"machine {name!r} has no interconnect figures in machines.json; give "
+                               f"{', '.join(missing)} too (advise --set KEY=VALUE)")
+    if need_link and any(si[k] is None for k in _LINK_KEYS):
+        raise AdvisorError(f"machine {name!r} ({m.title}) has no interconnect figures in machines.json, so a layout "
+                           f"cannot be priced; give {', '.join(_LINK_KEYS)} (advise --set KEY=VALUE) or name one of "
+                           f"{', '.join(n for n in profile_names() if get_interconnect(n))}")
+    if si["nvls"] and si["nvls_latency_us"] is None:
+        raise AdvisorError(f"machine {name!r}: nvls is on without an NVLS latency; give nvls_latency_us")
+    machine = Machine(m.name, m.title, si["bandwidth_gbps"], si["flops_tflops"], m.source, m.url)
+    if si["link_gbps"] is not None:
+        link = Interconnect(link.kind if link else "user", link.title if link else "the user's interconnect",
+                            si["link_gbps"], si["all_reduce_latency_us"], si["all_to_all_latency_us"],
+                            bool(si["nvls"]), si["nvls_latency_us"],
+                            link.source if link else "the user's figures", link.url if link else "")
+
+    def in_units(k, v):  # as a user writes them (12 digits: 15e-6 s reads 15 µs, not 15.000000000000002)
+        return v if k == "nvls" or v is None else float(f"{v / OVERRIDES[k][1]:.12g}")
+
+    record = {k: {"value": overrides[k] if k in overrides else in_units(k, table_si.get(k)),
+                  "table": in_units(k, table_si.get(k)),
+                  "origin": origins.get(k, "--set") if k in overrides else "machines.json"}
+              for k in OVERRIDES if k in overrides or table_si.get(k) is not None}
+    return machine, link, record
