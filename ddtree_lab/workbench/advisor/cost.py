@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, moe_weight_bytes, reread_bytes
+from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes
 from .machines import AdvisorError, Calibration, Machine, load_calibration
 from .shapes import ExpertLoad, ModelShape
 
@@ -54,14 +54,14 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     b, h = s.dtype_bytes, s.hidden
     dense_layers = s.layers - s.moe_layers
     touched = s.experts_touched(tokens, load)
-    expert = 3 * h * s.expert_intermediate
-    weights = ((s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate + s.vocab * h) * b
-               + s.moe_layers * moe_weight_bytes(touched, s.num_experts, h, s.expert_intermediate, b))
-    used = (s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate
-            + s.moe_layers * (h * s.num_experts + s.experts_per_tok * expert) + s.vocab * h)
-    flops = 2 * tokens * used + 4 * s.layers * s.heads * s.head_dim * tokens * (ctx + tokens)
-    inter = s.intermediate if not s.moe_layers else s.experts_per_tok * s.expert_intermediate
-    kv = (s.layers * 2 * s.kv_heads * s.head_dim * (ctx + tokens) * b               # cache read + new rows
+    expert, shared = 3 * h * s.expert_intermediate, 3 * h * s.shared_intermediate
+    dense = s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate + s.moe_layers * shared + s.vocab * h
+    weights = dense * b + s.moe_layers * s.moe_block_bytes(touched)
+    used = dense + s.moe_layers * (h * s.num_experts + s.experts_per_tok * expert)
+    flops = 2 * tokens * used + 2 * s.layers * s.heads * s.attn_pair_width * tokens * (ctx + tokens)
+    inter = (s.intermediate if not s.moe_layers
+             else s.experts_per_tok * s.expert_intermediate + s.shared_intermediate)
+    kv = (s.layers * s.kv_width * (ctx + tokens) * b                                 # cache read + new rows
           + tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b  # activations
           + tokens * s.vocab * 4)                                                   # fp32 logits
     # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
@@ -71,7 +71,8 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     sort = cal.moe_sort_seconds if tokens > ROUTE_IN_ALIGN_MAX_T else 0.0
     moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds + sort
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
-    reread = s.moe_layers * reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate, b)
+    reread = s.moe_layers * reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate,
+                                         s.expert_bytes)
     return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
                  moe_reread=reread)
 
@@ -79,11 +80,12 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
 def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:
     """The DFlash drafter over one block, then the target's LM head on its block_size − 1 positions."""
     b, h, q = s.dtype_bytes, s.hidden, s.block_size
-    layer = s.attn_params + 3 * h * s.draft_intermediate
+    heads, kv_heads, head_dim = s.draft_attention
+    layer = s.draft_attn_params + 3 * h * s.draft_intermediate
     params = s.draft_layers * layer + s.draft_features * h * h
     flops = (2 * q * params + 2 * (q - 1) * s.vocab * h
-             + 4 * s.draft_layers * s.heads * s.head_dim * q * (ctx + q))
-    kv = (s.draft_layers * 2 * s.kv_heads * s.head_dim * (ctx + q) * b
+             + 4 * s.draft_layers * heads * head_dim * q * (ctx + q))
+    kv = (s.draft_layers * 2 * kv_heads * head_dim * (ctx + q) * b
           + q * s.draft_layers * (6 * h + 3 * s.draft_intermediate) * b + (q - 1) * s.vocab * 4)
     return Terms(weights=(params + s.vocab * h) * b, kv=kv, flops=flops,
                  launches=_kernels(cal, "draft", s.draft_layers))

@@ -1,4 +1,5 @@
-"""What the cost model needs of a target + DFlash drafter: sizes from configs (dense or MoE)."""
+"""What the cost model needs of a target + DFlash drafter: sizes from configs (dense or MoE, GQA or MLA) and
+the bytes they read; the whole deployed models the advisor projects onto several GPUs (FULL_MODELS)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...kernels.moe_layout import row_height
+from ...kernels.moe_layout import expert_bytes, row_height
 from .machines import AdvisorError
 
 
@@ -41,10 +42,62 @@ class ModelShape:
     expert_intermediate: int = 0
     moe_layers: int = 0
     dtype_bytes: int = 2
+    # MLA (DeepSeek-V3): queries through a q_lora_rank projection (0: one projection), keys and values from a cached
+    # latent of kv_lora_rank values and one RoPE key shared by the heads; kv_lora_rank 0: GQA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    shared_intermediate: int = 0      # an MoE layer's always-on (shared) experts: their total width
+    expert_dtype_bytes: float = 0.0   # bytes an expert weight takes with its scales (0: dtype_bytes)
+    draft_heads: int = 0              # the drafter's attention, where it is not the target's (0: the target's)
+    draft_kv_heads: int = 0
+    draft_head_dim: int = 0
 
     @property
     def attn_params(self) -> int:
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        """One layer's attention weights. MLA: the down projections (q_a, kv_a) whole, each head's share of
+        q_b, kv_b and o; a tensor-parallel rank's shape has its heads only, and the down projections whole."""
+        h = self.hidden
+        if not self.kv_lora_rank:
+            return h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank else h * self.heads * qk
+        return (q + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+                + self.heads * (self.kv_lora_rank * (self.qk_nope_head_dim + self.v_head_dim) + self.v_head_dim * h))
+
+    @property
+    def kv_width(self) -> int:
+        """Values one layer caches a token: K and V of every KV head, or MLA's latent and its RoPE key."""
+        return 2 * self.kv_heads * self.head_dim if not self.kv_lora_rank else self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def attn_pair_width(self) -> int:
+        """Multiply-adds one head spends on one (query, cached token) pair: scores then values; MLA in the absorbed
+        form scores against the latent and its RoPE key and reads values from the latent."""
+        return 2 * self.head_dim if not self.kv_lora_rank else 2 * self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def expert_bytes(self) -> float:
+        return self.expert_dtype_bytes or self.dtype_bytes
+
+    def moe_block_bytes(self, touched: float) -> float:
+        """Weights one MoE block reads: its router [E, H] and the touched experts, at their own bytes (the shared
+        experts are with the dense weights)."""
+        return (self.num_experts * self.hidden * self.dtype_bytes
+                + touched * expert_bytes(self.hidden, self.expert_intermediate, self.expert_bytes))
+
+    @property
+    def draft_attention(self) -> tuple[int, int, int]:
+        """The drafter's (heads, KV heads, head dim)."""
+        return (self.draft_heads or self.heads, self.draft_kv_heads or self.kv_heads,
+                self.draft_head_dim or self.head_dim)
+
+    @property
+    def draft_attn_params(self) -> int:
+        heads, kv, hd = self.draft_attention
+        return self.hidden * hd * (2 * heads + 2 * kv)
 
     def experts_touched(self, tokens: int, load: ExpertLoad | None = None) -> float:
         """Distinct experts one MoE layer reads for `tokens` tokens: measured (`load`) or uniform routing,
@@ -85,8 +138,9 @@ def _interp_log(curve: Mapping[int, float], x: float) -> float:
 
 def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> ModelShape:
     """From a TargetConfig + DrafterConfig; MoE fields from the config object or its raw HF dict
-    (`num_experts` / `num_local_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
-    `decoder_sparse_step`, `mlp_only_layers`)."""
+    (`num_experts` / `num_local_experts` / `n_routed_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+    `decoder_sparse_step`, `mlp_only_layers`; DeepSeek-V3's sparse layers by the config's own rule), MLA from
+    its `mla`, shared experts from `n_shared_experts`, quantized experts' bytes from `quantization_config`."""
     raw = dict(raw or {})
 
     def get(*keys, default=0):
@@ -97,42 +151,81 @@ def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> Mod
                 return v
         return default
 
-    experts = int(get("num_experts", "num_local_experts"))
+    experts = int(get("num_experts", "num_local_experts", "n_routed_experts"))
     layers = tcfg.num_hidden_layers
     moe_layers = 0
-    if experts:
+    if experts and hasattr(tcfg, "is_moe_layer") and getattr(tcfg, "num_experts", 0):
+        moe_layers = sum(1 for i in range(layers) if tcfg.is_moe_layer(i))
+    elif experts:
         step = int(get("decoder_sparse_step", default=1)) or 1
         dense = set(get("mlp_only_layers", default=[]) or [])
         moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    mla = getattr(tcfg, "mla", None)
+    width = int(get("moe_intermediate_size"))
+    mla_fields = {} if mla is None else dict(
+        q_lora_rank=mla.q_lora_rank or 0, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
     return ModelShape(name=name, layers=layers, hidden=tcfg.hidden_size, intermediate=tcfg.intermediate_size,
                       heads=tcfg.num_attention_heads, kv_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
                       vocab=tcfg.vocab_size, draft_layers=dcfg.num_hidden_layers,
                       draft_intermediate=dcfg.intermediate_size, block_size=dcfg.block_size,
                       draft_features=len(dcfg.target_layer_ids), num_experts=experts,
-                      experts_per_tok=int(get("num_experts_per_tok")),
-                      expert_intermediate=int(get("moe_intermediate_size")), moe_layers=moe_layers)
+                      experts_per_tok=int(get("num_experts_per_tok")), expert_intermediate=width,
+                      moe_layers=moe_layers, shared_intermediate=int(get("n_shared_experts")) * width if experts else 0,
+                      expert_dtype_bytes=quantized_weight_bytes(raw.get("quantization_config")),
+                      draft_heads=dcfg.num_attention_heads, draft_kv_heads=dcfg.num_key_value_heads,
+                      draft_head_dim=dcfg.head_dim, **mla_fields)
+
+
+SCALE_BYTES = 2  # a group's scale is bf16
+
+
+def quantized_weight_bytes(qcfg: Mapping | None) -> float:
+    """Bytes per weight of a compressed-tensors weight-only group quantization (`pack-quantized`: num_bits per
+    weight and one bf16 scale per group_size weights, symmetric, so no zero point), 0.0 for none. It applies to the
+    routed experts (the checkpoints keep attention, shared experts and the LM head unquantized)."""
+    for group in ((qcfg or {}).get("config_groups") or {}).values():
+        w = (group or {}).get("weights") or {}
+        if w.get("num_bits") and w.get("group_size"):
+            return w["num_bits"] / 8 + SCALE_BYTES / w["group_size"]
+    return 0.0
+
+
+# The whole models the advisor projects onto several GPUs: a random shape of the engine's table at the model's
+# depth, and what its checkpoint adds (config.json names). Kimi K2.6 ships its routed experts as INT4 in groups of
+# 32 with bf16 scales.
+FULL_MODELS = {
+    "kimi-k2.6": {"shape": "kimi-k2.6@61", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32, "strategy": "group",
+                                                  "symmetric": True, "type": "int"}}}}},
+}
 
 
 def model_shape(name: str) -> ModelShape:
-    """A pair's shape by name: `random:<shape>`, a named pair (`lab`, ...) or a directory holding
-    target/ and drafter/ (reads config.json only)."""
-    from ...pairs.random import RANDOM_SHAPES, shape_configs
+    """A pair's shape by name: a whole model of FULL_MODELS (`kimi-k2.6`), `random:<shape>[@<layers>]`, a named
+    pair (`lab`, ...) or a directory holding target/ and drafter/ (reads config.json only)."""
+    from ...pairs.random import RANDOM_SHAPES, shape_configs, shape_entry
 
+    known = [*FULL_MODELS, *("random:" + s for s in RANDOM_SHAPES)]
+    if name in FULL_MODELS:
+        full = FULL_MODELS[name]
+        t, d = shape_configs(full["shape"])
+        return shape_from_configs(name, t, d, {**shape_entry(full["shape"]), **full})
     if name.startswith("random:"):
         shape = name.split(":", 1)[1]
-        if shape not in RANDOM_SHAPES:
-            raise AdvisorError(f"unknown model {name!r}; known: "
-                               f"{', '.join('random:' + s for s in RANDOM_SHAPES)}")
+        if shape_entry(shape) is None:
+            raise AdvisorError(f"unknown model {name!r}; known: {', '.join(known)} (a random shape at another depth: "
+                               "random:<shape>@<layers>)")
         t, d = shape_configs(shape)
-        return shape_from_configs(name, t, d, RANDOM_SHAPES[shape])
+        return shape_from_configs(name, t, d, shape_entry(shape))
     path = Path(name)
     if (path / "target").is_dir():
         tdir, ddir = path / "target", path / "drafter"
     else:
         from ...pairs import PAIRS, resolve
         if name not in PAIRS:
-            raise AdvisorError(f"unknown model {name!r}; known: {', '.join(PAIRS)}, "
-                               f"{', '.join('random:' + s for s in RANDOM_SHAPES)}")
+            raise AdvisorError(f"unknown model {name!r}; known: {', '.join(PAIRS)}, {', '.join(known)}")
         try:
             tdir, ddir = resolve(name)
         except ValueError as e:
