@@ -1,7 +1,9 @@
 """The budget advisor on a study: expected tokens/s(B) = E[τ(B)] / cost(B) per machine, the best budget
-with a bootstrap band over prompts, `advice.json`, and the `ddtree-lab advise` command.
+with a bootstrap band over prompts, `advice.json`, and the `ddtree-lab advise` command (a layout, τ numbers or
+serving runs, or the user's machine figures: projection.py).
 
     ddtree-lab advise outputs/quickstart --machine h200 --machine rtx-pro-6000 --model random:qwen3-8b
+    ddtree-lab advise --model kimi-k2.6 --layout ep8 --machine b300 --tau 8:4.48 16:5.3-6.4
 
 τ comes from the study's runs; cost(B) from the first-principles model (`advisor/cost.py`) for the chosen
 model shape on each machine, so every figure here is a projection unless the machine and shape are the
@@ -20,6 +22,7 @@ from ...atomic import atomic_write_json
 from ...names import positive_int
 from ...stats import BAND, band, resamples
 from .. import advisor as A
+from . import projection as P
 from ..figures import grid_rows, run_config
 from ..results import collect_study, load_traces, text_can_drift
 from ..runs import is_fixed
@@ -288,20 +291,96 @@ def advice_table(advice: dict) -> str:
 
 def add_advise_args(p) -> None:
     p.description = ("Expected tokens/s per budget on each machine from a study's measured τ and the round cost "
-                     "model; prints a table and writes advice.json.")
-    p.add_argument("study_dir", help="a study output directory, e.g. outputs/quickstart")
+                     "model; with --layout, --tau, --external or your machine's figures, a projection of one model "
+                     "on one machine (one GPU, tp8 or ep8). Prints a table and writes advice.json.")
+    p.add_argument("study_dir", nargs="?", default=None,
+                   help="a study output directory, e.g. outputs/quickstart (its τ per budget)")
     p.add_argument("--machine", action="append", default=None,
-                   help=f"a machine profile (repeatable): {', '.join(A.known_machines())}; default: all")
-    p.add_argument("--model", default=None, help="the shape whose cost τ is applied to, e.g. random:qwen3-8b "
-                                                 f"(default: the study's own, {DEFAULT_PROJECTION} for a named pair)")
+                   help=f"a machine profile (repeatable): {', '.join(A.known_machines())}; default: all "
+                        "(a projection: exactly one)")
+    p.add_argument("--model", default=None, help="the shape whose cost τ is applied to, e.g. random:qwen3-8b or a "
+                                                 f"whole model ({', '.join(A.FULL_MODELS)}) (default: the study's "
+                                                 f"own, {DEFAULT_PROJECTION} for a named pair)")
+    p.add_argument("--layout", choices=A.LAYOUTS, default=None,
+                   help="8 GPUs: tp8 (two all-reduces a layer) or ep8 (experts placed, dispatch and combine); "
+                        "default: one GPU")
+    p.add_argument("--attention-layout", choices=A.ATTENTION_LAYOUTS, default=None,
+                   help="ep8's attention: tp (split over the ranks) or dp (whole on the sequence's rank); default tp")
+    p.add_argument("--tau", nargs="+", type=P.tau_arg, default=None, metavar="B:TAU",
+                   help="τ per budget as numbers, e.g. 8:4.48 16:5.3-6.4 (a range gives the band)")
+    p.add_argument("--external", default=None, metavar="EXTERNAL_JSON",
+                   help="τ per budget from ingested serving runs (ddtree-lab ingest's external.json)")
+    p.add_argument("--machine-file", default=None,
+                   help=f"your measured figures (JSON or YAML mapping), keys: {', '.join(A.OVERRIDES)}")
+    p.add_argument("--set", action="append", type=P.set_arg, default=None, metavar="KEY=VALUE",
+                   help="one measured figure over the table's (repeatable; after --machine-file), e.g. link_gbps=25")
+    p.add_argument("--rank-bench", default=None,
+                   help="a bench e2e JSON of one rank's shape on the machine: the round's measured part")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help=f"cached tokens a round attends to (default: the study's, else {P.DEFAULT_CONTEXT})")
     p.add_argument("--bench", action="append", default=None,
                    help="bench e2e JSON(s): the model check and the 'measured' machine (default: the study's "
                         "bench/e2e*.json, else, for the check, the files shipped with the package)")
-    p.add_argument("--out", default=None, help="where to write advice.json (default: STUDY_DIR/advice.json)")
+    p.add_argument("--out", default=None, help="where to write advice.json (default: STUDY_DIR/advice.json, "
+                                               "without a study ./advice.json)")
     p.add_argument("--boot", type=positive_int, default=N_BOOT, help="bootstrap resamples over prompts")
 
 
+def wants_projection(args) -> bool:
+    """`advise` projects (projection.py) when asked for a layout, τ numbers, serving runs, a measured rank or the
+    user's machine figures, or when no study is given."""
+    return bool(args.study_dir is None or args.layout or args.attention_layout or args.tau or args.external
+                or args.machine_file or args.set or args.rank_bench)
+
+
+def machine_overrides(args) -> tuple[dict, dict]:
+    """--machine-file then --set (a --set wins): ({key: value}, {key: where it came from})."""
+    values, origins = {}, {}
+    if args.machine_file:
+        for k, v in A.read_machine_file(args.machine_file).items():
+            values[k], origins[k] = v, str(args.machine_file)
+    for k, v in args.set or []:
+        values[k], origins[k] = v, "--set"
+    return values, origins
+
+
+def advise_projection(args) -> tuple[dict, Path]:
+    """The projection `ddtree-lab advise` runs from its arguments, and where its advice.json goes."""
+    sources = [s for s in ("study_dir", "tau", "external") if getattr(args, s)]
+    if not sources:
+        raise A.AdvisorError("give τ per budget: a study directory, --tau 8:4.48 16:5.3-6.4, or --external "
+                             "(an ingested external.json)")
+    if len(sources) > 1:
+        names = {"study_dir": "a study directory", "tau": "--tau", "external": "--external"}
+        raise A.AdvisorError("give τ one way: " + " or ".join(names[s] for s in sources))
+    if len(args.machine or []) != 1:
+        raise A.AdvisorError(f"a projection prices one machine: give one --machine ({', '.join(A.profile_names())})")
+    if args.attention_layout and args.layout != "ep8":
+        raise A.AdvisorError("--attention-layout goes with --layout ep8")
+    lay = A.get_layout(args.layout, args.attention_layout) if args.layout else None
+    values, origins = machine_overrides(args)
+    machine, link, figures = A.machine_profile(args.machine[0], values, origins, need_link=lay is not None)
+    if args.study_dir:
+        st = study_taus(args.study_dir)
+        taus, shape = P.taus_from_study(st, args.boot), advised_shape(st, args.model)
+        ctx, out = args.context or st["context_tokens"], Path(args.out or Path(args.study_dir) / ADVICE_FILE)
+    else:
+        if not args.model:
+            raise A.AdvisorError(f"give --model, the model to price: e.g. {', '.join(A.FULL_MODELS)} or "
+                                 f"{DEFAULT_PROJECTION}")
+        taus = P.taus_from_numbers(args.tau) if args.tau else P.taus_from_external(args.external)
+        shape, ctx, out = A.model_shape(args.model), args.context or P.DEFAULT_CONTEXT, Path(args.out or ADVICE_FILE)
+    bench = P.rank_bench_seconds(args.rank_bench, args.machine[0]) if args.rank_bench else None
+    return P.project(shape, lay, machine, link, taus, ctx, rank_bench=bench, figures=figures), out
+
+
 def run_advise_cli(args) -> int:
+    if wants_projection(args):
+        doc, path = advise_projection(args)
+        atomic_write_json(path, doc)
+        print(P.projection_table(doc))
+        print(f"advice: {path}")
+        return 0
     advice = advise(args.study_dir, args.machine, args.model, args.bench, n_boot=args.boot)
     path = write_advice(args.study_dir, advice, args.out)
     print(advice_table(advice))
