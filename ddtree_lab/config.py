@@ -116,6 +116,10 @@ class TargetConfig:
     # scores times routed_scaling_factor, n_shared_experts always-on experts of moe_intermediate_size each, and
     # dense layers below first_k_dense_replace (then every moe_layer_freq-th layer is sparse).
     mla: MlaConfig | None = None
+    # Routed experts stored INT4 weight-only (compressed-tensors pack-quantized, ddtree_lab/quant.py): values in
+    # groups of expert_int4_group along the input dim (0: the experts are dense), with zero points if asymmetric.
+    expert_int4_group: int = 0
+    expert_int4_asymmetric: bool = False
     scoring_func: str = "softmax"  # softmax | sigmoid
     n_group: int = 1
     topk_group: int = 1

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels.int4 import VALUES_PER_WORD, Int4Weights, check_group, dequantize
 from .kernels.moe_layout import (GATHER_LIMIT_BYTES, gather_bytes, route_grouped_reference, route_reference,
                                  routing_stats)
 from .layers import GatedMLP
@@ -108,18 +109,57 @@ class Float32Router(nn.Module):
         return self
 
 
+class Int4Experts(nn.Module):
+    """E experts' [N, K] weights kept packed, 4 bits a value (kernels/int4.py has the layout): buffers `packed`
+    [E, N, K/8] int32, `scale` [E, N, K/G] (in the model's dtype), `zero` [E, ceil(N/8), K/G] int32 when
+    asymmetric. The fused kernels dequantize them tile by tile; `weights()` is what they take."""
+
+    def __init__(self, E: int, N: int, K: int, group_size: int, asymmetric: bool = False):
+        super().__init__()
+        check_group(group_size, K, "INT4 experts")
+        self.group_size = group_size
+        self.register_buffer("packed", torch.zeros(E, N, K // VALUES_PER_WORD, dtype=torch.int32))
+        self.register_buffer("scale", torch.ones(E, N, K // group_size))
+        zero = torch.zeros(E, -(-N // VALUES_PER_WORD), K // group_size, dtype=torch.int32) if asymmetric else None
+        self.register_buffer("zero", zero)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, N, words = self.packed.shape
+        return E, N, words * VALUES_PER_WORD
+
+    def weights(self) -> Int4Weights:
+        return Int4Weights(self.packed, self.scale, self.zero, self.group_size)
+
+    def element_size(self) -> float:
+        """Bytes a weight value takes, scales and zero points included (what reading an expert costs)."""
+        E, N, K = self.shape
+        return self.weights().nbytes / (E * N * K)
+
+
+def expert_tensor(w):
+    """What the kernels take for a stack of experts: the dense parameter, or Int4Experts' Int4Weights."""
+    return w.weights() if isinstance(w, Int4Experts) else w
+
+
 class SparseMoE(nn.Module):
     """Router + E SwiGLU experts, top-k routing: Qwen3Moe's sparse block, or with `routing` DeepSeek-V3's
-    (grouped sigmoid routing, fp32 router, plus `shared_intermediate` wide shared experts on every token)."""
+    (grouped sigmoid routing, fp32 router, plus `shared_intermediate` wide shared experts on every token).
+    With `int4_group` the experts are Int4Experts (weight-only INT4, groups of that many values)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-                 routing: GroupedRouting | None = None, shared_intermediate: int = 0):
+                 routing: GroupedRouting | None = None, shared_intermediate: int = 0, int4_group: int = 0,
+                 int4_asymmetric: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate, self.routing = intermediate, routing
         self.router = nn.Linear(hidden, num_experts, bias=False) if routing is None else Float32Router(hidden, num_experts)
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        if int4_group:
+            self.gate_up = Int4Experts(num_experts, 2 * intermediate, hidden, int4_group, int4_asymmetric)
+            self.down = Int4Experts(num_experts, hidden, intermediate, int4_group, int4_asymmetric)
+        else:
+            self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+            self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.shared = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
         # tokens per expert in the last forward (not saved; written in place, so graphs keep its address)
         self.register_buffer("counts", torch.zeros(num_experts, dtype=torch.int32), persistent=False)
@@ -139,19 +179,22 @@ class SparseMoE(nn.Module):
 
 @torch.compiler.disable  # a compiled layer calls the kernels as they are: they take no tracing
 def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    gate_up, down = expert_tensor(moe.gate_up), expert_tensor(moe.down)
+    triton = use_triton(x.device)
+    if not triton:  # the torch path multiplies dense weights: INT4 experts dequantized (CPU-sized models)
+        gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
     if moe.routing is not None:
         weights, ids = moe.route(x)
-        if use_triton(x.device):
+        if triton:
             from .kernels.fused_moe import fused_moe_routed
 
-            return fused_moe_routed(x, weights, ids, moe.gate_up, moe.down, counts=moe.counts)[0]
-        return moe_torch_routed(x, weights, ids, moe.gate_up, moe.down, counts=moe.counts)
-    if use_triton(x.device):
+            return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts)[0]
+        return moe_torch_routed(x, weights, ids, gate_up, down, counts=moe.counts)
+    if triton:
         from .kernels.fused_moe import fused_moe
 
-        return fused_moe(x, moe.router.weight, moe.gate_up, moe.down, moe.top_k, moe.renormalize,
-                         counts=moe.counts)[0]
-    return moe_torch(x, moe.router.weight, moe.gate_up, moe.down, moe.top_k, moe.renormalize, counts=moe.counts)
+        return fused_moe(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts)[0]
+    return moe_torch(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 
 def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:

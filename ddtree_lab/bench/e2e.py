@@ -24,7 +24,7 @@ from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..checkpoint import Pair
 from ..decode import generate
 from ..graphs import captures
-from ..kernels.moe_layout import moe_weight_bytes
+from ..kernels.moe_layout import expert_bytes
 from ..model import Target
 from ..names import STAGES
 from ..pairs import load_pair
@@ -43,14 +43,16 @@ def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = 
     total = 0
     for m, n in zip(moe, touched, strict=True):
         E, two_i, H = m.gate_up.shape  # the local width under tensor parallelism
-        total += moe_weight_bytes(n, E, H, two_i // 2, m.gate_up.element_size())
-    in_moe = {id(p) for m in moe for p in m.parameters()}
+        # the touched experts as stored (INT4: packed values, scales and zero points, buffers rather than
+        # parameters); the router and shared experts are counted whole below
+        total += n * expert_bytes(H, two_i // 2, m.gate_up.element_size())
+    experts = {id(w) for m in moe for w in (m.gate_up, m.down)}
     for name, p in target.named_parameters():
         if name == "embed_tokens.weight" and target.lm_head is not None:
             continue  # untied: the step reads one row, not the table
-        if id(p) not in in_moe:
+        if id(p) not in experts:
             total += p.numel() * p.element_size()
-    return int(total)
+    return int(round(total))
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -34,8 +34,9 @@ RANDOM_SHAPES = {
                                     v_head_dim=128),
                       num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, norm_topk_prob=True,
                       scoring_func="sigmoid", n_group=1, topk_group=1, routed_scaling_factor=2.827,
-                      n_shared_experts=1, first_k_dense_replace=1),
+                      n_shared_experts=1, first_k_dense_replace=1, expert_int4_group=32),  # INT4 experts, as shipped
 }
+INT4_VALUE_STD = (255 / 12) ** 0.5  # the spread of a uniform 4-bit value (-8 … 7): random nibbles over it
 DEPTH_SEPARATOR = "@"  # random:<shape>@<layers>: the shape at another depth (its drafter taps spread over it)
 DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
 # The drafters' sizes where they are not the target's attention and dense MLP sizes (a drafter is dense: an MoE
@@ -90,6 +91,7 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     from ..checkpoint import Pair, torch_dtype
     from ..drafter import Drafter
     from ..model import Target
+    from ..moe import Int4Experts
 
     if shape_entry(shape) is None:
         raise ValueError(unknown_shape_message(shape))
@@ -107,6 +109,11 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
         with torch.no_grad():
             for _, p in m.named_parameters():
                 p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+            for experts in (e for e in m.modules() if isinstance(e, Int4Experts)):  # random nibbles, about N(0, 0.02)
+                experts.packed.random_(-2**31, 2**31 - 1)
+                experts.scale.fill_(0.02 / INT4_VALUE_STD)
+                if experts.zero is not None:
+                    experts.zero.fill_(0x88888888 - 2**32)  # every zero point at the offset: symmetric values
         m.rotary = type(m.rotary)(cfg.rope_dim, cfg.rope, m.rotary.max_positions).to(device)
         models.append(m.eval().requires_grad_(False))
     target, drafter = models
