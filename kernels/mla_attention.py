@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 try:
-    from .tree_attention import LOG2E, _interpret, _sm_count, pack_mask  # noqa: F401  (pack_mask: the mask layout)
+    from .tree_attention import LOG2E, _interpret, _sm_count
 except ImportError:  # loaded as a lone file beside tree_attention.py (tests/kernels/test_compile.py)
-    from tree_attention import LOG2E, _interpret, _sm_count, pack_mask  # noqa: F401
+    from tree_attention import LOG2E, _interpret, _sm_count
 
 SMEM_BUDGET = 216 * 1024   # bytes of shared memory a block may plan on (Hopper allows 227 KiB)
 ACC_REGS = 128             # fp32 accumulator registers a thread may hold before the tile rows shrink

@@ -149,7 +149,8 @@ def test_result_does_not_depend_on_cache_size(dtype):
     for extra in (0, 700, 3000):
         pad = torch.randn(extra, C + R, generator=gen).to(dtype).to(DEVICE)  # slots the kernel must not read
         big = torch.cat([cache, pad], 0)
-        launched.add(mla.launch_config(T, H, C, R, big.shape[0] - T, q.device, dict(split_target=8), dtype)["num_splits"])
+        cfg = mla.launch_config(T, H, C, R, big.shape[0] - T, q.device, dict(split_target=8), dtype)
+        launched.add(cfg["num_splits"])
         outs.append(mla.mla_tree_attention(q, big, past_t, bits, C, 0.3, config=dict(split_target=8)))
     assert len(launched) > 1
     for out in outs[1:]:
