@@ -28,7 +28,7 @@ def readme_commands() -> list[tuple[str, list[str], bool]]:
 def wants_cuda(args) -> bool:
     if args.command == "study":
         return str(yaml.safe_load((ROOT / args.params).read_text())["models"].get("device", "cpu")).startswith("cuda")
-    if args.command == "bench" and args.bench == "kernels":
+    if args.command == "bench" and args.bench in ("kernels", "mla"):
         return True  # it times the CUDA kernels themselves: no --device
     return str(getattr(args, "device", "cpu")).startswith("cuda")
 

@@ -3,7 +3,7 @@
   e2e.py         rounds end to end: stage times, tokens/s, the AR step's roofline; prompts; profiles; the
                  timed passes every bench over prompts shares
   overhead.py    what budget="auto" costs beyond its rounds, per call and per round; the MoE counts' read
-  attention.py   verify attention: triton vs sdpa vs flex (python -m ddtree_lab.bench.attention)
+  attention.py   verify attention: triton vs sdpa vs flex; MLA: triton vs sdpa (python -m ddtree_lab.bench.attention)
   timing.py      a call timed inside a captured graph; the copy bandwidth (torch only)
   tree_build.py  the one-launch tree build's warps (python -m ddtree_lab.bench.tree_build)
   vocab_topk.py  the per-depth top-K kernel vs torch (python -m ddtree_lab.bench.vocab_topk)
@@ -14,6 +14,11 @@ A micro-benchmark's `--baseline FILE` times another version of its kernel file b
 (`load_kernel_file`); each writes its rows with `write_bench_json`.
 """
 from __future__ import annotations
+
+# the MLA attention bench's default sweep (attention.py and the CLI's `bench mla`; here, importable without Triton)
+MLA_TREES = (1, 17, 129, 1025)  # an AR step, then trees of budgets 16, 128, 1024 with their root
+MLA_CONTEXTS = (4096, 32768)
+MLA_HEADS = (64, 8)  # Kimi K2's heads on one GPU; a TP8 rank's
 
 
 def load_kernel_file(path: str, name: str):

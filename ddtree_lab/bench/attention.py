@@ -1,7 +1,9 @@
-"""Micro-benchmarks of verify attention: the Triton tree kernel against torch baselines.
+"""Micro-benchmarks of verify attention: the Triton tree kernels against torch baselines.
 
     bench_tree_attention(tree_sizes, contexts, backends=("triton", "sdpa", "flex"), ...)
         -> list of dicts, one per (T, context, backend)
+    bench_mla_attention(tree_sizes, contexts, heads, latent, rope, backends=("triton", "sdpa"), ...)
+        -> the same for MLA's absorbed form (kernels/mla_attention.py), one per (heads, T, context, backend)
 
 backends: "triton" = tree_attention (bit mask, GQA packing, split-K); "sdpa" = torch
 scaled_dot_product_attention with a dense bool mask [T, past_len+T] and enable_gqa; "flex" =
@@ -10,20 +12,23 @@ relation. Latency is the median of triton.testing.do_bench (L2 flushed between c
 counts the bytes any backend must move: K/V of past_len+T slots once, q and out once.
 
 Command line (GPU): python -m ddtree_lab.bench.attention --out bench.json [--trees 16 64 --contexts 1024 8192]
+                    python -m ddtree_lab.bench.attention --mla [--heads 64 8 --latent 512 --rope 64]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
 import torch
 
 from ..checkpoint import torch_dtype
+from ..kernels.mla_attention import mla_tree_attention
 from ..kernels.tree_attention import pack_mask, tree_attention
 from ..names import STUDY_DTYPES
 from ..tree import ancestor_matrix
-from . import write_bench_json
+from . import MLA_CONTEXTS, MLA_HEADS, MLA_TREES, write_bench_json
 from .timing import device_copy_gbps, time_cuda_graph
 
 
@@ -113,8 +118,6 @@ def bench_tree_attention(tree_sizes=(16, 64, 256, 1024), contexts=(1024, 8192, 3
     on_row: called with each row as it is measured; deadline_s: wall seconds after which the
     remaining rows are recorded as skipped.
     """
-    import triton.testing
-
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     elt = torch.tensor([], dtype=dtype).element_size()
@@ -138,33 +141,14 @@ def bench_tree_attention(tree_sizes=(16, 64, 256, 1024), contexts=(1024, 8192, 3
                            dtype=str(dtype).replace("torch.", ""), bytes=bytes_moved, flops=flops)
                 if cfg:
                     row["config"] = dict(cfg)
-                try:
-                    if deadline_s is not None and time.perf_counter() - t_start > deadline_s:
-                        raise TimeoutError("skipped: benchmark deadline reached")
+
+                def make(backend=backend, cfg=cfg, q=q, k=k, v=v, anc=anc):  # bound now: the loop deletes them
                     if backend == "flex" and flex_fn is None:
                         raise RuntimeError(flex_why)
-                    fn, note = _make_fn(backend, q, k, v, anc, ctx, cfg, flex_fn)
-                    t0 = time.perf_counter()
-                    out = fn()
-                    torch.cuda.synchronize()
-                    row["first_call_s"] = round(time.perf_counter() - t0, 3)  # compile included
-                    ms = None
-                    if timing == "graph":
-                        try:
-                            ms, row["timing"] = time_cuda_graph(fn), "cuda_graph"
-                        except Exception as e:  # not capturable: time it eagerly
-                            row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                            torch.cuda.synchronize()
-                    if ms is None:
-                        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-                        row["timing"] = "do_bench"
-                    row.update(ms=ms, gbps=bytes_moved / ms * 1e-6, tflops=flops / ms * 1e-9, note=note)
-                    if check:
-                        if first is None:
-                            first = out.float()
-                        row["max_abs_diff"] = (out.float() - first).abs().max().item()
-                except Exception as e:  # record and go on: one failing backend must not stop a sweep
-                    row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    return _make_fn(backend, q, k, v, anc, ctx, cfg, flex_fn)
+
+                late = deadline_s is not None and time.perf_counter() - t_start > deadline_s
+                first = _measure(row, make, first, timing, warmup_ms, rep_ms, check, late)
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
@@ -175,6 +159,98 @@ def bench_tree_attention(tree_sizes=(16, 64, 256, 1024), contexts=(1024, 8192, 3
     return rows
 
 
+def _mla_fn(backend, q, cache, anc, ctx, C, scale, triton_kwargs=None):
+    """A no-argument callable running one MLA verify attention (absorbed form), plus a note."""
+    if backend == "triton":
+        bits = pack_mask(anc)
+        past = torch.tensor(ctx, device=q.device, dtype=torch.int32)  # graph-path: device past_len
+        cfg = dict(triton_kwargs or {})
+        return (lambda: mla_tree_attention(q, cache, past, bits, C, scale, config=cfg)), ""
+    if backend == "sdpa":
+        mask = _dense_mask(anc, ctx)  # [T, ctx+T]
+        rows = cache[None, None]  # [1, 1, ctx+T, C+R]: one KV head, the latent also the value
+        f = torch.nn.functional.scaled_dot_product_attention
+        return (lambda: f(q[None], rows, rows[..., :C], attn_mask=mask, scale=scale, enable_gqa=True)[0]), \
+            "dense bool mask, one KV head"
+    raise ValueError(f"MLA attention runs triton or sdpa, not {backend!r}")
+
+
+def bench_mla_attention(tree_sizes=MLA_TREES, contexts=MLA_CONTEXTS, heads=MLA_HEADS, latent=512, rope=64,
+                        backends=("triton", "sdpa"), dtype=torch.bfloat16, *, device="cuda", seed=0, warmup_ms=25,
+                        rep_ms=100, triton_configs=None, check=True, progress=False, on_row=None, deadline_s=None,
+                        timing="graph"):
+    """MLA verify attention (kernels/mla_attention.py) per (heads, T, context, backend): latency, and bandwidth
+    over the bytes any backend must move, the latent cache's (context + T) rows of latent + rope values once
+    plus q and out; TFLOP/s over the visible pairs' latent and rope dots and the latent-weighted sum.
+    Defaults: Kimi K2's widths (latent 512, rope 64), all 64 heads of one GPU and a TP8 rank's 8. The other
+    arguments are bench_tree_attention's (triton_configs: mla_tree_attention's config dicts)."""
+    if isinstance(dtype, str):
+        dtype = torch_dtype(dtype)
+    elt = torch.tensor([], dtype=dtype).element_size()
+    width = latent + rope
+    rows, t_start = [], time.perf_counter()
+    for H in heads:
+        for T in tree_sizes:
+            for ctx in contexts:
+                gen = torch.Generator().manual_seed(seed)
+                q = torch.randn(H, T, width, generator=gen).to(device=device, dtype=dtype)
+                cache = torch.randn(ctx + T, width, generator=gen).to(device=device, dtype=dtype)
+                anc = ancestor_matrix(random_tree_parents(T, gen).to(device))  # [T, T]
+                scale = width ** -0.5
+                bytes_moved = (ctx + T) * width * elt + H * T * (width + latent) * elt
+                flops = 2 * H * (width + latent) * (T * ctx + int(anc.sum()))
+                runs = [(b, cfg) for b in backends for cfg in ((triton_configs or [None]) if b == "triton" else [None])]
+                first = None
+                for backend, cfg in runs:
+                    row = dict(backend=backend, T=T, context=ctx, H=H, latent=latent, rope=rope,
+                               dtype=str(dtype).replace("torch.", ""), bytes=bytes_moved, flops=flops)
+                    if cfg:
+                        row["config"] = dict(cfg)
+                    late = deadline_s is not None and time.perf_counter() - t_start > deadline_s
+                    make = functools.partial(_mla_fn, backend, q, cache, anc, ctx, latent, scale, cfg)
+                    first = _measure(row, make, first, timing, warmup_ms, rep_ms, check, late)
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
+                    if progress:
+                        print(f"H={H:3d} " + _fmt_row(row), flush=True)
+                del q, cache, anc
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _measure(row, make, first, timing, warmup_ms, rep_ms, check, late=False):
+    """Time the call make() returns ((fn, note)) into row: first_call_s (compile included), ms (median), GB/s
+    over row["bytes"], TFLOP/s over row["flops"], and its max |difference| from `first` (the first backend's
+    output, returned when None). An error, or `late` (the deadline passed), is recorded in the row."""
+    import triton.testing
+
+    try:
+        if late:
+            raise TimeoutError("skipped: benchmark deadline reached")
+        fn, note = make()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        row["first_call_s"] = round(time.perf_counter() - t0, 3)
+        ms = None
+        if timing == "graph":
+            try:
+                ms, row["timing"] = time_cuda_graph(fn), "cuda_graph"
+            except Exception as e:  # not capturable: time it eagerly
+                row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                torch.cuda.synchronize()
+        if ms is None:
+            ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            row["timing"] = "do_bench"
+        row.update(ms=ms, gbps=row["bytes"] / ms * 1e-6, tflops=row["flops"] / ms * 1e-9, note=note)
+        if check:
+            if first is None:
+                first = out.float()
+            row["max_abs_diff"] = (out.float() - first).abs().max().item()
+    except Exception as e:  # record and go on: one failing backend must not stop a sweep
+        row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return first
 
 
 def _fmt_row(r):
@@ -198,6 +274,22 @@ def summary_table(rows):
         f = lambda x: f"{x * 1e3:10.1f}" if x else f"{'-':>10}"
         sp = lambda a, b: f"{b / a:7.2f}" if a and b else f"{'-':>7}"
         lines.append(f"{T:5d} {ctx:6d} {f(tr)} {f(sd)} {f(fx)} {sp(tr, sd)} {sp(tr, fx)}")
+    return "\n".join(lines)
+
+
+def mla_summary_table(rows):
+    """Text table: per (heads, T, context) triton's and sdpa's latency, triton's bandwidth and its speedup."""
+    by = {}
+    for r in rows:
+        if r.get("ms") is not None and "config" not in r:
+            by.setdefault((r["H"], r["T"], r["context"]), {})[r["backend"]] = r
+    lines = [f"{'H':>3} {'T':>5} {'ctx':>6} {'triton us':>10} {'GB/s':>7} {'sdpa us':>10} {'x sdpa':>7}"]
+    for (H, T, ctx), d in sorted(by.items()):
+        tr, sd = d.get("triton"), d.get("sdpa")
+        us = lambda r: f"{r['ms'] * 1e3:10.1f}" if r else f"{'-':>10}"
+        gbps = f"{tr['gbps']:7.0f}" if tr else f"{'-':>7}"
+        speedup = f"{sd['ms'] / tr['ms']:7.2f}" if tr and sd else f"{'-':>7}"
+        lines.append(f"{H:3d} {T:5d} {ctx:6d} {us(tr)} {gbps} {us(sd)} {speedup}")
     return "\n".join(lines)
 
 
@@ -236,20 +328,39 @@ def prewarm(tree_sizes, contexts, backends, triton_configs=None, Hq=32, Hkv=8, D
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trees", type=int, nargs="+", default=[16, 64, 256, 1024])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
-    ap.add_argument("--backends", nargs="+", default=["triton", "sdpa", "flex"])
+    ap.add_argument("--trees", type=int, nargs="+", default=None,
+                    help=f"tree sizes T (default 16 64 256 1024; with --mla {' '.join(map(str, MLA_TREES))})")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help=f"past tokens (default 1024 8192 32768; with --mla {' '.join(map(str, MLA_CONTEXTS))})")
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="default triton sdpa flex; with --mla triton sdpa")
+    ap.add_argument("--mla", action="store_true",
+                    help="MLA's absorbed form over a latent cache (kernels/mla_attention.py) instead of GQA")
+    ap.add_argument("--heads", type=int, nargs="+", default=list(MLA_HEADS), help="with --mla: query heads")
+    ap.add_argument("--latent", type=int, default=512, help="with --mla: latent values a cache row (kv_lora_rank)")
+    ap.add_argument("--rope", type=int, default=64, help="with --mla: RoPE key values a cache row")
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=STUDY_DTYPES)
-    ap.add_argument("--configs", default=None, help="JSON list of tree_attention keyword dicts")
+    ap.add_argument("--configs", default=None, help="JSON list of tree_attention keyword dicts (with --mla: "
+                                                      "mla_tree_attention's)")
     ap.add_argument("--prewarm", type=int, default=0, help="compile in this many processes first")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--timing", default="graph", choices=["graph", "do_bench"])
     ap.add_argument("--out", default=None, help="write the rows as JSON here (and .jsonl as they come)")
     ap.add_argument("--deadline", type=float, default=None, help="stop timing after this many s")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("the attention micro-benchmarks time CUDA kernels; this machine has no CUDA device")
+    if a.mla and a.prewarm:
+        ap.error("--prewarm compiles the GQA sweep only; leave it out with --mla")
+    if a.mla and a.backends and set(a.backends) - {"triton", "sdpa"}:
+        others = " ".join(sorted(set(a.backends) - {"triton", "sdpa"}))
+        ap.error(f"--mla times triton and sdpa; {others} has no MLA form")
+    a.trees = a.trees or list(MLA_TREES if a.mla else (16, 64, 256, 1024))
+    a.contexts = a.contexts or list(MLA_CONTEXTS if a.mla else (1024, 8192, 32768))
+    a.backends = a.backends or (["triton", "sdpa"] if a.mla else ["triton", "sdpa", "flex"])
     configs = json.loads(a.configs) if a.configs else None
     if a.prewarm:
         t0 = time.time()
@@ -260,13 +371,17 @@ def main(argv=None):
     on_row = (lambda r: (log.write(json.dumps(r) + "\n"), log.flush())) if log else None
     copy_gbps = device_copy_gbps()
     print(f"device copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
-    rows = bench_tree_attention(a.trees, a.contexts, tuple(a.backends), a.hq, a.hkv, a.head_dim,
-                                torch_dtype(a.dtype), rep_ms=a.rep_ms, warmup_ms=max(5, a.rep_ms // 4),
-                                triton_configs=configs, progress=True, on_row=on_row,
-                                deadline_s=a.deadline, timing=a.timing)
+    timed = dict(rep_ms=a.rep_ms, warmup_ms=max(5, a.rep_ms // 4), triton_configs=configs, progress=True,
+                 on_row=on_row, deadline_s=a.deadline, timing=a.timing)
+    if a.mla:
+        rows = bench_mla_attention(a.trees, a.contexts, a.heads, a.latent, a.rope, tuple(a.backends),
+                                   torch_dtype(a.dtype), **timed)
+    else:
+        rows = bench_tree_attention(a.trees, a.contexts, tuple(a.backends), a.hq, a.hkv, a.head_dim,
+                                    torch_dtype(a.dtype), **timed)
     if a.out:
         write_bench_json(a.out, rows, copy_gbps=copy_gbps)
-    print(summary_table(rows))
+    print(mla_summary_table(rows) if a.mla else summary_table(rows))
     return rows
 
 

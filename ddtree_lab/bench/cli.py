@@ -18,6 +18,7 @@ from ..names import AUTO, METHODS, budget_arg, non_negative_int, positive_int, t
 from ..pairs import load_pair
 from ..prompts import read_prompt_set
 from ..runtime import device_defaults
+from . import MLA_CONTEXTS, MLA_HEADS, MLA_TREES
 from .timing import device_copy_gbps
 from .e2e import bench_model, bench_prompts, profile_rounds, run_e2e
 from .overhead import auto_overhead, auto_rounds, check_budget_span, moe_counting
@@ -60,6 +61,19 @@ def add_bench_args(p) -> None:
     k.add_argument("--backends", nargs="+", choices=["triton", "sdpa", "flex"], default=["triton", "sdpa", "flex"],
                    help="backends timed side by side")
     k.add_argument("--out", default="outputs/bench/kernels.json", help="JSON written here")
+    la = sub.add_parser("mla", help="MLA verify attention in the absorbed form (kernels/mla_attention.py): triton vs "
+                                    "sdpa (dense mask, one KV head)")
+    la.add_argument("--trees", type=positive_int, nargs="+", default=list(MLA_TREES),
+                    help="verify sizes T (tree nodes with the root; 1 is an AR step)")
+    la.add_argument("--contexts", type=positive_int, nargs="+", default=list(MLA_CONTEXTS),
+                    help="past tokens in the cache")
+    la.add_argument("--heads", type=positive_int, nargs="+", default=list(MLA_HEADS),
+                    help="query heads on the GPU (Kimi K2: 64 on one, 8 on a TP8 rank)")
+    la.add_argument("--latent", type=positive_int, default=512, help="latent values a cache row (kv_lora_rank)")
+    la.add_argument("--rope", type=positive_int, default=64, help="RoPE key values a cache row (qk_rope_head_dim)")
+    la.add_argument("--backends", nargs="+", choices=["triton", "sdpa"], default=["triton", "sdpa"],
+                    help="backends timed side by side")
+    la.add_argument("--out", default="outputs/bench/mla.json", help="JSON written here")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",
                    help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | random:qwen3-30b-a3b | a pair name | a dir "
@@ -194,6 +208,17 @@ def bench_kernels(args) -> dict:
     return {"copy_gbps": device_copy_gbps(), "rows": rows}
 
 
+def bench_mla(args) -> dict:
+    if not torch.cuda.is_available():
+        raise ValueError("bench mla needs a CUDA GPU")
+    from .attention import bench_mla_attention, mla_summary_table
+
+    rows = bench_mla_attention(args.trees, args.contexts, args.heads, args.latent, args.rope, tuple(args.backends),
+                               progress=True)
+    print(mla_summary_table(rows), file=sys.stderr)
+    return {"copy_gbps": device_copy_gbps(), "rows": rows}
+
+
 def load_bench_pair(args):
     """The named pair a bench over prompts runs, as its runtime flags ask."""
     return load_pair(args.pair, device=args.device, dtype=args.dtype, attention=args.attention, compile=args.compile)
@@ -262,8 +287,9 @@ def bench_e2e_cli(args) -> dict:
     return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
 
 
-BENCHES = {"kernels": bench_kernels, "e2e": bench_e2e_cli, "prompts": bench_prompts_cli, "profile": bench_profile,
-           "auto-overhead": bench_auto_overhead, "auto-rounds": bench_auto_rounds, "moe-counting": bench_moe_counting}
+BENCHES = {"kernels": bench_kernels, "mla": bench_mla, "e2e": bench_e2e_cli, "prompts": bench_prompts_cli,
+           "profile": bench_profile, "auto-overhead": bench_auto_overhead, "auto-rounds": bench_auto_rounds,
+           "moe-counting": bench_moe_counting}
 
 
 def run_bench_cli(args) -> int:
