@@ -1,23 +1,26 @@
 """Results from serving stacks: recognise benchmark files by content, give each run its settings
 (with where each value came from) and a verdict with its reason.
 
-    ddtree-lab ingest PATH... --out DIR      -> DIR/external.json, DIR/report.html
+    ddtree-lab ingest PATH... --out DIR      -> DIR/external.json, DIR/routing.json, DIR/report.html
 
 Formats (see docs/workbench.md, "Results from serving stacks"; recognised in `formats`): the
 serving benchmark's `--output-file` JSON lines (three field sets), the one-batch server benchmark's
-JSON lines, and the `bench serve --save-result` JSON document. Files are streamed (`jsonstream`), so
+JSON lines, and the `bench serve --save-result` JSON document; routing dumps go to `routing_dumps` and
+`routing_formats` (routing.json). Files are streamed (`jsonstream`), so
 their size does not matter. A file or folder whose name is not UTF-8 is not read: one message names it
 (escaped), as external.json and the page could not hold the name itself. This module imports neither
 torch nor the engine.
 """
 from __future__ import annotations
 
+import argparse
 import codecs
 import errno
 import json
 import os
 import string
 import sys
+import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,10 @@ from pathlib import Path
 from ..atomic import atomic_write_json
 from .formats import (ONE_BATCH, RESULT_FIELDS, SERVING, SETTINGS, VLLM_SERVE, _KNOWN_FIELDS, _int, _num,
                       absent_means_ar, field_settings, name_settings, recognise, recognise_partial, server_args)
-from .jsonstream import compress_ratio, read_document, read_lines
+from .jsonstream import compress_ratio, read_values
+from .routing import DEFAULT_EP_RANKS
+from .routing_dumps import ROUTING_FILE, problem_lines, read_routing_file, routing_document
+from .routing_formats import SNIFF_BYTES, RoutingOptions, RoutingRefusal, has_marker, is_candidate
 
 SCHEMA = 1
 EXTERNAL_FILE, REPORT_FILE = "external.json", "report.html"
@@ -254,7 +260,7 @@ def ingest_file(path: Path, root: Path | None) -> tuple[list[Run], list[dict]]:
         return [], [{"file": name, "reason": "binary file, not a benchmark result"}]
     try:
         with _open(name) as f:
-            parsed = list(_parse(f, head))
+            parsed = list(read_values(f, head, degenerate_reason))
     except OSError as e:
         return [], [{"file": name, "reason": f"unreadable: {e.strerror or e}"}]
     runs, notes, tool = [], [], None
@@ -326,29 +332,6 @@ NOT_UTF8 = "name is not valid UTF-8: not ingested (rename it)"
 NOT_UTF8_FOLDER = "folder name is not valid UTF-8: nothing under it ingested (rename it)"
 
 
-def _parse(f, head: bytes):
-    """JSON lines, unless the first line opens a value that goes on over the next lines (a
-    pretty-printed document): then the file is read as one or more JSON documents."""
-    first, nl, rest = head.partition(b"\n")
-    reader = read_lines
-    if nl and rest.strip():
-        p = next(read_lines(_Prefix(first), degenerate_reason), None)
-        if p is not None and p.incomplete:
-            reader = read_document
-    yield from reader(f, degenerate_reason)
-
-
-class _Prefix:
-    """A bytes value read like a file (the first line, tried on its own)."""
-
-    def __init__(self, data: bytes):
-        self.data = data
-
-    def read(self, n: int) -> bytes:
-        out, self.data = self.data[:n], self.data[n:]
-        return out
-
-
 def walk(paths: list, skip: Path | None = None) -> tuple[list[tuple[Path, Path]], list[dict]]:
     """Files under the given paths (recursively, following links once) -> ([(file, root)], messages)."""
     files, notes, seen = [], [], set()
@@ -412,43 +395,132 @@ def _link_problem(p: Path) -> str:
 
 def ingest(paths: list, skip: str | os.PathLike | None = None) -> dict:
     """Paths (files or folders) -> the external.json document."""
+    return ingest_all(paths, skip)[0]
+
+
+def ingest_all(paths: list, skip: str | os.PathLike | None = None,
+               options: RoutingOptions = RoutingOptions()) -> tuple[dict, dict]:
+    """Paths (files or folders) -> (the external.json document, the routing.json document): each file is a
+    routing dump (routing_dumps, recognised by content) or read as serving-benchmark results."""
     files, notes = walk(paths, Path(skip).resolve() if skip else None)
-    runs = []
+    runs, entries, unread = [], [], []
     for f, root in files:
-        rs, ns = ingest_file(f, root)
-        runs += rs
-        notes += ns
+        got = routing_file(f, options)
+        if got is None:
+            rs, ns = ingest_file(f, root)
+            if not rs and ns and any("no known format" in n["reason"] for n in ns) and _has_marker(f):
+                got = routing_file(f, options, kind="json")  # its routing field came after the first MiB
+            if got is None:
+                runs += rs
+                notes += ns
+                continue
+        (entries if "reason" not in got else unread).append(got)
     flag_shared_servers(runs)
     add_speedups(runs)
-    return {"schema": SCHEMA, "runs": [r.to_json() for r in runs], "unrecognised": notes}
+    return ({"schema": SCHEMA, "runs": [r.to_json() for r in runs], "unrecognised": notes},
+            routing_document(entries, unread, options))
+
+
+def routing_file(path: Path, options: RoutingOptions, kind: str | None = None) -> dict | None:
+    """A routing dump -> its routing.json entry, or {"file", "reason"} when it cannot be read; None for a file
+    that is no routing dump."""
+    try:
+        with _open(str(path)) as f:
+            head = f.read(SNIFF_BYTES)
+        kind = kind or is_candidate(head)
+        if kind == "pt" and not _torch_archive(path):
+            return None
+        if kind is None:
+            return None
+        entry = read_routing_file(path, kind, options)
+    except RoutingRefusal as e:
+        return {"file": shown(path), "reason": str(e)}
+    except OSError as e:
+        return None if kind is None else {"file": shown(path), "reason": f"unreadable: {e.strerror or e}"}
+    if entry is not None:
+        entry["file"] = shown(path)
+    return entry
+
+
+def _torch_archive(path: Path) -> bool:
+    """A zip archive as torch.save writes it (a data.pkl inside)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("data.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _has_marker(path: Path) -> bool:
+    try:
+        return has_marker(path)
+    except OSError:
+        return False
 
 
 def study_external(study_dir: Path, study: dict) -> dict | None:
-    """What a study's report shows from serving stacks: the study file's `external:` paths, ingested
-    now, else an `external.json` in the study directory; None when there is neither."""
+    """What a study's report shows from serving stacks (study_sources' first part)."""
+    return study_sources(study_dir, study)[0]
+
+
+def study_sources(study_dir: Path, study: dict) -> tuple[dict | None, dict | None]:
+    """What a study's report shows from serving stacks and routing dumps: the study file's `external:` paths,
+    ingested now, else an `external.json` in the study directory; the routing dumps among those paths, else a
+    `routing.json` in the study directory; None for what is absent."""
     paths = (study.get("study") or {}).get("external") or []
+    ext = routing = None
     if paths:
         existing = [p for p in paths if Path(p).exists() or Path(p).is_symlink()]
-        doc = ingest(existing)
-        doc["unrecognised"] += [{"file": str(p), "reason": "listed under external: but missing"}
+        ext, routing = ingest_all(existing)
+        ext["unrecognised"] += [{"file": str(p), "reason": "listed under external: but missing"}
                                 for p in paths if p not in existing]
-        return doc
-    f = Path(study_dir) / EXTERNAL_FILE
-    if f.is_file():
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            return {"schema": SCHEMA, "runs": [], "unrecognised": [{"file": shown(f), "reason": f"unreadable: {e}"}]}
-        return doc if isinstance(doc, dict) and isinstance(doc.get("runs"), list) else None
-    return None
+        routing = routing if routing["files"] or routing["unread"] else None
+    else:
+        ext = _read_doc(Path(study_dir) / EXTERNAL_FILE, "runs",
+                        lambda why: {"schema": SCHEMA, "runs": [], "unrecognised": [why]})
+    if routing is None:
+        routing = _read_doc(Path(study_dir) / ROUTING_FILE, "files",
+                            lambda why: routing_document([], [why], RoutingOptions()))
+    return ext, routing
+
+
+def _read_doc(f: Path, key: str, broken) -> dict | None:
+    if not f.is_file():
+        return None
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        return broken({"file": shown(f), "reason": f"unreadable: {e}"})
+    return doc if isinstance(doc, dict) and isinstance(doc.get(key), list) else None
 
 
 # ----------------------------------------------------------------------------- CLI pieces
 def add_ingest_args(p) -> None:
-    p.description = ("Read serving-benchmark result files (recognised by content), give each run its "
-                     "settings and a verdict, and write OUT/external.json and OUT/report.html.")
-    p.add_argument("paths", nargs="+", help="result files or folders (read recursively)")
+    p.description = ("Read serving-benchmark result files and routing dumps (each recognised by content), give "
+                     "each run its settings and a verdict, and write OUT/external.json, OUT/routing.json and "
+                     "OUT/report.html.")
+    p.add_argument("paths", nargs="+", help="result files, routing dumps or folders (read recursively)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--experts", type=_positive("--experts"), default=None,
+                   help="routing dumps: experts per MoE layer, where the dump does not say (default: the largest "
+                        "id + 1, marked inferred)")
+    p.add_argument("--top-k", type=_positive("--top-k"), default=None,
+                   help="routing dumps: experts per token, where the dump does not say (SGLang's flat ids, the "
+                        "recorder's per-pass counts)")
+    p.add_argument("--ep-ranks", type=_positive("--ep-ranks"), default=DEFAULT_EP_RANKS,
+                   help="routing dumps: ranks of the EP placement (contiguous blocks of experts)")
+
+
+def _positive(flag: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
+        return v
+    return parse
 
 
 def run_ingest_cli(args) -> int:
@@ -456,8 +528,14 @@ def run_ingest_cli(args) -> int:
     if out.exists() and not out.is_dir():
         print(f"ddtree-lab ingest: error: --out {shown(out)} is a file, not a folder", file=sys.stderr)
         return 2
+    options = RoutingOptions(getattr(args, "experts", None), getattr(args, "top_k", None),
+                             getattr(args, "ep_ranks", DEFAULT_EP_RANKS))
+    if options.experts is not None and options.experts < options.ep_ranks:
+        print(f"ddtree-lab ingest: error: --ep-ranks {options.ep_ranks} needs at least as many experts "
+              f"(--experts {options.experts})", file=sys.stderr)
+        return 2
     try:
-        doc = ingest(args.paths, skip=out if out.exists() else None)
+        doc, routing = ingest_all(args.paths, skip=out if out.exists() else None, options=options)
     except FileNotFoundError as e:
         print(f"ddtree-lab ingest: error: {e}", file=sys.stderr)
         return 2
@@ -469,7 +547,8 @@ def run_ingest_cli(args) -> int:
     from . import ingest_report  # plotly only when a page is written
     try:
         atomic_write_json(out / EXTERNAL_FILE, doc)
-        page = ingest_report.write_page(doc, out / REPORT_FILE, THRESHOLDS)
+        atomic_write_json(out / ROUTING_FILE, routing)
+        page = ingest_report.write_page(doc, out / REPORT_FILE, THRESHOLDS, routing=routing)
     except OSError as e:
         print(f"ddtree-lab ingest: error: cannot write into {shown(out)}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -478,5 +557,9 @@ def run_ingest_cli(args) -> int:
           + f"; {len(doc['unrecognised'])} message(s)")
     for n in doc["unrecognised"]:
         print(f"  {n['file']}: {n['reason']}", file=sys.stderr)
-    print(f"external: {shown(out / EXTERNAL_FILE)}\nreport: {shown(page)}")
+    lines = problem_lines(routing)
+    print(f"{len(routing['files'])} routing dump(s); {len(lines)} message(s)")
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    print(f"external: {shown(out / EXTERNAL_FILE)}\nrouting: {shown(out / ROUTING_FILE)}\nreport: {shown(page)}")
     return 0

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 
 from ..atomic import atomic_write_text
 from ..names import AUTO
+from . import routing_report
 from .figures import budget_axis
 from .page import Page, esc, fmt_num, html_table
 
@@ -213,9 +214,13 @@ def add_section(page: Page, doc: dict, thresholds: dict, rows: list[dict] | None
                                                                  for n in notes]))
 
 
-def write_page(doc: dict, out: str | os.PathLike, thresholds: dict, title: str = "Results from serving stacks") -> Path:
+def write_page(doc: dict, out: str | os.PathLike, thresholds: dict, title: str = "Results from serving stacks",
+               routing: dict | None = None) -> Path:
+    """The ingest page: the serving-stack runs, and the routing dumps of `routing` (routing.json) if any."""
     page = Page()
     add_section(page, doc, thresholds)
+    if routing and (routing.get("files") or routing.get("unread")):
+        routing_report.add_section(page, routing)
     runs = doc.get("runs") or []
     counts = ", ".join(f"{sum(r['verdict'] == v for r in runs)} {v}" for v in ("ok",) + PROBLEMS
                        if any(r["verdict"] == v for r in runs))

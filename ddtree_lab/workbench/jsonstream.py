@@ -230,14 +230,17 @@ def _drain(events, builder) -> None:
     del events[:]
 
 
-def read_lines(f, judge_text) -> Iterator[Parsed]:
-    """JSON lines from a binary file object: one Parsed per non-blank line, in bounded memory."""
+def read_lines(f, judge_text, make_builder=None) -> Iterator[Parsed]:
+    """JSON lines from a binary file object: one Parsed per non-blank line, in bounded memory. `make_builder`
+    (default: a RecordBuilder) makes what each line's parse events go to: anything with `event(prefix, ev,
+    value)`, `done()`, `root`, `details` and `overflow` (routing dumps stream their expert ids that way)."""
     line_no = 0
     state = None  # [coro, events, builder, filter, size, blank, error, repair]
 
     def start():
         events = ijson.sendable_list()
-        return [_parser(events), events, RecordBuilder(judge_text), _Prefilter(), 0, True, None, _Utf8Repair()]
+        builder = make_builder() if make_builder else RecordBuilder(judge_text)
+        return [_parser(events), events, builder, _Prefilter(), 0, True, None, _Utf8Repair()]
 
     def send(st, data: bytes, final: bool = False) -> None:
         st[4] += len(data)
@@ -285,12 +288,14 @@ def read_lines(f, judge_text) -> Iterator[Parsed]:
             yield p
 
 
-def read_document(f, judge_text) -> Iterator[Parsed]:
-    """The whole file as one or more JSON documents (pretty-printed, several per file)."""
+def read_document(f, judge_text, make_builder=None) -> Iterator[Parsed]:
+    """The whole file as one or more JSON documents (pretty-printed, several per file); `make_builder` as for
+    read_lines."""
     events = ijson.sendable_list()
     coro = ijson.parse_coro(events, use_float=True, multiple_values=True)
     flt, fix, n, size = _Prefilter(), _Utf8Repair(), 0, 0
-    builder = RecordBuilder(judge_text)
+    new_builder = make_builder or (lambda: RecordBuilder(judge_text))
+    builder = new_builder()
     err = None
 
     def flush():
@@ -300,7 +305,7 @@ def read_document(f, judge_text) -> Iterator[Parsed]:
             if builder.done():
                 n += 1
                 yield Parsed(n, builder.root, builder.details, None, False, builder.overflow, size)
-                builder = RecordBuilder(judge_text)
+                builder = new_builder()
         del events[:]
 
     while err is None:
@@ -328,6 +333,34 @@ def read_document(f, judge_text) -> Iterator[Parsed]:
                      builder.overflow, size)
     elif err is not None:
         yield Parsed(n + 1, None, builder.details, err, False, False, size)
+
+
+def read_values(f, head: bytes, judge_text, make_builder=None) -> Iterator[Parsed]:
+    """A file's top-level JSON values: JSON lines, unless the first line (of `head`, the file's first bytes)
+    opens a value that goes on over the next lines (a pretty-printed document): then read_document."""
+    reader = read_lines if is_json_lines(head) else read_document
+    yield from reader(f, judge_text, make_builder)
+
+
+def is_json_lines(head: bytes) -> bool:
+    """Whether a file starting with `head` is JSON lines: false when its first line opens a value that goes
+    on over the next lines."""
+    first, nl, rest = head.partition(b"\n")
+    if nl and rest.strip():
+        p = next(read_lines(_Prefix(first), lambda text: None), None)
+        return not (p is not None and p.incomplete)
+    return True
+
+
+class _Prefix:
+    """A bytes value read like a file (the first line, tried on its own)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def read(self, n: int) -> bytes:
+        out, self.data = self.data[:n], self.data[n:]
+        return out
 
 
 def compress_ratio(text: str) -> float:

@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 
 from ..atomic import atomic_write_bytes
 from ..names import MICROBENCH_FILE, REPORT_FILE, RESULTS_FILE, RUN_FILE, STUDY_FILE, TIMELINE_FILE
-from . import ingest, ingest_report, viz
+from . import ingest, ingest_report, routing_report, viz
 from .page import Page, esc, fmt_num, html_table, verdict_html
 from .figures import (MIN_CONDITIONAL, acceptance_depth_figure, busy_runs, experts_figure, grid_rows, microbench_figure,
                       recommend_budget, run_config, run_summary, short_kernel_name, stage_figure, sweep_figure,
@@ -356,10 +356,14 @@ def build_report(study_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
     # -- results from serving stacks (ddtree-lab ingest): the study file's `external:` paths, or an
     #    external.json in the study directory; the section lives in workbench/ingest_report.py
-    ext = ingest.study_external(study_dir, study)
+    ext, routing = ingest.study_sources(study_dir, study)
     if ext is not None:
         ingest_report.add_section(page, ext, ingest.THRESHOLDS, rows)
     # -- end of serving-stack results
+    # -- routing dumps (ddtree-lab ingest's routing.json, or the `external:` paths' dumps): routing_report.py
+    if routing is not None and (routing.get("files") or routing.get("unread")):
+        routing_report.add_section(page, routing)
+    # -- end of routing dumps
 
     page.section("lossless", "Losslessness")
     page.add("<p>At T = 0 every run must emit exactly the AR run's tokens for every prompt.</p>")

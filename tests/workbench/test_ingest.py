@@ -441,7 +441,8 @@ def test_ingest_module_is_torch_free():
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
         assert not names & {"torch", "triton", "numpy", "plotly"}, (mod.__name__, names)
         rel = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
-        assert rel <= {"atomic", "formats", "jsonstream", "external", "advisor.machines", None}, rel  # the GPU table
+        assert rel <= {"atomic", "formats", "jsonstream", "external", "advisor.machines", "routing", "routing_dumps",
+                       "routing_formats", None}, rel  # the GPU table; routing dumps (test_routing holds them torch-free)
 
 
 # ----------------------------------------------------------------------------- study and report
@@ -555,3 +556,36 @@ def test_the_serving_figures_label_their_budget_axis_at_each_budget():
         axis = fig.layout.xaxis
         drawn = sorted({x for trace in fig.data for x in trace.x})
         assert axis.type == "log" and list(axis.tickvals) == drawn and list(axis.ticktext) == [str(b) for b in drawn]
+
+
+def test_study_report_shows_a_routing_json_beside_the_runs(study_dir, tmp_path):
+    """routing.json in the study directory (ingest's --out there) joins the study's report: table and figures."""
+    import routing_samples as RS
+    from ddtree_lab.workbench import report, routing_report
+    (tmp_path / "v.json").write_text(json.dumps(RS.vllm_chat(RS.routed(40, 2, 2, 16, seed=1))))
+    routing = I.ingest_all([tmp_path / "v.json"])[1]
+    (study_dir / "routing.json").write_text(json.dumps(routing))
+    try:
+        html = report.build_report(study_dir, tmp_path / "r.html").read_text()
+    finally:
+        (study_dir / "routing.json").unlink()
+    assert "MoE routing from routing dumps" in html and "v.json" in html
+    titles = [f["layout"]["title"]["text"] for f in report.page_figures(html)]
+    assert routing_report.touched_figure(routing).layout.title.text in titles
+    assert routing_report.ranks_figure(routing).layout.title.text in titles
+    assert "MoE routing from routing dumps" not in report.build_report(study_dir, tmp_path / "s.html").read_text()
+
+
+def test_routing_page_in_headless_chromium(tmp_path):
+    import routing_samples as RS
+    from ddtree_lab.workbench import routing_report
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "v.jsonl").write_text(RS.jsonl(RS.vllm_chat(RS.routed(300, 3, 2, 32, seed=2, pool=8)),
+                                                      RS.vllm_chat(RS.routed(5, 3, 1, 32, seed=3))))
+    out = tmp_path / "out"
+    assert cli.main(["ingest", str(tmp_path / "in"), "--out", str(out)]) == 0
+    dom = _render(out / "report.html", tmp_path)
+    titles = re.findall(r'class="gtitle"[^>]*>(.*?)</text>', dom)
+    assert routing_report.touched_figure({"files": []}).layout.title.text in titles
+    assert routing_report.ranks_figure({"files": []}).layout.title.text in titles
+    assert "top_k 1 where the file" in dom  # the refused sequence, in the page's table
