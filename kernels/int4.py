@@ -56,7 +56,7 @@ class Int4Weights:
             raise ValueError(f"Int4Weights: zero must be int32 [E, ceil(N / 8), K // G] = "
                              f"{(E, -(-N // VALUES_PER_WORD), K // G)}, got {z.dtype} {tuple(z.shape)}")
         for name, t in (("packed", p), ("scale", s), ("zero", z)):
-            if t is not None and t.stride(-1) != 1:
+            if t is not None and t.stride(-1) != 1 and t.shape[-1] > 1:
                 raise ValueError(f"Int4Weights: {name} must be contiguous along its last dim")
 
     @property

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ddtree_lab.kernels.fused_moe import (align_reference, fused_moe, fused_moe_reference, moe_align,  # noqa: E402
-                                          moe_route)
-from ddtree_lab.kernels.moe_layout import route_reference  # noqa: E402
+from ddtree_lab.kernels.fused_moe import (align_reference, fused_moe, fused_moe_reference,  # noqa: E402
+                                          fused_moe_routed, fused_moe_routed_reference, moe_align, moe_route)
+from ddtree_lab.kernels.moe_layout import route_grouped_reference, route_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -63,6 +63,39 @@ def test_fused_moe_matches_reference(T, E, k, H, I, dtype, renormalize):
     want_w, want_ids = route_reference(logits, k, renormalize)
     assert torch.equal(ids.long(), want_ids) and torch.allclose(weights, want_w, atol=1e-6)
     check_align(ids, E)
+
+
+@pytest.mark.parametrize("T,E,k,H,I", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_routed_entry_with_the_kernels_own_routing_is_fused_moe(T, E, k, H, I, dtype):
+    """fused_moe_routed on the routing fused_moe computes gives fused_moe's output bit for bit (the same expert
+    launches), and its reference is fused_moe_reference's second half."""
+    x, router, w_gate_up, w_down = make_block(T, E, H, I, dtype, seed=T * 13 + E)
+    weights, ids = moe_route(F.linear(x, router), k, True)
+    out, counts = fused_moe_routed(x, weights, ids, w_gate_up, w_down)
+    want, want_counts = fused_moe(x, router, w_gate_up, w_down, k, True)
+    assert torch.equal(out, want) and torch.equal(counts, want_counts)
+    ref = fused_moe_routed_reference(x, *route_reference(F.linear(x, router), k, True), w_gate_up, w_down)
+    full = fused_moe_reference(x, router, w_gate_up, w_down, k, True)
+    assert torch.equal(ref[0], full[0]) and torch.equal(ref[1], full[1])
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 40])
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
+def test_routed_entry_takes_grouped_routing(T, scaling):
+    """DeepSeek-V3's routing from torch (sigmoid scores, correction bias, groups, scaling; int64 ids, weights not
+    summing to 1) through the expert kernels, against the reference; a given counts buffer is filled."""
+    E, k, H, I = 16, 4, 64, 32
+    x, _, w_gate_up, w_down = make_block(T, E, H, I, torch.float32, seed=T)
+    g = torch.Generator().manual_seed(T + 100)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE)
+    weights, ids = route_grouped_reference(logits, bias, k, 4, 2, "sigmoid", True, scaling)
+    buf = torch.full((E,), 5, dtype=torch.int32, device=DEVICE)
+    out, counts = fused_moe_routed(x, weights, ids, w_gate_up, w_down, counts=buf)
+    want, want_counts = fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)
+    assert ids.dtype == torch.int64 and counts.data_ptr() == buf.data_ptr() and torch.equal(counts, want_counts)
+    assert torch.allclose(out, want, atol=1e-5, rtol=1e-5), (out - want).abs().max()
 
 
 def test_route_ties_take_the_lower_expert_and_renormalise():
