@@ -233,6 +233,20 @@ def test_sglang_recorder_per_token_and_stat(tmp_path):
     assert [(r["tokens"], r["forwards"], r["touched"]) for r in stat["forward_passes"]] == [(5, 4, 5.0)]
 
 
+def test_sglang_recorder_per_pass_counts_physical_slots_to_experts(tmp_path):
+    """per_pass mode: tokens per physical slot per pass, mapped to experts (a redundant copy of expert 3 in slot 8)."""
+    import torch
+    to_logical = np.tile(np.r_[np.arange(8), 3], (2, 1))   # 2 layers, 9 slots holding experts 0..7 and 3 again
+    counts = np.zeros((2, 9), dtype=np.int32)
+    counts[1, [0, 3, 5, 8]] = [2, 1, 2, 1]                  # layer 0 dense; 3 tokens × k 2 in layer 1
+    rec = {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary", "global_physical_count": torch.from_numpy(counts)}
+    torch.save({"records": [rec], "last_physical_to_logical_map": torch.from_numpy(to_logical)}, tmp_path / "pp.pt")
+    e = _entry(I.ingest_all([tmp_path], options=D.RoutingOptions(top_k=2, ep_ranks=2))[1], "pp.pt")
+    assert (e["experts"], e["dense_layers"], e["moe_layers"], e["ep_ranks"]) == (8, [0], 1, 2)
+    [row] = e["forward_passes"]
+    assert (row["tokens"], row["touched"], row["rank_max"]) == (3, 3.0, 2.0)  # experts 0, 3 on rank 0; 5 on rank 1
+
+
 def test_our_traces_are_forwards_at_the_rounds_tokens(tmp_path):
     rows = [RS.trace_row(0, [8, 8], 0, accepted=1), RS.trace_row(1, [40, 50], 16), RS.trace_row(2, [44, 46], 16),
             RS.trace_row(3, [60, 70], 32)]
