@@ -239,7 +239,8 @@ def test_sglang_recorder_per_pass_counts_physical_slots_to_experts(tmp_path):
     to_logical = np.tile(np.r_[np.arange(8), 3], (2, 1))   # 2 layers, 9 slots holding experts 0..7 and 3 again
     counts = np.zeros((2, 9), dtype=np.int32)
     counts[1, [0, 3, 5, 8]] = [2, 1, 2, 1]                  # layer 0 dense; 3 tokens × k 2 in layer 1
-    rec = {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary", "global_physical_count": torch.from_numpy(counts)}
+    rec = {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary",
+           "global_physical_count": torch.from_numpy(counts)}
     torch.save({"records": [rec], "last_physical_to_logical_map": torch.from_numpy(to_logical)}, tmp_path / "pp.pt")
     e = _entry(I.ingest_all([tmp_path], options=D.RoutingOptions(top_k=2, ep_ranks=2))[1], "pp.pt")
     assert (e["experts"], e["dense_layers"], e["moe_layers"], e["ep_ranks"]) == (8, [0], 1, 2)
