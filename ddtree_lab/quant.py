@@ -135,8 +135,8 @@ def _scheme_problem(scheme, fmt: str) -> str | None:
         if fmt in _FLOAT_FORMATS:
             return f"{_FLOAT_FORMATS[fmt]} weights"
         if w.num_bits == 8:
-            block = f", blocks {w.block_structure}" if w.strategy == "block" else ""
-            return f"FP8 weights (float8, {w.strategy}{block})"
+            return (f"FP8 weights in {w.block_structure} blocks" if w.strategy == "block"
+                    else f"FP8 weights (per {w.strategy})")
         return f"float{w.num_bits} weights"
     if w.num_bits != 4:
         return f"int{w.num_bits} weights (num_bits {w.num_bits}; only 4)"
@@ -201,7 +201,7 @@ def read_quantization(config: dict, where) -> QuantSpec | None:
         parsed = QuantizationConfig.model_validate(qc)
     except (ValidationError, ValueError, KeyError) as e:
         first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
-        loc = ".".join(str(p) for p in first["loc"])
+        loc = ".".join(str(p) for p in first["loc"] if "[" not in str(p))  # not pydantic's validator steps
         raise ConfigError(f"{where}: quantization_config{'.' + loc if loc else ''}: "
                           f"{first['msg'].splitlines()[0]}") from None
     if not parsed.config_groups:
