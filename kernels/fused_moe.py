@@ -503,11 +503,11 @@ def _weight_args(w) -> tuple[list, dict]:
     return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1)
 
 
-def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, cfg: dict) -> torch.Tensor:
+def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict) -> torch.Tensor:
     """The expert stage after the sort (launches 4-6): x [T, H], weights [T, top_k] fp32 (pair order), routed =
-    moe_align's (counts, slot_expert, slot_start, sorted_pairs) -> out [T, H] in x's dtype."""
+    moe_align's (counts, slot_expert, slot_start, sorted_pairs), weights checked by _expert_shapes -> out [T, H]
+    in x's dtype."""
     T, H = x.shape
-    E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe")
     counts, slot_expert, slot_start, sorted_pairs = routed
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
@@ -543,8 +543,9 @@ def _config(x, top_k: int, E: int, I: int, config: dict | None) -> dict:
     return {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
 
 
-def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
-              top_k: int, renormalize: bool, counts: torch.Tensor | None = None, config: dict | None = None):
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
+              w_down: torch.Tensor | Int4Weights, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
+              config: dict | None = None):
     """x [T, H] -> (out [T, H] in x's dtype, counts [E] int32); `counts` (if given) is filled in place. The
     expert weights are dense tensors or Int4Weights (dequantized inside the kernels)."""
     E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe")
@@ -554,11 +555,12 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     cfg = _config(x, top_k, E, I, config)
     weights, _, *routed = moe_route_align(F.linear(x, router_weight), top_k, renormalize, counts,
                                           cfg.get("fuse_route"))
-    return _experts(x, weights, routed, w_gate_up, w_down, top_k, cfg), routed[0]
+    return _experts(x, weights, routed, w_gate_up, w_down, top_k, I, cfg), routed[0]
 
 
-def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
-                     counts: torch.Tensor | None = None, config: dict | None = None):
+def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
+                     w_down: torch.Tensor | Int4Weights, counts: torch.Tensor | None = None,
+                     config: dict | None = None):
     """The experts for routing computed elsewhere (DeepSeek-V3's grouped router runs in torch): x [T, H],
     weights [T, k] (fp32: each pair's factor, as given; no renormalisation here), ids [T, k] expert indices in
     [0, E) (any int dtype; best first, though the order only fixes the sum's) -> (out [T, H] in x's dtype,
@@ -572,7 +574,7 @@ def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     cfg = _config(x, top_k, E, I, config)
     ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
     routed = moe_align(ids, E, counts)
-    return _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, cfg), routed[0]
+    return _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg), routed[0]
 
 
 # ----------------------------------------------------------------------------- torch references
@@ -595,8 +597,8 @@ def align_reference(ids: torch.Tensor, E: int):
     return counts.int(), slot_expert[:S].int(), slot_start[:S].int(), sorted_pairs.int()
 
 
-def fused_moe_routed_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
-                               w_down: torch.Tensor | Int4Weights):
+def fused_moe_routed_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                               w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights):
     """The ground truth of the experts for given routing (weights/ids [T, k]), any size: each expert on its own
     tokens in fp32, weighted, summed per token -> (out [T, H] in x's dtype, counts [E] int32). INT4 weights are
     dequantized first, to x's dtype (the values the kernels multiply). (A loop with data-dependent shapes: a
@@ -617,8 +619,8 @@ def fused_moe_routed_reference(x: torch.Tensor, weights: torch.Tensor, ids: torc
     return out.to(x.dtype), counts
 
 
-def fused_moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
-                        top_k: int, renormalize: bool):
+def fused_moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
+                        w_down: torch.Tensor | Int4Weights, top_k: int, renormalize: bool):
     """fused_moe's ground truth: route_reference's routing, then fused_moe_routed_reference."""
     weights, ids = route_reference(F.linear(x, router_weight), top_k, renormalize)
     return fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)

@@ -90,8 +90,7 @@ def dequantize(w: Int4Weights, dtype: torch.dtype | None = None, experts: torch.
     """The dense weight [E, N, K] in `dtype` (default: the scales'), computed in fp32 and rounded once. With
     `experts` (an index tensor of any shape) only those experts, [*experts.shape, N, K] (the torch path's
     per-token gather, without dequantizing the rest)."""
-    E, N, K = w.shape
-    G = w.group_size
+    N, G = w.shape[1], w.group_size
     pick = (lambda t: t) if experts is None else (lambda t: t[experts])
     q = unpack_int4(pick(w.packed)).float()                                                 # [..., N, K]
     scale = pick(w.scale).float()                                                           # [..., N, K/G]
