@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from .attention import check_backend
 from .config import (CheckpointError, ConfigError, DrafterConfig, TargetConfig, check_pair,
                      drafter_config_from_hf, read_json, target_config_from_hf, text_model_config)
+from .declared_routing import routing_name
 from .drafter import Drafter
 from .model import Target
 from . import parallel
@@ -69,9 +70,12 @@ class Pair:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def describe(self) -> dict:
-        return {"name": self.name, "target": self.target_id, "drafter": self.drafter_id,
-                "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "attention": self.attention}
+        out = {"name": self.name, "target": self.target_id, "drafter": self.drafter_id,
+               "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+               "attention": self.attention}
+        if self.target.cfg.is_moe:  # which experts tokens go to: every MoE figure rests on it
+            out["routing"] = routing_name(self.target.routing)
+        return out
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -380,7 +384,7 @@ def _token_text(value):
 
 
 def load_pair_dirs(target, drafter=None, *, name: str | None = None, device="cpu", dtype="float32",
-                   attention: str = "sdpa", compile: bool = False, tp: int = 1) -> Pair:
+                   attention: str = "sdpa", compile: bool = False, tp: int = 1, routing="router") -> Pair:
     """A target directory and (optionally) its DFlash drafter's directory -> a Pair (`dl.load_pair` also
     takes names, ddtree_lab/pairs). compile=True fuses the per-layer elementwise work with torch.compile.
     tp=N: this process's share of an N-way tensor-parallel target (parallel.py; on CUDA, its rank's GPU)."""
@@ -395,6 +399,7 @@ def load_pair_dirs(target, drafter=None, *, name: str | None = None, device="cpu
         device = rank_device if device.type == "cuda" and rank_device is not None else device
     tmodel = load_target(target_dir, device, dtype, tp=tp, rank=rank)
     tmodel.set_attention(attention)
+    tmodel.set_routing(routing)
     if compile:
         tmodel.compile_layers()
     dmodel = None

@@ -15,6 +15,7 @@ from .attention import TreeMask, cache_slots, check_backend, static_cache, write
 from .config import TargetConfig
 from .layers import (ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear,
                      set_batch_invariant)
+from .declared_routing import DeclaredRouting, check_routing, routing_name, token_keys
 from .mla import MlaBlock
 from .moe import SparseMoE, expert_routing, moe_routing
 from .names import MLA_BACKENDS
@@ -62,6 +63,7 @@ class Target(nn.Module):
         self.kv: torch.Tensor | None = None  # the static cache: [L, 2, Hkv, S_max, D]; MLA [L, 1, 1, S_max, C + R]
         self.max_past: int | None = None    # the most committed slots a forward sees (None: S_max − T)
         self.attention = "sdpa"
+        self.routing = "router"  # MoE: how tokens pick experts (set_routing)
         layer_cls = block_class(cfg)
         self._attention_inputs, self._attention_output = layer_cls.attention_inputs, layer_cls.attention_output
         self._norm = RMSNorm.forward
@@ -115,14 +117,30 @@ class Target(nn.Module):
         self.attention = backend
         set_batch_invariant(self, backend == "invariant")
 
+    def set_routing(self, model) -> None:
+        """Declare how the MoE blocks route (declared_routing.py): "router" (the weights' own), "uniform" or a
+        RoutingTrace. A dense target takes only "router"."""
+        blocks = self._moe()
+        if not blocks:
+            if model != "router":
+                raise ValueError(f"routing={routing_name(model)!r} needs an MoE target; this one is dense")
+            return
+        check_routing(model, blocks[0].num_experts, blocks[0].top_k)
+        for j, m in enumerate(blocks):
+            m.declared = None if model == "router" else DeclaredRouting(model, j, len(blocks)).to(m.counts.device)
+        self.routing = model
+
+    def _moe(self) -> list[SparseMoE]:
+        if "_moe_blocks" not in self.__dict__:  # found once: walking every module each traced round costs more
+            self.__dict__["_moe_blocks"] = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        return self.__dict__["_moe_blocks"]
+
     def expert_routing(self) -> dict[str, object] | None:
         """Per MoE layer, of the last forward: `moe.expert_routing`'s experts touched, busiest expert's tokens
         and row blocks (None for a dense target). Reads the device once: call it only when tracing."""
         if not self.cfg.is_moe:
             return None
-        if "_moe_blocks" not in self.__dict__:  # found once: walking every module each traced round costs more
-            self.__dict__["_moe_blocks"] = [m for m in self.modules() if isinstance(m, SparseMoE)]
-        return expert_routing(self.__dict__["_moe_blocks"])
+        return expert_routing(self._moe())
 
     @property
     def cache_len(self) -> int:
@@ -140,6 +158,10 @@ class Target(nn.Module):
         T = tokens.shape[0]
         if not isinstance(past_len, torch.Tensor) and past_len + T > self.cache_len:
             raise ValueError(f"context of {past_len + T} tokens exceeds the KV cache of {self.cache_len}")
+        if self.routing == "uniform":  # the declared routing hashes each token's (id, position)
+            keys = token_keys(tokens, positions)
+            for m in self._moe():
+                m.declared.keys = keys
         x = self.embed(tokens)[None]  # [1, T, H]
         cos, sin = self.rotary(positions, x.dtype)  # [T, D]
         slots = cache_slots(past_len, T, tokens.device)

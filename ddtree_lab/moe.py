@@ -161,15 +161,28 @@ class SparseMoE(nn.Module):
             self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
             self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.shared = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.declared = None  # a DeclaredRouting: which experts is declared, not the router's (declared_routing.py)
         # tokens per expert in the last forward (not saved; written in place, so graphs keep its address)
         self.register_buffer("counts", torch.zeros(num_experts, dtype=torch.int32), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] fp32, ids [T, k]) of a grouped router, in torch (fixed shapes)."""
+        """x [T, H] -> (weights [T, k] fp32, ids [T, k]) in torch (fixed shapes): a grouped router's, or the
+        declared experts weighted by the router's own scores at them, normalised as the model does."""
         r = self.routing
-        logits = F.linear(x.float(), self.router.weight)                                      # [T, E] fp32
-        return route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k, r.n_group,
-                                       r.topk_group, r.scoring, self.renormalize, r.scaling)
+        if r is None:
+            logits = F.linear(x, self.router.weight)
+            scores = logits.float().softmax(-1)
+        else:
+            logits = F.linear(x.float(), self.router.weight)                                  # [T, E] fp32
+            scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(-1)
+        if self.declared is None:
+            return route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k, r.n_group,
+                                           r.topk_group, r.scoring, self.renormalize, r.scaling)
+        ids = self.declared.ids(x.shape[0], self.num_experts, self.top_k, x.device)          # [T, k]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights if r is None else weights * r.scaling), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
@@ -183,7 +196,7 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     triton = use_triton(x.device)
     if not triton:  # the torch path multiplies dense weights: INT4 experts dequantized (CPU-sized models)
         gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
-    if moe.routing is not None:
+    if moe.routing is not None or moe.declared is not None:
         weights, ids = moe.route(x)
         if triton:
             from .kernels.fused_moe import fused_moe_routed

@@ -124,13 +124,15 @@ def available_prompt_sets() -> list[str]:
 # ----------------------------------------------------------------------------- loading
 
 def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu", dtype="float32",
-              attention: str = "sdpa", compile: bool = False, seed: int = 0, tp: int = 1):
+              attention: str = "sdpa", compile: bool = False, seed: int = 0, tp: int = 1, routing=None):
     """Load a target + DFlash drafter: `load_pair("lab")`, `load_pair("random:qwen3-8b", device="cuda")`
     or `load_pair(target=DIR, drafter=DIR)` (drafter optional: AR only).
 
     compile=True fuses the per-layer elementwise work with torch.compile (slower first call); `seed` seeds
     a random shape's weights; tp=N loads this process's share of an N-way tensor-parallel target (run
-    under `torchrun --nproc-per-node N`; ddtree_lab/parallel.py)."""
+    under `torchrun --nproc-per-node N`; ddtree_lab/parallel.py). `routing` declares how an MoE target's tokens
+    pick experts (ddtree_lab/declared_routing.py): "uniform" for random shapes unless told, "router" (the
+    weights' own) for checkpoints, or a RoutingTrace to replay."""
     if name is not None and (target is not None or drafter is not None):
         raise ValueError("give either a pair name or target=/drafter= directories, not both")
     check_runtime(device, attention)
@@ -139,7 +141,7 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
         from .random import random_pair
 
         return random_pair(name[len(RANDOM_PREFIX):], device=device, dtype=dtype, attention=attention,
-                           seed=seed, compile=compile, tp=tp)
+                           seed=seed, compile=compile, tp=tp, routing=routing or "uniform")
     if name is not None:
         target, drafter = resolve(name)
     if target is None:
@@ -147,7 +149,7 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
     from ..checkpoint import load_pair_dirs
 
     return load_pair_dirs(target, drafter, name=name, device=device, dtype=dtype, attention=attention,
-                          compile=compile, tp=tp)
+                          compile=compile, tp=tp, routing=routing or "router")
 
 
 __all__ = ["PAIRS", "PULLABLE", "NamedPair", "Pullable", "cache_dir", "resolve", "check", "known_names",

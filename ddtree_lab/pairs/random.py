@@ -81,9 +81,10 @@ def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
 
 
 def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False,
-                tp: int = 1):
+                tp: int = 1, routing="uniform"):
     """A real-size target + DFlash drafter with random weights (N(0, 0.02) matrices, unit norms). With tp=N,
-    every process draws the same full weights and keeps its share (ddtree_lab/parallel.py)."""
+    every process draws the same full weights and keeps its share (ddtree_lab/parallel.py). An MoE target routes
+    by `routing` (declared_routing.py: "uniform" unless told; "router" is the random weights' own)."""
     # torch and the models load here, not at import: study files are checked against RANDOM_SHAPES torch-free
     import torch
 
@@ -120,6 +121,8 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     if tp != 1:
         target = parallel.make_parallel(target, tp, rank).eval().requires_grad_(False)
         models[0] = target
+    if target.cfg.is_moe:  # declared: random router weights would send nearly every token to the same experts
+        target.set_routing(routing)
     for m in models:
         m.set_attention(attention)
         if compile:
