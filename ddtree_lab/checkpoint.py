@@ -9,6 +9,7 @@ Every error names the directory, file, tensor or field that is wrong.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -26,6 +27,7 @@ from .config import (CheckpointError, ConfigError, DrafterConfig, TargetConfig, 
                      drafter_config_from_hf, read_json, target_config_from_hf, text_model_config)
 from .declared_routing import routing_name
 from .drafter import Drafter
+from .kernels.int4 import VALUES_PER_WORD
 from .model import Target
 from . import parallel
 from .names import DTYPE_NAMES
@@ -130,6 +132,13 @@ class _TensorReader:
             self._handles[path] = safe_open(str(path), "pt")
         return self._handles[path]
 
+    def get_whole(self, name: str) -> torch.Tensor | None:
+        """The stored tensor `name` whole, any shape (None when absent): for small tensors read to be checked."""
+        if name not in self.files:
+            return None
+        with _named_if_unreadable(self.files[name]):
+            return self._handle(self.files[name]).get_tensor(self.stored_names[name])
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name` as this reader's process holds it, of `shape` (its share when sharded). The
         result may be a view of the file's mapping: copy it before release()."""
@@ -162,7 +171,7 @@ def _fill(module: torch.nn.Module, reader: _TensorReader, mapping: dict[str, lis
     """mapping: our parameter name -> the stored names concatenated (dim 0) into it. A stacked expert
     parameter [E, R, C] is filled from per-expert [r, C] tensors as its [E·R, C] view. The files are
     released after each parameter, so a load holds little more than the model it builds."""
-    own = dict(module.named_parameters())
+    own = {**dict(module.named_parameters()), **dict(module.named_buffers())}  # INT4 experts are buffers
     with torch.no_grad():
         for ours, stored in mapping.items():
             _fill_parameter(module, reader, ours, own[ours], stored)
@@ -187,7 +196,8 @@ def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) ->
     if ".shared_experts." in name:  # DeepSeek's shared experts: gate then up, each n_shared · I rows
         return cfg.moe_intermediate_size * cfg.n_shared_experts
     if ".experts." in name:  # per-expert tensors: gate/up [I, H] rows of gate_up, down [H, I] rows of down
-        return cfg.hidden_size if name.endswith("down_proj.weight") else cfg.moe_intermediate_size
+        rows = cfg.hidden_size if ".down_proj." in name else cfg.moe_intermediate_size
+        return -(-rows // VALUES_PER_WORD) if name.endswith("weight_zero_point") else rows  # INT4 zero points: 8 a word
     if ".wqkv." in ours:
         kind = name.split(".")[-2]  # q_proj | k_proj | v_proj
         heads = cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads
@@ -239,7 +249,16 @@ def _moe_mapping(i: int, cfg: TargetConfig, stacked: bool) -> dict[str, list[str
         if cfg.n_shared_experts:
             m[f"{ours}.shared.gate_up.weight"] = [f"{src}.shared_experts.{p}_proj.weight" for p in ("gate", "up")]
             m[f"{ours}.shared.down.weight"] = [f"{src}.shared_experts.down_proj.weight"]
-    if stacked:
+    if cfg.expert_int4_group:  # INT4 experts (quant.py): each stored tensor of every expert into its stack
+        experts = range(cfg.num_experts)
+        for stack, projections in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            for ours_name, stored in (("packed", "weight_packed"), ("scale", "weight_scale"),
+                                      ("zero", "weight_zero_point")):
+                if ours_name == "zero" and not cfg.expert_int4_asymmetric:
+                    continue
+                m[f"{ours}.{stack}.{ours_name}"] = [f"{src}.experts.{e}.{p}_proj.{stored}" for e in experts
+                                                    for p in projections]
+    elif stacked:
         m[f"{ours}.gate_up"] = [f"{src}.experts.gate_up_proj"]
         m[f"{ours}.down"] = [f"{src}.experts.down_proj"]
     else:
@@ -291,15 +310,18 @@ def _load(kind, directory, device, dtype, read_config, model_cls, mapping, shard
     cfg = read_config(raw, directory / "config.json")
     wrapped = kind == "target" and text_model_config(raw, directory)[1]
     rank, tp = shard
+    reader = _TensorReader(directory, shard=shard, strip_prefix=TEXT_MODEL_PREFIX if wrapped else "")
+    int4_checked = set()
+    if kind == "target":
+        cfg, int4_checked = _int4_experts(cfg, raw, reader, directory)
     local_cfg = parallel.local_config(cfg, tp) if tp > 1 else cfg
     with torch.device("meta"):
         model = model_cls(local_cfg).to(dtype)
     model = model.to_empty(device=device)
-    reader = _TensorReader(directory, shard=shard, strip_prefix=TEXT_MODEL_PREFIX if wrapped else "")
     if kind == "drafter" and not reader.has("fc.weight") and reader.has("model.fc.weight"):
         reader = _TensorReader(directory, strip_prefix="model.")  # some exports prefix drafter tensors
     wanted = mapping(cfg, reader)
-    _check_all_used(reader, wanted, cfg, skipped=_skipped_tensors(reader, raw, cfg, wrapped))
+    _check_all_used(reader, wanted, cfg, skipped=_skipped_tensors(reader, raw, cfg, wrapped) | int4_checked)
     _fill(model, reader, wanted)
     model.rotary = type(model.rotary)(cfg.rope_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -311,6 +333,52 @@ _IGNORABLE = (".rotary_emb.inv_freq",)
 
 
 TEXT_MODEL_PREFIX = "language_model."  # where a multimodal wrapper keeps its text model's tensors
+
+
+def _int4_experts(cfg, raw: dict, reader: _TensorReader, directory: Path):
+    """A compressed-tensors INT4 checkpoint (quant.py) -> cfg with its experts' group size, and the stored
+    `weight_shape` tensors, each checked against its linear's size. The engine runs INT4 routed experts only:
+    any other INT4 linear is refused by name, as is an MoE layer whose experts are not all INT4."""
+    packed = sorted(n[: -len(".weight_packed")] for n in reader.files if n.endswith(".weight_packed"))
+    if not packed and not (raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")):
+        return cfg, set()
+    from .quant import load_int4, read_quantization
+
+    where = directory / "config.json"
+    spec = read_quantization(raw, where)
+    if spec is None or not packed:
+        return cfg, set()
+    other = [n for n in packed if ".mlp.experts." not in n or not getattr(cfg, "num_experts", 0)]
+    if other:
+        raise ConfigError(f"{where}: INT4 '{other[0]}' is not run here: the engine runs INT4 routed experts (attention, "
+                          f"shared experts, dense MLPs and lm_head stay in 16 bits)"
+                          + (f"; {len(other) - 1} more" if len(other) > 1 else ""))
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    expected = {f"model.layers.{i}.mlp.experts.{e}.{p}_proj" for i in layers for e in range(cfg.num_experts)
+                for p in ("gate", "up", "down")}
+    if set(packed) != expected:
+        missing = sorted(expected - set(packed))
+        raise CheckpointError(f"{directory}: the experts are INT4 in part only: '{missing[0]}.weight_packed' is "
+                              f"missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    stored_prefix = {n: reader.stored_names[n + ".weight_packed"][: -len(".weight_packed")] for n in packed}
+    schemes = {spec.scheme_for(stored_prefix[n]) for n in packed}
+    if None in schemes or len({(s.group_size, s.symmetric) for s in schemes}) != 1:
+        raise ConfigError(f"{where}: quantization_config gives the experts' INT4 tensors differing schemes (or none); "
+                          "the engine runs one group size and symmetry for all experts")
+    scheme = schemes.pop()
+    ours = {stored: name for name, stored in reader.stored_names.items()}
+    load_int4(lambda n: reader.get_whole(ours.get(n, n)), stored_prefix[packed[0]], spec, directory)  # one in full
+    for name in packed:  # every linear's weight_shape (two ints) against the config; the rest's shapes are read later
+        want = (cfg.hidden_size, cfg.moe_intermediate_size) if name.endswith("down_proj") else (
+            cfg.moe_intermediate_size, cfg.hidden_size)
+        stored = reader.get_whole(f"{name}.weight_shape")
+        if stored is None or stored.is_floating_point() or tuple(stored.tolist()) != want:
+            shown = "missing" if stored is None else f"holds {stored.tolist()}"
+            raise CheckpointError(f"{directory}: tensor '{reader.stored_names.get(name + '.weight_shape', name)}' "
+                                  f"is {shown}, expected {list(want)}")
+    reader.release()
+    cfg = dataclasses.replace(cfg, expert_int4_group=scheme.group_size, expert_int4_asymmetric=not scheme.symmetric)
+    return cfg, {f"{n}.weight_shape" for n in packed}
 
 
 def _skipped_tensors(reader: _TensorReader, raw: dict, cfg, wrapped: bool) -> set[str]:

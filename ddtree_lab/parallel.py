@@ -53,6 +53,10 @@ def local_config(cfg: TargetConfig, tp: int) -> TargetConfig:
     for field, size in sizes.items():
         if size % tp:
             raise CheckpointError(f"tp={tp} does not divide the target's {field} ({size})")
+    group = getattr(cfg, "expert_int4_group", 0)
+    if group and (cfg.moe_intermediate_size // tp) % group:  # groups of G ≥ 8: zero-point words split too
+        raise CheckpointError(f"tp={tp} splits the INT4 experts' width {cfg.moe_intermediate_size} into "
+                              f"{cfg.moe_intermediate_size // tp} columns, not whole groups of {group}")
     return dataclasses.replace(cfg, **{k: v // tp for k, v in sizes.items()})
 
 
@@ -68,10 +72,14 @@ class Split:
 # Stored [out, in] projections (and q/k/v biases [out]) split by output rows: column-parallel.
 # MLA: the per-head expansions (q_b_proj, or q_proj without a q LoRA, and kv_b_proj) split by heads; the shared
 # latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
+# INT4 experts (quant.py) split as their dense weights: packed words, scales and zero points alike (gate/up by
+# rows, zero points 8 rows a word; down by columns, K/8 words and K/G groups).
+_INT4 = ("weight_packed", "weight_scale", "weight_zero_point")
 _SPLIT_BY_ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-                  "gate_proj.weight", "up_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")
+                  "gate_proj.weight", "up_proj.weight", "q_b_proj.weight", "kv_b_proj.weight",
+                  *(f"{p}_proj.{t}" for p in ("gate", "up") for t in _INT4))
 # Stored [out, in] projections split by input columns: row-parallel, their outputs partial sums.
-_SPLIT_BY_COLUMNS = ("o_proj.weight", "down_proj.weight")
+_SPLIT_BY_COLUMNS = ("o_proj.weight", "down_proj.weight", *(f"down_proj.{t}" for t in _INT4))
 
 
 def stored_split(name: str) -> Split | None:
@@ -134,6 +142,17 @@ def shard_into(full, local, rank: int, tp: int) -> None:
                 part = _rows(p, p.dim() - 1, rank, tp)
             else:  # embedding, norms, router, LM head: replicated
                 part = p
+            own[name].copy_(part)
+        own = dict(local.named_buffers())
+        for name, b in full.named_buffers():  # INT4 experts: packed words, scales, zero points split as the weights
+            stack, _, kind = name.rpartition(".")
+            if kind not in ("packed", "scale", "zero") or not stack.endswith(("mlp.gate_up", "mlp.down")):
+                continue
+            if stack.endswith("gate_up"):  # [E, 2N, …]: gate rows then up rows (zero points: 2N/8 words), each split
+                gate, up = b.chunk(2, dim=1)
+                part = torch.cat([_rows(gate, 1, rank, tp), _rows(up, 1, rank, tp)], 1)
+            else:  # down [E, H, K/8 | K/G]: this rank's columns
+                part = _rows(b, 2, rank, tp)
             own[name].copy_(part)
 
 

@@ -227,3 +227,70 @@ def test_an_mla_target_refuses_the_gqa_only_backends(hf_pair):
     for backend in ("flex", "invariant"):
         with pytest.raises(ValueError, match="MLA target runs 'sdpa' or 'triton'"):
             target.set_attention(backend)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_an_int4_copy_equals_its_dequantized_weights(hf_pair, tmp_path, symmetric):
+    """Experts written INT4 by compressed-tensors load packed; the logits equal those of the same model with the
+    dequantized experts in fp32, and the tokens match."""
+    pytest.importorskip("compressed_tensors")
+    import shutil
+
+    from ddtree_lab.kernels.int4 import dequantize
+    from ddtree_lab.moe import Int4Experts, SparseMoE
+    from ddtree_lab.quant import write_int4_checkpoint
+
+    _, tdir, ddir = hf_pair
+    shutil.copytree(tdir, tmp_path / "int4")
+    done = write_int4_checkpoint(tmp_path / "int4", targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                                 group_size=16, symmetric=symmetric)
+    assert len(done) == 2 * 8 * 3  # two sparse layers of 8 experts, three projections each
+    packed, dense = load_target(tmp_path / "int4"), load_target(tdir)
+    assert packed.cfg.expert_int4_group == 16 and packed.cfg.expert_int4_asymmetric == (not symmetric)
+    with torch.no_grad():
+        for p_blk, d_blk in zip(packed.layers, dense.layers):
+            if isinstance(p_blk.mlp, SparseMoE):
+                assert isinstance(p_blk.mlp.gate_up, Int4Experts)
+                d_blk.mlp.gate_up.copy_(dequantize(p_blk.mlp.gate_up.weights(), torch.float32))
+                d_blk.mlp.down.copy_(dequantize(p_blk.mlp.down.weights(), torch.float32))
+    tokens = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for m in (packed, dense):
+            m.setup_cache(30)
+        a, _ = packed(tokens, torch.arange(30), 0, TreeMask.causal(30, "cpu"))
+        b, _ = dense(tokens, torch.arange(30), 0, TreeMask.causal(30, "cpu"))
+    assert torch.equal(a, b)
+    pair = dl.load_pair(target=str(tmp_path / "int4"), drafter=str(ddir))
+    ar = dl.generate(pair, tokens[:8].tolist(), method="ar", max_new_tokens=16)
+    assert dl.generate(pair, tokens[:8].tolist(), budget=32, max_new_tokens=16).tokens == ar.tokens
+
+
+def test_int4_refusals(hf_pair, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ddtree_lab.config import CheckpointError
+    from ddtree_lab.quant import write_int4_checkpoint
+
+    _, tdir, _ = hf_pair
+    shutil.copytree(tdir, tmp_path / "attn")
+    write_int4_checkpoint(tmp_path / "attn", targets=[r"re:.*self_attn\.o_proj$"], group_size=16)
+    with pytest.raises(ConfigError, match=r"INT4 'model.layers.0.self_attn.o_proj' is not run here"):
+        load_target(tmp_path / "attn")
+    shutil.copytree(tdir, tmp_path / "scale")
+    write_int4_checkpoint(tmp_path / "scale", targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], group_size=16)
+    path = tmp_path / "scale" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight_scale"]
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.2.mlp.experts.5.up_proj.weight_scale'"):
+        load_target(tmp_path / "scale")
+    cfg = json.loads((tmp_path / "scale" / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "float"
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8
+    (tmp_path / "scale" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="quantization_config") as err:
+        load_target(tmp_path / "scale")
+    assert "\n" not in str(err.value)
