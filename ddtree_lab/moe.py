@@ -8,7 +8,8 @@ are stored stacked: `gate_up` [E, 2I, H] (gate rows, then up rows) and `down` [E
 Two paths, both of fixed shape with no host synchronisation, so a round stays one captured graph:
 the Triton kernels of `kernels/fused_moe.py` where `tree.use_triton` says so (CUDA), else `moe_torch`.
 Either writes the per-expert token counts of its last call into the static buffer `counts` [E]: tracing
-reads it after a forward to count the experts touched; an untraced replay never reads it.
+reads it after a forward to count the experts touched; an untraced replay never reads it. A forward whose
+experts need gradients (training) runs `moe_torch_dense` instead, which fills `counts` too.
 """
 from __future__ import annotations
 
@@ -87,6 +88,23 @@ def moe_torch_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
         gate, up = gu.split(I, dim=-1)
         y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w_down[ids])            # [T, k, H]
     return (y.float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+def moe_torch_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Training: x [T, H], routing weights/ids [T, k] -> [T, H]. Every expert runs on every token and its output
+    counts with the token's routing weight for it (0 off the token's top-k): the sparse block's function,
+    differentiable in router and experts, in two large matmuls (E/k times the sparse FLOPs, which for the small
+    models trained here costs less than E small matmuls and their backward). Fills `counts` as the other paths."""
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    flat = ids.reshape(-1)
+    per_expert = torch.zeros(E, dtype=torch.int32, device=x.device) if counts is None else counts.zero_()
+    per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    combine = weights.new_zeros(T, E).scatter(1, ids, weights)                       # [T, E] fp32
+    gate, up = torch.einsum("th,eoh->teo", x, w_gate_up).split(two_i // 2, dim=-1)   # [T, E, I] each
+    h = F.silu(gate) * up * combine[..., None]                                       # [T, E, I]
+    return torch.einsum("tei,ehi->th", h, w_down).to(x.dtype)
 
 
 class Float32Router(nn.Module):
@@ -192,6 +210,11 @@ class SparseMoE(nn.Module):
 
 @torch.compiler.disable  # a compiled layer calls the kernels as they are: they take no tracing
 def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and getattr(moe.gate_up, "requires_grad", False):
+        # training: the kernels have no backward, and a large batch is past the per-token gather's limit
+        weights, ids = (moe.route(x) if moe.routing is not None or moe.declared is not None
+                        else route_reference(F.linear(x, moe.router.weight), moe.top_k, moe.renormalize))
+        return moe_torch_dense(x, weights, ids, moe.gate_up, moe.down, counts=moe.counts)
     gate_up, down = expert_tensor(moe.gate_up), expert_tensor(moe.down)
     triton = use_triton(x.device)
     if not triton:  # the torch path multiplies dense weights: INT4 experts dequantized (CPU-sized models)
