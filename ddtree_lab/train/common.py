@@ -36,11 +36,12 @@ def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> 
 
 
 def init_weights(module: nn.Module, n_layers: int) -> None:
-    """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·layers)."""
+    """GPT-2 style: N(0, 0.02), residual output projections (stacked experts' `mlp.down` too) scaled by
+    1/sqrt(2·layers)."""
     for name, p in module.named_parameters():
         if p.dim() < 2:
-            continue  # norm weights stay 1
-        std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down.weight")) else 0.02
+            continue  # norm weights stay 1 (and a router's correction bias 0)
+        std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down.weight", "mlp.down")) else 0.02
         nn.init.normal_(p, 0.0, std)
 
 

@@ -2,7 +2,7 @@
 
 `greedy_extend` builds a KV cache from the target's own layers (the engine's cached forward serves one
 sequence at a time; training wants thousands at once) and computes exactly what `Target.forward_train`
-computes, position by position.
+computes, position by position, for GQA and MLA (DeepSeek-V3) targets alike.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.T
     dev, dt = tokens.device, target.embed_tokens.weight.dtype
     if torch.is_autocast_enabled(dev.type):
         dt = torch.get_autocast_dtype(dev.type)
-    kc = torch.zeros(cfg.num_hidden_layers, B, cfg.num_key_value_heads, S, cfg.head_dim, device=dev, dtype=dt)
-    vc = torch.zeros_like(kc)
+    # per layer what the block's attention_inputs returns for one token: K and V per KV head, or MLA's one row
+    row = (2, cfg.num_key_value_heads, cfg.head_dim) if cfg.mla is None else (1, 1, cfg.mla.cache_width)
+    cache = torch.zeros(cfg.num_hidden_layers, B, row[0], row[1], S, row[2], device=dev, dtype=dt)
     out = torch.empty(B, S, dtype=tokens.dtype, device=dev)
     out[:, :P] = tokens
     pad = None if prompt_lens is None else (P - prompt_lens.to(dev))  # [B] left pads per row
@@ -51,23 +52,24 @@ def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.T
         if pad is not None:
             pos = (pos[None] - pad[:, None]).clamp(min=0)  # [B, T]
         cos, sin = target.rotary(pos, x.dtype)
+        delta = torch.zeros_like(x)
         for li, blk in enumerate(target.layers):
-            q, k, v = blk.qkv.project(blk.input_layernorm(x))  # [B, H*, T, D]
-            q, k = blk.qkv.norm_rope_q(q, cos, sin), blk.qkv.norm_rope_k(k, cos, sin)
-            kc[li, :, :, pos0:pos0 + T] = k
-            vc[li, :, :, pos0:pos0 + T] = v
+            # q [B, Hq, T, D]; kv [B, 2, Hkv, T, D] (GQA) or [B, 1, 1, T, C + R] (MLA)
+            x, q, kv = blk.attention_inputs(x, delta, cos, sin)
+            cache[li, :, :, :, pos0:pos0 + T] = kv
+            k, v, scale = _keys_values(blk, cache[li, :, :, :, :pos0 + T])
             if T > 1 and pad is None:  # prefill (pos0 == 0): causal over itself
-                att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+                att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                     enable_gqa=q.shape[1] != k.shape[1])
             elif T > 1:  # padded prefill: causal, pad keys hidden; every query sees itself (no empty rows)
                 m = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & key_ok[:, None, :T]
                 m = m | torch.eye(T, dtype=torch.bool, device=dev)[None]
-                att = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None],
+                att = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=scale,
                                                      enable_gqa=q.shape[1] != k.shape[1])
             else:  # one new token sees the whole cache; grouped matmuls, no K/V copies per query head
-                att = _decode_attention(q, kc[li, :, :, :pos0 + 1], vc[li, :, :, :pos0 + 1],
-                                        None if key_ok is None else key_ok[:, :pos0 + 1])
-            x = x + blk.o_proj(att.transpose(1, 2).reshape(B, T, -1))
-            x = x + blk.mlp(blk.post_attention_layernorm(x))
+                att = _decode_attention(q, k, v, None if key_ok is None else key_ok[:, :pos0 + 1], scale)
+            x, delta = blk.attention_output(x, att)
+        x = x + delta
         logits = target.lm_head_logits(target.norm(x[:, -1]))  # [B, V]
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -83,18 +85,30 @@ def greedy_extend(target, tokens: torch.Tensor, n_new: int, prompt_lens: torch.T
     return out
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok=None) -> torch.Tensor:
-    """q [B, Hq, 1, D], k/v [B, Hkv, S, D] (query head h uses KV head h // (Hq/Hkv)) -> [B, Hq, 1, D].
+def _keys_values(blk, cached: torch.Tensor):
+    """A layer's cache so far [B, n, Hkv, S, W] -> (k, v, softmax scale or None for 1/sqrt(D)): GQA's K and V, or
+    MLA's rows as one key head whose latent part is also the value (mla.MlaBlock.causal_attention's form)."""
+    if not hasattr(blk, "self_attn"):
+        return cached[:, 0], cached[:, 1], None
+    k = cached[:, 0]                                               # [B, 1, S, C + R]
+    return k, k[..., :blk.self_attn.mla.kv_lora_rank], blk.self_attn.scale
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok=None,
+                      scale: float | None = None) -> torch.Tensor:
+    """q [B, Hq, 1, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] (query head h uses KV head h // (Hq/Hkv)) ->
+    [B, Hq, 1, Dv]; scale defaults to 1/sqrt(D).
 
     key_ok [B, S] (optional): False hides a key (left padding)."""
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qg = q.to(k.dtype).reshape(B, Hkv, Hq // Hkv, D)              # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() / D ** 0.5  # [B, Hkv, G, S]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()      # [B, Hkv, G, S]
+    scores = scores / D ** 0.5 if scale is None else scores * scale
     if key_ok is not None:
         scores = scores.masked_fill(~key_ok[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)          # [B, Hkv, G, D]
-    return out.reshape(B, Hq, 1, D)
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)          # [B, Hkv, G, Dv]
+    return out.reshape(B, Hq, 1, v.shape[-1])
 
 
 @torch.no_grad()

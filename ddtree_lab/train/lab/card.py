@@ -16,22 +16,25 @@ def _size_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def evaluate_pair(out: Path, n_new: int, budgets, log=print, n_prompts: int | None = None) -> dict:
-    """Load the exported pair (timed) and run the engine on every prompt of every shipped set."""
+def evaluate_pair(out: Path, n_new: int, budgets, log=print, n_prompts: int | None = None,
+                  prompt_dir: Path | None = None, temperature: float = 0.0, seed: int = 0, target: Path | None = None,
+                  **load) -> dict:
+    """Load the exported pair (timed; `target` replaces out/target, `load` goes to load_pair) and run the engine
+    on every prompt of every set in prompt_dir (default out/prompts) at `temperature`."""
     import ddtree_lab as dl
 
     t0 = time.perf_counter()
-    if out.resolve() == LAB_PAIR_DIR.resolve():
-        pair = dl.load_pair("lab")
+    if out.resolve() == LAB_PAIR_DIR.resolve() and target is None:
+        pair = dl.load_pair("lab", **load)
     else:
-        pair = dl.load_pair(target=out / "target", drafter=out / "drafter")
+        pair = dl.load_pair(target=target or out / "target", drafter=out / "drafter", **load)
     load_s = time.perf_counter() - t0
     log(f"card: pair loaded in {load_s:.2f}s")
     sets = {}
-    for f in sorted((out / "prompts").glob("*.jsonl")):
+    for f in sorted((prompt_dir or out / "prompts").glob("*.jsonl")):
         rows = read_jsonl(f)[:n_prompts] if n_prompts else read_jsonl(f)
-        log(f"card: engine evaluation on {len(rows)} '{f.stem}' prompts")
-        sets[f.stem] = engine_tau(pair, rows, n_new, budgets, log=log)
+        log(f"card: engine evaluation on {len(rows)} '{f.stem}' prompts, T = {temperature:g}")
+        sets[f.stem] = engine_tau(pair, rows, n_new, budgets, log=log, temperature=temperature, seed=seed)
     return {"load_seconds": load_s, **pooled(sets)}
 
 

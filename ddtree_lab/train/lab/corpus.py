@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = [EOS_TOKEN, MASK_TOKEN]
@@ -33,6 +35,7 @@ class CorpusConfig:
     heldout_per_mille: int = 40         # share of files held out, by path hash
     vocab_size: int = 4096
     max_files: int = 0                  # 0 = all; >0 for tiny test corpora
+    tokenizer: str = ""                 # a folder holding tokenizer.json to encode with; "" = train one here
 
 
 def default_root() -> str:
@@ -161,8 +164,15 @@ def build_corpus(cfg: CorpusConfig, cache_dir: str | Path, log=print) -> CorpusM
     train = [(r, t) for r, t in files if not is_heldout(r, cfg.heldout_per_mille)]
     held = [(r, t) for r, t in files if is_heldout(r, cfg.heldout_per_mille)]
     log(f"corpus: {len(files)} files ({len(train)} train, {len(held)} held out) from {cfg.root or default_root()}")
-    tok = train_tokenizer([t for _, t in train], cfg.vocab_size)
-    save_tokenizer(tok, cache / "tokenizer")
+    if cfg.tokenizer:  # another pair's tokenizer, copied byte for byte (its ids are that pair's)
+        tok = load_tokenizer(cfg.tokenizer)
+        (cache / "tokenizer").mkdir(exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (Path(cfg.tokenizer) / name).is_file():
+                shutil.copy(Path(cfg.tokenizer) / name, cache / "tokenizer" / name)
+    else:
+        tok = train_tokenizer([t for _, t in train], cfg.vocab_size)
+        save_tokenizer(tok, cache / "tokenizer")
     train_ids = encode_files(tok, [t for _, t in train])
     held_ids = encode_files(tok, [t for _, t in held])
     np.save(cache / "train.npy", train_ids)

@@ -81,6 +81,16 @@ class LabConfig(PipelineConfig):
     target_from: str = ""                 # use this HF target dir when the work dir has no trained target
     pack_target: bool = True              # pack: also carry the target back (off when only the drafter changed)
 
+    def target_config(self, vocab: int, eos_id: int):
+        """The target's architecture and sizes (a pipeline training another architecture overrides this)."""
+        from ...config import RopeConfig, TargetConfig
+        return TargetConfig(arch="qwen3", vocab_size=vocab, hidden_size=self.hidden_size,
+                            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                            head_dim=self.head_dim, rms_norm_eps=1e-6,
+                            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True,
+                            rope=RopeConfig(theta=self.rope_theta), eos_token_id=[eos_id])
+
 
 PRESETS = {
     "lab": {},
@@ -108,23 +118,14 @@ def _resolve_root(cfg: LabConfig) -> LabConfig:
 
 # ----------------------------------------------------------------------------- models
 
-def target_config(cfg: LabConfig, vocab: int, eos_id: int):
-    from ...config import RopeConfig, TargetConfig
-    return TargetConfig(arch="qwen3", vocab_size=vocab, hidden_size=cfg.hidden_size,
-                        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, rms_norm_eps=1e-6,
-                        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
-                        rope=RopeConfig(theta=cfg.rope_theta), eos_token_id=[eos_id])
-
-
 def add_residual_dropout(target: nn.Module, p: float) -> list:
     """Dropout on each block's attention and MLP outputs, via hooks (the engine's model has none)."""
     if p <= 0:
         return []
     hooks = []
     for blk in target.layers:
-        for mod in (blk.o_proj, blk.mlp):
+        o_proj = blk.o_proj if hasattr(blk, "o_proj") else blk.self_attn.o_proj  # GQA or MLA
+        for mod in (o_proj, blk.mlp):
             hooks.append(mod.register_forward_hook(
                 lambda m, inp, out: F.dropout(out, p, training=m.training)))
     return hooks
@@ -133,7 +134,7 @@ def add_residual_dropout(target: nn.Module, p: float) -> list:
 def new_target(cfg: LabConfig, meta: dict, device):
     from ...model import Target
     torch.manual_seed(cfg.seed)
-    t = Target(target_config(cfg, meta["vocab_size"], meta["eos_token_id"]))
+    t = Target(cfg.target_config(meta["vocab_size"], meta["eos_token_id"]))
     init_weights(t, cfg.num_layers)
     return t.to(device)
 
@@ -183,11 +184,16 @@ def stage_prepare(cfg: LabConfig, cache: Path) -> dict:
 
 # ----------------------------------------------------------------------------- stage: target
 
-def stage_target(cfg: LabConfig, cache: Path, work: Path, device: torch.device) -> dict:
+def stage_target(cfg: LabConfig, cache: Path, work: Path, device: torch.device, monitor=None) -> dict:
+    """The target's LM training. `monitor` (optional) follows and steers it: attach(model) before the optimizer
+    is made, after_step(model, step) after each step, at_eval(model) -> fields of each history entry,
+    summary(model) -> fields of the summary, and state_dict() / load_state_dict() with the checkpoint."""
     train_ids, held_ids, meta = load_corpus(cache)
     model = new_target(cfg, meta, device)
     n_params = sum(p.numel() for p in model.parameters())
     hooks = add_residual_dropout(model, cfg.dropout)
+    if monitor is not None:
+        monitor.attach(model)
     opt = optimizer(model, cfg.lr, cfg.weight_decay, device)
     data = torch.from_numpy(train_ids.astype(np.int64)).to(device)
     B, T = cfg.batch_size, cfg.seq_len
@@ -198,6 +204,8 @@ def stage_target(cfg: LabConfig, cache: Path, work: Path, device: torch.device) 
         st = torch.load(state_path, map_location=device, weights_only=False)
         model.load_state_dict(st["model"]), opt.load_state_dict(st["opt"])
         step, total, best, history, trained_s = st["step"], st["total"], st["best"], st["history"], st["seconds"]
+        if monitor is not None:
+            monitor.load_state_dict(st["monitor"])
         log(f"target: resuming at step {step}/{total}")
     max_steps = int(cfg.max_epochs * len(train_ids) / tokens_per_step)
     log(f"target: {n_params / 1e6:.2f}M params, {len(train_ids):,} train tokens, batch {B}x{T}, "
@@ -219,6 +227,8 @@ def stage_target(cfg: LabConfig, cache: Path, work: Path, device: torch.device) 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if monitor is not None:
+            monitor.after_step(model, step)
         step += 1
         if total == 0 and step == 30:
             # Time-budgeted run: measure steps 10..30, then fix the schedule's length.
@@ -236,7 +246,8 @@ def stage_target(cfg: LabConfig, cache: Path, work: Path, device: torch.device) 
             model.train()
             tl = float(loss.detach())
             history.append({"step": step, "train_loss": round(tl, 4), "heldout_loss": round(hl, 4),
-                            "lr": lr, "seconds": round(trained_s + time.time() - t0, 1)})
+                            "lr": lr, "seconds": round(trained_s + time.time() - t0, 1),
+                            **(monitor.at_eval(model) if monitor is not None else {})})
             mark = ""
             if hl < best:
                 best, mark = hl, " *"
@@ -245,13 +256,15 @@ def stage_target(cfg: LabConfig, cache: Path, work: Path, device: torch.device) 
                 f"{time.time() - t0:.0f}s")
             save_state(state_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                                     "total": total, "best": best, "history": history,
-                                    "seconds": trained_s + time.time() - t0})
+                                    "seconds": trained_s + time.time() - t0,
+                                    "monitor": monitor.state_dict() if monitor is not None else None})
     for h in hooks:
         h.remove()
     shutil.copy(work / "target_best.safetensors", work / "target_final.safetensors")
     summary = {"params": n_params, "steps": step, "tokens_seen": step * tokens_per_step,
                "epochs": step * tokens_per_step / len(train_ids), "best_heldout_loss": best,
-               "seconds": trained_s + time.time() - t0, "history": history}
+               "seconds": trained_s + time.time() - t0, "history": history,
+               **(monitor.summary(model) if monitor is not None else {})}
     (work / "target_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"target: done, best held-out loss {best:.4f} ({math.exp(best):.2f} ppl), {summary['seconds']:.0f}s")
     return summary
@@ -324,8 +337,8 @@ def stage_drafter(cfg: LabConfig, cache: Path, work: Path, device: torch.device)
 
 # ----------------------------------------------------------------------------- stage: export
 
-def stage_export(cfg: LabConfig, cache: Path, work: Path, out: Path) -> Path:
-    """Write the pair in HF Qwen3 / DFlash format, with tokenizer and prompt sets."""
+def stage_export(cfg: LabConfig, cache: Path, work: Path, out: Path, prompts: bool = True) -> Path:
+    """Write the pair in HF / DFlash format, with tokenizer and (unless told not to) prompt sets."""
     from ...checkpoint import save_drafter, save_target
     from ...drafter import Drafter
     _, _, meta = load_corpus(cache)
@@ -337,9 +350,10 @@ def stage_export(cfg: LabConfig, cache: Path, work: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_target(target, out / "target", dtype=dt, tokenizer_dir=cache / "tokenizer")
     save_drafter(d, out / "drafter", dtype=dt)
-    (out / "prompts").mkdir(exist_ok=True)
-    for f in (cache / "prompts").glob("*.jsonl"):
-        shutil.copy(f, out / "prompts" / f.name)
+    if prompts:
+        (out / "prompts").mkdir(exist_ok=True)
+        for f in (cache / "prompts").glob("*.jsonl"):
+            shutil.copy(f, out / "prompts" / f.name)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     log(f"export: pair written to {out} ({size / 2**20:.2f} MiB)")
     return out
