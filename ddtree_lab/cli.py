@@ -1,4 +1,5 @@
-"""The `ddtree-lab` command: study (the main job), generate, report, ingest, advise, bench, train-lab-pair, import-gguf, pull."""
+"""The `ddtree-lab` command: study (the main job), generate, report, ingest, advise, bench, train-lab-pair,
+train-lab-moe, import-gguf, pull."""
 from __future__ import annotations
 
 import argparse
@@ -116,6 +117,8 @@ SUBCOMMANDS = [
      "benchmarks: verify-attention kernels, end-to-end decoding (JSON)"),
     ("train-lab-pair", ".train.lab.pipeline", "add_train_args", "run_train_cli",
      "train the embedded lab pair (target + DFlash drafter)"),
+    ("train-lab-moe", ".train.lab_moe.pipeline", "add_train_args", "run_train_cli",
+     "train the lab-moe pair (DeepSeek-V3 target + DFlash drafter), its INT4 copy and card"),
     ("import-gguf", ".pairs.gguf_import", "add_import_gguf_args", "run_import_gguf_cli",
      "convert a GGUF checkpoint into an HF-format model directory"),
     ("pull", ".pairs.pull", "add_pull_args", "run_pull_cli",

