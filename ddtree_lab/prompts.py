@@ -73,7 +73,7 @@ def encode_prompt(pair, prompt) -> list[int]:
 
 # ----------------------------------------------------------------------------- prompt sets
 
-SHIPPED_SET = re.compile(r"^([A-Za-z0-9_]+):([A-Za-z0-9_.\-]+)$")  # <pair>:<set>, e.g. lab:code
+SHIPPED_SET = re.compile(r"^([A-Za-z0-9_-]+):([A-Za-z0-9_.\-]+)$")  # <pair>:<set>, e.g. lab:code, lab-moe:code
 
 
 def resolve_prompt_set(spec: str, base: Path | None = None) -> Path | None:
