@@ -142,12 +142,17 @@ def test_smoke_card_data(smoke):
         assert "Not measured in this run" in card
 
 
-def test_a_rerun_skips_finished_stages(smoke):
+def test_a_rerun_skips_finished_stages_and_tidy_keeps_the_products(smoke):
     from ddtree_lab.train.lab_moe.pipeline import main
-    before = (smoke / "work" / "target_final.safetensors").stat().st_mtime_ns
+    work = smoke / "work"
+    before = (work / "target_final.safetensors").stat().st_mtime_ns
+    assert (work / "pool.npz").is_file() and (work / "target_state.pt").is_file()
     assert main(["--preset", "smoke", "--run-dir", str(smoke), "--device", "cpu",
-                 "--stages", "prepare,target,pool,drafter"]) == 0
-    assert (smoke / "work" / "target_final.safetensors").stat().st_mtime_ns == before
+                 "--stages", "prepare,target,pool,drafter", "--tidy"]) == 0
+    assert (work / "target_final.safetensors").stat().st_mtime_ns == before
+    assert sorted(f.name for f in work.glob("*.safetensors")) == ["drafter_final.safetensors",
+                                                                  "target_final.safetensors"]
+    assert not any((work / n).exists() for n in ("pool.npz", "target_state.pt", "drafter_state.pt"))
 
 
 def _int4_equals_dequantized(int4_dir: Path, dense_dir: Path, vocab: int, n: int = 24) -> None:

@@ -16,26 +16,29 @@ def _size_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def evaluate_pair(out: Path, n_new: int, budgets, log=print, n_prompts: int | None = None,
-                  prompt_dir: Path | None = None, temperature: float = 0.0, seed: int = 0, target: Path | None = None,
-                  **load) -> dict:
-    """Load the exported pair (timed; `target` replaces out/target, `load` goes to load_pair) and run the engine
-    on every prompt of every set in prompt_dir (default out/prompts) at `temperature`."""
+def evaluate_pair(out: Path, n_new: int, budgets, log=print, n_prompts: int | None = None) -> dict:
+    """Load the exported pair (timed) and run the engine on every prompt of every shipped set."""
     import ddtree_lab as dl
 
     t0 = time.perf_counter()
-    if out.resolve() == LAB_PAIR_DIR.resolve() and target is None:
-        pair = dl.load_pair("lab", **load)
+    if out.resolve() == LAB_PAIR_DIR.resolve():
+        pair = dl.load_pair("lab")
     else:
-        pair = dl.load_pair(target=target or out / "target", drafter=out / "drafter", **load)
+        pair = dl.load_pair(target=out / "target", drafter=out / "drafter")
     load_s = time.perf_counter() - t0
     log(f"card: pair loaded in {load_s:.2f}s")
+    return {"load_seconds": load_s, **evaluate_sets(pair, out / "prompts", n_new, budgets, log, n_prompts)}
+
+
+def evaluate_sets(pair, prompt_dir: Path, n_new: int, budgets, log=print, n_prompts: int | None = None,
+                  temperature: float = 0.0, seed: int = 0) -> dict:
+    """The engine on the first n_prompts (None: all) of every prompt set in prompt_dir, at `temperature`, pooled."""
     sets = {}
-    for f in sorted((prompt_dir or out / "prompts").glob("*.jsonl")):
+    for f in sorted(prompt_dir.glob("*.jsonl")):
         rows = read_jsonl(f)[:n_prompts] if n_prompts else read_jsonl(f)
         log(f"card: engine evaluation on {len(rows)} '{f.stem}' prompts, T = {temperature:g}")
         sets[f.stem] = engine_tau(pair, rows, n_new, budgets, log=log, temperature=temperature, seed=seed)
-    return {"load_seconds": load_s, **pooled(sets)}
+    return pooled(sets)
 
 
 def _phases(dsum: dict) -> str:

@@ -18,7 +18,7 @@ import torch
 from ...pairs import TRAIN_LAB_MOE
 from ..card import bars_table, read_summary, slim, tau_bars, tau_table
 from ..common import log, pick_device
-from ..lab.card import evaluate_pair
+from ..lab.card import evaluate_sets
 from ..lab.corpus import load_corpus
 from ..lab.prompts import read_jsonl
 from .balance import DEAD_SHARE, MOST_TOKENS, heldout_load, load_figures
@@ -39,9 +39,29 @@ def _engine(cfg) -> dict:
     return {"device": str(device), "dtype": "float32", "attention": "triton" if device.type == "cuda" else "sdpa"}
 
 
-def _cached(work: Path, name: str, measure):
+class _Pairs:
+    """Each pair the card measures, loaded once (its captured graphs serve every measurement of it)."""
+
+    def __init__(self, cfg, out: Path, int4: Path):
+        self.cfg, self.out, self.int4, self.loaded = cfg, out, int4, {}
+
+    def has_int4(self) -> bool:
+        return (self.int4 / "config.json").is_file()
+
+    def __call__(self, name: str):
+        """"bf16" (as shipped), "uniform" (the same weights, declared uniform routing) or "int4"."""
+        import ddtree_lab as dl
+        if name not in self.loaded:
+            target = self.int4 if name == "int4" else self.out / "target"
+            self.loaded[name] = dl.load_pair(target=target, drafter=self.out / "drafter",
+                                             routing="uniform" if name == "uniform" else "router", **_engine(self.cfg))
+        return self.loaded[name]
+
+
+def _cached(work: Path, name: str, measure, stale=lambda value: False):
+    """work/card_<name>.json, else measure() (and kept there); stale(value) says a kept value must be measured again."""
     path = work / f"card_{name}.json"
-    if path.exists():
+    if path.exists() and not stale(json.loads(path.read_text())):
         log(f"card: reusing {path} (delete it to measure again)")
         return json.loads(path.read_text())
     value = measure()
@@ -68,17 +88,6 @@ def expert_union(pair, rows: list[dict], n_new: int, budgets) -> dict:
                      "mean": round(float(np.mean(v)), 3)} for t, v in sorted(per_t.items())}
 
 
-def measure_union(cfg, out: Path) -> dict:
-    import ddtree_lab as dl
-    rows = _rows(cfg.union_prompts)
-    res = {}
-    for routing in ("router", "uniform"):
-        pair = dl.load_pair(target=out / "target", drafter=out / "drafter", routing=routing, **_engine(cfg))
-        log(f"card: experts touched on {len(rows)} prompts, routing {routing}")
-        res[routing] = expert_union(pair, rows, cfg.dflash.n_new, cfg.dflash.budgets)
-    return res
-
-
 def measure_load(cfg, cache: Path, out: Path) -> dict:
     from ...checkpoint import load_target
     _, held, _ = load_corpus(cache)
@@ -88,30 +97,37 @@ def measure_load(cfg, cache: Path, out: Path) -> dict:
     return {"counts": counts.astype(np.int64).tolist(), **load_figures(counts, target.cfg.num_experts_per_tok)}
 
 
-def measure_int4(cfg, out: Path, int4: Path) -> dict:
-    """INT4 and bf16 weights, the same prompts, T = 0 (an empty dict when there is no INT4 copy)."""
-    if not (int4 / "config.json").is_file():
-        log(f"card: no INT4 copy in {int4}; its τ is left out")
+def measure_int4(cfg, pairs: _Pairs) -> dict:
+    """INT4 and bf16 weights on the same prompts at T = 0 (an empty dict when there is no INT4 copy)."""
+    if not pairs.has_int4():
+        log(f"card: no INT4 copy in {pairs.int4}; its τ is left out")
         return {}
-    n, kw = cfg.int4_prompts or None, _engine(cfg)
-    ev = {name: evaluate_pair(out, cfg.dflash.n_new, cfg.dflash.budgets, log, n, LAB_PROMPT_DIR, 0.0, cfg.seed,
-                              target=t, **kw) for name, t in (("bf16", None), ("int4", int4))}
-    size = sum(f.stat().st_size for f in int4.rglob("*") if f.is_file()) / 2**20
-    return {"size_mib": round(size, 2), "group_size": cfg.int4_group, **{k: slim(v) for k, v in ev.items()}}
+    ev = {name: slim(evaluate_sets(pairs(name), LAB_PROMPT_DIR, cfg.dflash.n_new, cfg.dflash.budgets, log,
+                                   cfg.int4_prompts or None, 0.0, cfg.seed)) for name in ("bf16", "int4")}
+    size = sum(f.stat().st_size for f in pairs.int4.rglob("*") if f.is_file()) / 2**20
+    return {"size_mib": round(size, 2), "group_size": cfg.int4_group, **ev}
 
 
 def evaluate(cfg, cache: Path, work: Path, out: Path, int4: Path) -> dict:
-    kw = _engine(cfg)
+    pairs = _Pairs(cfg, out, int4)
     budgets, n_new = cfg.dflash.budgets, cfg.dflash.n_new
-    ev = {"engine": kw, "n_new": n_new}
-    ev["t0"] = _cached(work, "t0", lambda: evaluate_pair(out, n_new, budgets, log, cfg.card_prompts or None,
-                                                          LAB_PROMPT_DIR, 0.0, cfg.seed, **kw))
-    ev["t1"] = _cached(work, "t1", lambda: evaluate_pair(out, n_new, budgets, log, cfg.sampled_prompts or None,
-                                                          LAB_PROMPT_DIR, 1.0, cfg.seed, **kw))
-    ev["union"] = _cached(work, "union", lambda: measure_union(cfg, out))
-    ev["load"] = _cached(work, "load", lambda: measure_load(cfg, cache, out))
-    ev["int4"] = _cached(work, "int4", lambda: measure_int4(cfg, out, int4))
-    return ev
+
+    def taus(temperature: float, n: int) -> dict:
+        return evaluate_sets(pairs("bf16"), LAB_PROMPT_DIR, n_new, budgets, log, n or None, temperature, cfg.seed)
+
+    def union() -> dict:
+        rows = _rows(cfg.union_prompts)
+        log(f"card: experts touched on {len(rows)} prompts, learned and uniform routing")
+        return {routing: expert_union(pairs(name), rows, n_new, budgets)
+                for routing, name in (("router", "bf16"), ("uniform", "uniform"))}
+
+    return {"engine": _engine(cfg), "n_new": n_new,
+            "t0": _cached(work, "t0", lambda: taus(0.0, cfg.card_prompts)),
+            "t1": _cached(work, "t1", lambda: taus(1.0, cfg.sampled_prompts)),
+            "union": _cached(work, "union", union),
+            "load": _cached(work, "load", lambda: measure_load(cfg, cache, out)),
+            # a run without compressed-tensors kept {}: an INT4 copy made since is measured
+            "int4": _cached(work, "int4", lambda: measure_int4(cfg, pairs), lambda v: not v and pairs.has_int4())}
 
 
 # ----------------------------------------------------------------------------- README.md

@@ -49,7 +49,7 @@ class LabMoeConfig(LabConfig):
     head_dim are unused: MLA sets them, as config.py reads a DeepSeek-V3 config)."""
     preset: str = "lab-moe"
     dflash: DFlashRecipe = field(default_factory=lambda: DFlashRecipe(
-        target_layer_ids=(1, 2, 4), soft_weight=0.5, eval_prompts=8, drafter_seconds=165.0))
+        target_layer_ids=(1, 2, 4), soft_weight=0.5, eval_prompts=8, drafter_seconds=190.0))
     # target: MLA (q_lora_rank 0 = one plain q projection)
     hidden_size: int = 256
     intermediate_size: int = 768          # the dense layers' MLP
@@ -70,18 +70,18 @@ class LabMoeConfig(LabConfig):
     first_k_dense: int = 1
     routed_scaling: float = 2.5
     bias_update_rate: float = 1e-3        # γ of bias_e += γ·sign(mean load − load_e), every step (0: no update)
-    target_seconds: float = 100.0
+    target_seconds: float = 80.0
     # pool: fresh and large next to the drafter's training (docs/lab_pair.md)
     gen_len: int = 128
     gen_prefix_lens: tuple = (64, 96, 128, 160, 192)
     gen_batch: int = 4096
     gen_sequences: int = 262144
-    gen_seconds: float = 20.0
+    gen_seconds: float = 25.0
     # INT4 copy and card
     int4_group: int = 32
     balance_windows: int = 64             # held-out windows of seq_len for the shipped target's load
     sampled_prompts: int = 16             # per set at T = 1
-    int4_prompts: int = 16                # per set, INT4 and bf16 side by side at T = 0
+    int4_prompts: int = 8                 # per set, INT4 and bf16 side by side at T = 0
     union_prompts: int = 4                # per set, traced rounds for experts touched (router and uniform)
     card_device: str = "auto"             # where the card's engine runs (float32)
 
@@ -176,8 +176,8 @@ def add_train_args(p):
                    help="one folder for everything a run makes: work/, pair/ (--out), target_int4/, log.txt")
     p.add_argument("--int4-dir", default=None, help="where int4 writes the INT4 copy and card reads it (default "
                    f"RUN_DIR/target_int4, else {cache_dir() / LAB_MOE_INT4_DIRNAME}: the lab-moe-int4 pair)")
-    p.add_argument("--tidy", action="store_true",
-                   help="when every stage is done, delete what only a resumed run needs (checkpoints, the pool)")
+    p.add_argument("--tidy", action="store_true", help="when every stage is done, delete what only a resumed run "
+                   "needs (checkpoints, the pool) and the work dir's copies of the final weights")
     return p
 
 
@@ -230,9 +230,11 @@ def run_train_cli(args) -> int:
                products={"prepare": cache / "meta.json", "target": work / "target_final.safetensors",
                          "pool": work / "pool.npz", "drafter": work / "drafter_final.safetensors"},
                stale={"target": [work / "target_state.pt"], "drafter": [work / "drafter_state.pt"]})
-    if args.tidy:
-        for f in (work / "target_state.pt", work / "drafter_state.pt", work / "pool.npz"):
-            f.unlink(missing_ok=True)
+    if args.tidy:  # resumable checkpoints, the pool, and the copies of what *_final.safetensors holds
+        for f in [*(work / n for n in ("target_state.pt", "drafter_state.pt", "pool.npz", "target_best.safetensors")),
+                  *work.glob("drafter_*.safetensors")]:
+            if f.name != "drafter_final.safetensors":
+                f.unlink(missing_ok=True)
     return 0
 
 
