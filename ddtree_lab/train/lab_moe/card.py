@@ -25,11 +25,12 @@ from .balance import DEAD_SHARE, MOST_TOKENS, heldout_load, load_figures
 from .pipeline import LAB_PROMPT_DIR
 
 SIZE_BUDGET_MIB = 16.0  # target + drafter (+ tokenizer, configs, card) as shipped
-# What docs/lab_moe.md runs; the card prints it under "Reproduce".
+# What docs/lab_moe.md ("Rebuilding") runs; the card prints it under "Reproduce".
 COMMANDS = f"""{TRAIN_LAB_MOE} --stages prepare --cache .cache/lab_moe_corpus   # CPU: the lab corpus, lab tokenizer
-{TRAIN_LAB_MOE} --device cuda --cache .cache/lab_moe_corpus --run-dir $OUT/lab_moe --tidy   # one H200
-cp -r $OUT/lab_moe/pair/* ddtree_lab/pairs/lab_moe/                             # ship target/, drafter/, card
-{TRAIN_LAB_MOE} --stages int4                       # the lab-moe-int4 pair from the shipped target (.[int4])"""
+python -m ddtree_lab.train.lab_moe --device cuda --cache .cache/lab_moe_corpus --run-dir $OUT/lab_moe \\
+    --stages prepare,target,pool,drafter,pack,export,int4,card --pack-dir $OUT/lab_moe/pack --tidy   # one H200
+cp -r $OUT/lab_moe/pair/* ddtree_lab/pairs/lab_moe/    # ship target/, drafter/, README.md, eval.json
+{TRAIN_LAB_MOE} --stages int4    # the lab-moe-int4 pair from the shipped target (the int4 extra)"""
 
 
 def _engine(cfg) -> dict:
