@@ -21,8 +21,8 @@ from ..common import log, pick_device
 from ..lab.card import evaluate_sets
 from ..lab.corpus import load_corpus
 from ..lab.prompts import read_jsonl
+from . import LAB_PROMPT_DIR
 from .balance import DEAD_SHARE, MOST_TOKENS, heldout_load, load_figures
-from .pipeline import LAB_PROMPT_DIR
 
 SIZE_BUDGET_MIB = 16.0  # target + drafter (+ tokenizer, configs, card) as shipped
 # What docs/lab_moe.md ("Rebuilding") runs; the card prints it under "Reproduce".

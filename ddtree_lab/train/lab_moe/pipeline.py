@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ...pairs import LAB_MOE_DIR, LAB_MOE_INT4_DIRNAME, PAIRS, TRAIN_LAB_MOE, cache_dir
+from ...pairs import LAB_MOE_DIR, LAB_MOE_INT4_DIRNAME, TRAIN_LAB_MOE, cache_dir
 from ...runtime import has_library, missing_library
 from ..common import log, pick_device
 from ..lab.corpus import CorpusConfig, build_corpus
@@ -35,10 +35,9 @@ from ..lab.pipeline import LabConfig, _resolve_root, stage_drafter, stage_export
 from ..pipeline import (add_pipeline_args, cli_main, make_config as _make_config, run_stages, start_run,
                         write_config)
 from ..recipe import DFlashRecipe
+from . import LAB_PROMPT_DIR, LAB_TOKENIZER_DIR
 from .balance import RouterBalance
 
-LAB_TOKENIZER_DIR = PAIRS["lab"].prompt_dir.parent / "target"
-LAB_PROMPT_DIR = PAIRS["lab-moe"].prompt_dir
 # the routed experts' linears under the reference model's names; shared experts and everything else stay bf16
 EXPERT_LINEARS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
