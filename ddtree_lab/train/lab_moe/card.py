@@ -200,9 +200,12 @@ def write_card(cfg, meta: dict, tsum: dict, dsum: dict, ev: dict, out: Path) -> 
         (f"no expert takes most tokens (each ≤ {MOST_TOKENS:.0%} of them)", load["none_takes_most"],
          f"busiest {max(load['max_token_share']):.0%}"),
         (f"target + drafter ≤ {SIZE_BUDGET_MIB:g} MiB", size <= SIZE_BUDGET_MIB, f"{size:.2f} MiB")]
+    per_layer = ev["union"].get("router", {}).get("65", {}).get("per_layer", [])
     union_line = (f"At 65 tokens (a DDTree(64) verify) the learned router touches {at65['learned']:.2f} experts per "
-                  f"MoE layer, {at65['learned'] / at65['expected']:.0%} of the {at65['expected']:.2f} that uniform "
-                  "routing is expected to touch." if at65 else "")
+                  f"MoE layer (layers {tgt['first_k_dense_replace']}–{tgt['num_hidden_layers'] - 1}: "
+                  f"{', '.join(f'{v:.1f}' for v in per_layer)}), "
+                  f"{at65['learned'] / at65['expected']:.0%} of the {at65['expected']:.2f} that uniform routing is "
+                  "expected to touch." if at65 else "")
     mla = f"q LoRA {tgt['q_lora_rank']}" if tgt.get("q_lora_rank") else "no q LoRA"
     text = f"""# The ddtree_lab lab-moe pair
 

@@ -48,7 +48,7 @@ class LabMoeConfig(LabConfig):
     head_dim are unused: MLA sets them, as config.py reads a DeepSeek-V3 config)."""
     preset: str = "lab-moe"
     dflash: DFlashRecipe = field(default_factory=lambda: DFlashRecipe(
-        target_layer_ids=(1, 2, 4), soft_weight=0.5, eval_prompts=8, drafter_seconds=190.0))
+        target_layer_ids=(1, 2, 4), soft_weight=0.5, eval_prompts=8, drafter_seconds=180.0))
     # target: MLA (q_lora_rank 0 = one plain q projection)
     hidden_size: int = 256
     intermediate_size: int = 768          # the dense layers' MLP
@@ -69,7 +69,7 @@ class LabMoeConfig(LabConfig):
     first_k_dense: int = 1
     routed_scaling: float = 2.5
     bias_update_rate: float = 1e-3        # γ of bias_e += γ·sign(mean load − load_e), every step (0: no update)
-    target_seconds: float = 80.0
+    target_seconds: float = 75.0
     # pool: fresh and large next to the drafter's training (docs/lab_pair.md)
     gen_len: int = 128
     gen_prefix_lens: tuple = (64, 96, 128, 160, 192)
