@@ -10,3 +10,4 @@ from ...pairs import PAIRS
 
 LAB_TOKENIZER_DIR = PAIRS["lab"].prompt_dir.parent / "target"
 LAB_PROMPT_DIR = PAIRS["lab-moe"].prompt_dir
+CACHE_DIR = ".cache/lab_moe_corpus"  # the corpus cache without --run-dir or --cache

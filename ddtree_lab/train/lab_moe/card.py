@@ -21,13 +21,13 @@ from ..common import log, pick_device
 from ..lab.card import evaluate_sets
 from ..lab.corpus import load_corpus
 from ..lab.prompts import read_jsonl
-from . import LAB_PROMPT_DIR
+from . import CACHE_DIR, LAB_PROMPT_DIR
 from .balance import DEAD_SHARE, MOST_TOKENS, heldout_load, load_figures
 
 SIZE_BUDGET_MIB = 16.0  # target + drafter (+ tokenizer, configs, card) as shipped
 # What docs/lab_moe.md ("Rebuilding") runs; the card prints it under "Reproduce".
-COMMANDS = f"""{TRAIN_LAB_MOE} --stages prepare --cache .cache/lab_moe_corpus   # CPU: the lab corpus, lab tokenizer
-python -m ddtree_lab.train.lab_moe --device cuda --cache .cache/lab_moe_corpus --run-dir $OUT/lab_moe \\
+COMMANDS = f"""{TRAIN_LAB_MOE} --stages prepare --cache {CACHE_DIR}   # CPU: the lab corpus, lab tokenizer
+python -m ddtree_lab.train.lab_moe --device cuda --cache {CACHE_DIR} --run-dir $OUT/lab_moe \\
     --stages prepare,target,pool,drafter,pack,export,int4,card --pack-dir $OUT/lab_moe/pack --tidy   # one H200
 cp -r $OUT/lab_moe/pair/* ddtree_lab/pairs/lab_moe/    # ship target/, drafter/, README.md, eval.json
 {TRAIN_LAB_MOE} --stages int4    # the lab-moe-int4 pair from the shipped target (the int4 extra)"""

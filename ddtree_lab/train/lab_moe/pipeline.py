@@ -35,11 +35,12 @@ from ..lab.pipeline import LabConfig, _resolve_root, stage_drafter, stage_export
 from ..pipeline import (add_pipeline_args, cli_main, make_config as _make_config, run_stages, start_run,
                         write_config)
 from ..recipe import DFlashRecipe
-from . import LAB_PROMPT_DIR, LAB_TOKENIZER_DIR
+from . import CACHE_DIR, LAB_PROMPT_DIR, LAB_TOKENIZER_DIR
 from .balance import RouterBalance
 
 # the routed experts' linears under the reference model's names; shared experts and everything else stay bf16
 EXPERT_LINEARS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+WORK_DIR = "outputs/lab_moe_train"  # without --run-dir
 
 
 @dataclass
@@ -166,11 +167,11 @@ class _Tee:
 
 def add_train_args(p):
     add_pipeline_args(p, PRESETS, "lab-moe: the shipped pair (GPU); smoke: every stage on the CPU in seconds", STAGES,
-                      "prepare,target,pool,drafter,export,int4,card", "outputs/lab_moe_train",
+                      "prepare,target,pool,drafter,export,int4,card", WORK_DIR,
                       f"where export/card write the pair (default: {LAB_MOE_DIR})", "LabMoeConfig",
                       "target_seconds=90")
     p.add_argument("--cache", default=None, help="corpus cache: token arrays, tokenizer, prompts "
-                                                 "(default .cache/lab_moe_corpus, or RUN_DIR/corpus)")
+                                                 f"(default {CACHE_DIR}, or RUN_DIR/corpus)")
     p.add_argument("--run-dir", default=None,
                    help="one folder for everything a run makes: work/, pair/ (--out), target_int4/, log.txt")
     p.add_argument("--int4-dir", default=None, help="where int4 writes the INT4 copy and card reads it (default "
@@ -181,20 +182,30 @@ def add_train_args(p):
 
 
 def _paths(args) -> tuple[Path, Path, Path]:
-    """(cache, out, int4 dir) from the command line; --run-dir puts them, the work dir and the log in one folder."""
+    """(cache, out, int4 dir) from the command line; --run-dir puts them and the work dir in one folder."""
     run = Path(args.run_dir) if args.run_dir else None
     if run is not None:
-        run.mkdir(parents=True, exist_ok=True)
-        if args.work == "outputs/lab_moe_train":
+        if args.work == WORK_DIR:
             args.work = str(run / "work")
-        sys.stdout = _Tee(sys.stdout, run / "log.txt")
-    cache = Path(args.cache or (run / "corpus" if run else ".cache/lab_moe_corpus"))
+    cache = Path(args.cache or (run / "corpus" if run else CACHE_DIR))
     out = Path(args.out) if args.out else (run / "pair" if run else LAB_MOE_DIR)
     int4 = Path(args.int4_dir or (run / "target_int4" if run else cache_dir() / LAB_MOE_INT4_DIRNAME))
     return cache, out, int4
 
 
 def run_train_cli(args) -> int:
+    if not args.run_dir:
+        return _run(args)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    tee = sys.stdout = _Tee(sys.stdout, Path(args.run_dir) / "log.txt")
+    try:
+        return _run(args)
+    finally:
+        sys.stdout = tee.stream
+        tee.file.close()
+
+
+def _run(args) -> int:
     cache, out, int4 = _paths(args)
     cfg, stages, work = start_run(args, make_config, STAGES)
     _resolve_root(cfg)  # a --set corpus_root=<stdlib subfolder>
