@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-import numpy as np
 
+from ..routing import uniform_rank_max, uniform_union
 from .machines import AdvisorError, Interconnect
 from .shapes import ExpertLoad, ModelShape
 
@@ -91,23 +91,14 @@ def rank_shape(full: ModelShape, lay: Layout) -> ModelShape:
 
 
 def hit_probability(experts: int, top_k: int, tokens: int) -> float:
-    """The chance one expert is among T tokens' top-k picks under uniform routing: 1 − ((E − k)/E)^T."""
-    return 1.0 - ((experts - top_k) / experts) ** tokens
+    """The chance one expert is among T tokens' top-k picks under uniform routing (routing.uniform_union / E)."""
+    return uniform_union(experts, top_k, tokens) / experts
 
 
 def expected_max_touched(experts: int, top_k: int, ranks: int, tokens: int) -> float:
     """The expected largest number of distinct experts any of `ranks` ranks (E/ranks experts each) serves for T
-    tokens under uniform routing. Each expert is taken as hit independently with p = hit_probability(E, k, T), so
-    a rank's count X is Binomial(E/ranks, p) and the ranks are independent: P(max ≤ m) = F(m)^ranks and
-    E[max] = Σ_{m=0}^{n−1} (1 − F(m)^ranks). (A token's k picks are distinct, which makes a rank's experts, and
-    the ranks, slightly anti-correlated; the two effects nearly cancel: tests hold it to a seeded simulation.)"""
-    n = experts // ranks
-    p = hit_probability(experts, top_k, tokens)
-    if p <= 0 or p >= 1:  # no tokens, or every expert hit
-        return float(n if p >= 1 else 0)
-    pmf = np.array([math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(n + 1)])
-    cdf = np.minimum(np.cumsum(pmf), 1.0)
-    return float(np.sum(1.0 - cdf[:-1] ** ranks))
+    tokens under uniform routing: routing.uniform_rank_max, exact."""
+    return uniform_rank_max(experts, top_k, tokens, ranks) if tokens > 0 else 0.0
 
 
 def rank_load(full: ModelShape, lay: Layout, tokens: Iterable[int],
