@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-
 from ..routing import uniform_rank_max, uniform_union
 from .machines import AdvisorError, Interconnect
 from .shapes import ExpertLoad, ModelShape
