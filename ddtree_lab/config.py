@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,9 @@ class TargetConfig:
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    # Expert parallelism: the routed experts this model holds, by global index (empty: all of them). Tokens still
+    # route over all num_experts; pairs sent to an expert held elsewhere add nothing here (one rank's share).
+    experts_held: tuple[int, ...] = ()
 
     @property
     def qk_norm(self) -> bool:
@@ -155,6 +158,11 @@ class TargetConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0 and any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def experts_here(self) -> int:
+        """Routed experts this model holds a layer: all of them, or its expert-parallel share."""
+        return len(self.experts_held) or self.num_experts
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer i has a sparse MoE block (the rules of Qwen3Moe and of DeepSeek-V3's reference code)."""
@@ -218,6 +226,30 @@ class TargetConfig:
             "torch_dtype": "float32",
             **moe,
         }
+
+
+def local_config(cfg: TargetConfig, tp: int) -> TargetConfig:
+    """The target's sizes as one of tp processes holds them; a size that does not split is refused."""
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "intermediate_size": cfg.intermediate_size}
+    if getattr(cfg, "num_experts", 0):
+        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
+    for name, size in sizes.items():
+        if size % tp:
+            raise CheckpointError(f"tp={tp} does not divide the target's {name} ({size})")
+    group = getattr(cfg, "expert_int4_group", 0)
+    if group and (cfg.moe_intermediate_size // tp) % group:  # groups of G ≥ 8: zero-point words split too
+        raise CheckpointError(f"tp={tp} splits the INT4 experts' width {cfg.moe_intermediate_size} into "
+                              f"{cfg.moe_intermediate_size // tp} columns, not whole groups of {group}")
+    return replace(cfg, **{k: v // tp for k, v in sizes.items()})
+
+
+def expert_rank_share(num_experts: int, ranks: int, rank: int) -> tuple[int, ...]:
+    """Expert parallelism's default placement: expert e on rank e // (num_experts / ranks) -> rank's experts."""
+    if ranks < 1 or num_experts % ranks or not 0 <= rank < ranks:
+        raise ConfigError(f"{num_experts} experts do not split over {ranks} ranks as rank {rank}'s share")
+    n = num_experts // ranks
+    return tuple(range(rank * n, (rank + 1) * n))
 
 
 @dataclass

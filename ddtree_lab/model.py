@@ -29,7 +29,8 @@ def sparse_block(cfg: TargetConfig, index: int) -> SparseMoE | None:
     return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                      cfg.norm_topk_prob, routing=moe_routing(cfg),
                      shared_intermediate=cfg.moe_intermediate_size * cfg.n_shared_experts,
-                     int4_group=cfg.expert_int4_group, int4_asymmetric=cfg.expert_int4_asymmetric)
+                     int4_group=cfg.expert_int4_group, int4_asymmetric=cfg.expert_int4_asymmetric,
+                     held=cfg.experts_held)
 
 
 class Block(DecoderLayer):

@@ -10,6 +10,10 @@ the Triton kernels of `kernels/fused_moe.py` where `tree.use_triton` says so (CU
 Either writes the per-expert token counts of its last call into the static buffer `counts` [E]: tracing
 reads it after a forward to count the experts touched; an untraced replay never reads it. A forward whose
 experts need gradients (training) runs `moe_torch_dense` instead, which fills `counts` too.
+
+Expert parallelism (one rank's share, `held`): the block holds some of the E experts, routes over all E, and
+computes only the pairs its experts take; a pair routed elsewhere is id `experts_here` in the kernels (adds
+nothing), and `counts` has one entry more for them. The other ranks' share and the exchange are not here.
 """
 from __future__ import annotations
 
@@ -59,14 +63,21 @@ def moe_torch(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
 
 
 def moe_torch_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                     w_down: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+                     w_down: torch.Tensor, counts: torch.Tensor | None = None, elsewhere: bool = False) -> torch.Tensor:
     """x [T, H], routing weights/ids [T, k] -> [T, H] in x's dtype, in torch, fixed shapes. On CUDA in bf16: the
     (token, expert) pairs sorted by expert and two grouped matmuls over device offsets (each touched expert's
     weights read once). Elsewhere: each token gathers its k experts' weights, [T, k, 2I, H] (fine for the small
-    models that run on a CPU, not for large ones: past GATHER_LIMIT_BYTES it is refused)."""
+    models that run on a CPU, not for large ones: past GATHER_LIMIT_BYTES it is refused). `elsewhere`: id E
+    marks a pair another rank's expert takes (no term here; `counts` [E + 1] counts them last)."""
     T, H = x.shape
     top_k = ids.shape[1]
     E, two_i, _ = w_gate_up.shape
+    if elsewhere:
+        here = ids < E
+        y = moe_torch_routed(x, weights * here, ids.clamp(max=E - 1), w_gate_up, w_down)  # elsewhere: weight 0
+        if counts is not None:
+            counts.zero_().scatter_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1), dtype=torch.int32))
+        return y
     I = two_i // 2
     grouped = _grouped_mm_fits(x, I)
     if not grouped and (need := gather_bytes(T, top_k, H, I, w_gate_up.element_size())) > GATHER_LIMIT_BYTES:
@@ -167,21 +178,38 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  routing: GroupedRouting | None = None, shared_intermediate: int = 0, int4_group: int = 0,
-                 int4_asymmetric: bool = False):
+                 int4_asymmetric: bool = False, held: tuple[int, ...] = ()):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate, self.routing = intermediate, routing
+        self.held = tuple(held)  # expert parallelism: the global indices of the experts stacked here (() = all)
+        if self.held and (sorted(set(self.held)) != sorted(self.held) or not 0 <= min(self.held) <= max(self.held) < num_experts):
+            raise ValueError(f"held experts {self.held[:4]}… must be distinct indices in 0..{num_experts - 1}")
+        n = self.experts_here
         self.router = nn.Linear(hidden, num_experts, bias=False) if routing is None else Float32Router(hidden, num_experts)
         if int4_group:
-            self.gate_up = Int4Experts(num_experts, 2 * intermediate, hidden, int4_group, int4_asymmetric)
-            self.down = Int4Experts(num_experts, hidden, intermediate, int4_group, int4_asymmetric)
+            self.gate_up = Int4Experts(n, 2 * intermediate, hidden, int4_group, int4_asymmetric)
+            self.down = Int4Experts(n, hidden, intermediate, int4_group, int4_asymmetric)
         else:
-            self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-            self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+            self.gate_up = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
+            self.down = nn.Parameter(torch.empty(n, hidden, intermediate))
         self.shared = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.declared = None  # a DeclaredRouting: which experts is declared, not the router's (declared_routing.py)
-        # tokens per expert in the last forward (not saved; written in place, so graphs keep its address)
-        self.register_buffer("counts", torch.zeros(num_experts, dtype=torch.int32), persistent=False)
+        # tokens per expert in the last forward (not saved; written in place, so graphs keep its address); held
+        # here: one entry more, the pairs routed elsewhere
+        self.register_buffer("counts", torch.zeros(n + bool(self.held), dtype=torch.int32), persistent=False)
+        if self.held:  # global expert -> its place in the stack, or n (held elsewhere)
+            local = torch.full((num_experts,), n, dtype=torch.int64)
+            local[list(self.held)] = torch.arange(n)
+            self.register_buffer("local_index", local, persistent=False)
+
+    @property
+    def experts_here(self) -> int:
+        return len(self.held) or self.num_experts
+
+    def counts_here(self) -> torch.Tensor:
+        """[experts_here] tokens per expert held here in the last forward (the pairs routed elsewhere left out)."""
+        return self.counts[:self.experts_here]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, ids [T, k]) in torch (fixed shapes): a grouped router's, or the
@@ -189,6 +217,8 @@ class SparseMoE(nn.Module):
         r = self.routing
         if r is None:
             logits = F.linear(x, self.router.weight)
+            if self.declared is None:
+                return route_reference(logits, self.top_k, self.renormalize)
             scores = logits.float().softmax(-1)
         else:
             logits = F.linear(x.float(), self.router.weight)                                  # [T, E] fp32
@@ -212,20 +242,24 @@ class SparseMoE(nn.Module):
 def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and getattr(moe.gate_up, "requires_grad", False):
         # training: the kernels have no backward, and a large batch is past the per-token gather's limit
-        weights, ids = (moe.route(x) if moe.routing is not None or moe.declared is not None
-                        else route_reference(F.linear(x, moe.router.weight), moe.top_k, moe.renormalize))
+        if moe.held:
+            raise ValueError("an expert-parallel share holds some experts only: it does not train")
+        weights, ids = moe.route(x)
         return moe_torch_dense(x, weights, ids, moe.gate_up, moe.down, counts=moe.counts)
     gate_up, down = expert_tensor(moe.gate_up), expert_tensor(moe.down)
     triton = use_triton(x.device)
     if not triton:  # the torch path multiplies dense weights: INT4 experts dequantized (CPU-sized models)
         gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
-    if moe.routing is not None or moe.declared is not None:
+    if moe.routing is not None or moe.declared is not None or moe.held:
         weights, ids = moe.route(x)
+        elsewhere = bool(moe.held)
+        if elsewhere:
+            ids = moe.local_index[ids]  # [T, k] places in the stack; experts_here: held elsewhere
         if triton:
             from .kernels.fused_moe import fused_moe_routed
 
-            return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts)[0]
-        return moe_torch_routed(x, weights, ids, gate_up, down, counts=moe.counts)
+            return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere)[0]
+        return moe_torch_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere)
     if triton:
         from .kernels.fused_moe import fused_moe
 
@@ -236,5 +270,6 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
     """Per MoE block's last forward, in order: `moe_layout.routing_stats` of its counts (experts touched, the
     busiest expert's tokens, row blocks per height). One host read."""
-    counts = torch.stack([m.counts for m in blocks]) if blocks else torch.zeros(0, 1, dtype=torch.int32)  # [L, E]
+    counts = (torch.stack([m.counts_here() for m in blocks]) if blocks
+              else torch.zeros(0, 1, dtype=torch.int32))  # [L, experts here]
     return routing_stats(counts)

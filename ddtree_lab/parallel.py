@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .config import CheckpointError, TargetConfig
+from .config import TargetConfig, local_config  # noqa: F401  (local_config: the shard sizes, config.py's)
 
 
 def init(tp: int) -> tuple[int, torch.device | None]:
@@ -42,22 +42,6 @@ def init(tp: int) -> tuple[int, torch.device | None]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     return rank, device
-
-
-def local_config(cfg: TargetConfig, tp: int) -> TargetConfig:
-    """The target's sizes as one of tp processes holds them; a size that does not split is refused."""
-    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-             "intermediate_size": cfg.intermediate_size}
-    if getattr(cfg, "num_experts", 0):
-        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
-    for field, size in sizes.items():
-        if size % tp:
-            raise CheckpointError(f"tp={tp} does not divide the target's {field} ({size})")
-    group = getattr(cfg, "expert_int4_group", 0)
-    if group and (cfg.moe_intermediate_size // tp) % group:  # groups of G ≥ 8: zero-point words split too
-        raise CheckpointError(f"tp={tp} splits the INT4 experts' width {cfg.moe_intermediate_size} into "
-                              f"{cfg.moe_intermediate_size // tp} columns, not whole groups of {group}")
-    return dataclasses.replace(cfg, **{k: v // tp for k, v in sizes.items()})
 
 
 @dataclasses.dataclass(frozen=True)

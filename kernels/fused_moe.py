@@ -2,8 +2,10 @@
 
     fused_moe(x, router_weight, w_gate_up, w_down, top_k, renormalize, counts=None)
         -> (out [T, H] in x's dtype, counts [E] int32: tokens routed to each expert in this call)
-    fused_moe_routed(x, weights, ids, w_gate_up, w_down, counts=None)
-        -> the same, for routing computed elsewhere (weights/ids [T, top_k]: DeepSeek-V3's router, in torch)
+    fused_moe_routed(x, weights, ids, w_gate_up, w_down, counts=None, elsewhere=False)
+        -> the same, for routing computed elsewhere (weights/ids [T, top_k]: DeepSeek-V3's router, in torch);
+        with `elsewhere`, id E marks a pair whose expert another rank holds (expert parallelism): it reads no
+        weights and adds nothing, and counts has E + 1 entries (the last: such pairs)
     fused_moe_reference(...), fused_moe_routed_reference(...)  the torch ground truths (a loop over the
         experts, as the reference models run it), split the same way
 
@@ -40,7 +42,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
      atomics), cast to x's dtype.
 fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
-3-6 run as above.
+3-6 run as above. Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
+the combine leaves them out.
 
 Why this shape: decode and verify are bound by the weights' bytes, and a tree's tokens route alike (related
 contexts), so a few experts may get most of the T tokens. A program owns one (row block, N-tile) of one
@@ -263,12 +266,12 @@ def _weight_tile(W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_z
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_xt, s_we, s_wn,
+def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_xt, s_we, s_wn,
                     s_se, s_sn, s_ze, s_zn, s_ht, TOP_K: tl.constexpr, IEEE: tl.constexpr, INT4: tl.constexpr,
                     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_S: tl.constexpr,
                     ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
-    if slot < 0:  # past the last row block
+    if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
         return
     start = tl.load(SlotStart + slot)
     count = tl.load(Counts + e)
@@ -300,12 +303,12 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, Sort
 
 
 @triton.jit
-def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, s_ht, s_we,
+def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_ht, s_we,
                  s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
                  GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
-    if slot < 0:
+    if slot < 0 or e >= E:
         return
     start = tl.load(SlotStart + slot)
     count = tl.load(Counts + e)
@@ -464,14 +467,19 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts:
 
 
 @triton.jit
-def _combine_kernel(Y, Out, H, s_yt, s_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), cast to out's dtype
+def _combine_kernel(Y, Ids, Out, H, E, s_yt, s_ot, TOP_K: tl.constexpr, ELSEWHERE: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), cast to out's dtype; ELSEWHERE: the
+    # pairs of experts held elsewhere (id E, y never written) left out
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(Y + (t * TOP_K + j) * s_yt + cols, mask=mask, other=0.0)
+        here = mask
+        if ELSEWHERE:
+            here = mask & ((cols * 0 + tl.load(Ids + t * TOP_K + j)) < E)  # [BLOCK_H]: the pair's, broadcast
+        acc += tl.load(Y + (t * TOP_K + j) * s_yt + cols, mask=here, other=0.0)
     tl.store(Out + t * s_ot + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -503,11 +511,12 @@ def _weight_args(w) -> tuple[list, dict]:
     return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1)
 
 
-def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict) -> torch.Tensor:
+def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict, elsewhere=None) -> torch.Tensor:
     """The expert stage after the sort (launches 4-6): x [T, H], weights [T, top_k] fp32 (pair order), routed =
     moe_align's (counts, slot_expert, slot_start, sorted_pairs), weights checked by _expert_shapes -> out [T, H]
-    in x's dtype."""
+    in x's dtype. `elsewhere`: the ids [T, top_k] int32, E marking pairs held elsewhere (left out)."""
     T, H = x.shape
+    E = _weight_shape(w_gate_up)[0]
     counts, slot_expert, slot_start, sorted_pairs = routed
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
@@ -523,18 +532,19 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     down_const["GROUPS"] = max(1, cfg["BLOCK_K_DOWN"] // down_const["GROUP"])
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
-        x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, x.stride(0), s_we, s_wn,
+        x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, x.stride(0), s_we, s_wn,
         *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
     down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
-        h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, h.stride(0),
+        h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
         *down_strides, y.stride(0), IEEE=ieee, **down_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
-    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, out, H, y.stride(0), out.stride(0), TOP_K=top_k,
-                                                  BLOCK_H=BLOCK_H, num_warps=4)
+    ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, ids, out, H, E, y.stride(0), out.stride(0), TOP_K=top_k,
+                                                  ELSEWHERE=elsewhere is not None, BLOCK_H=BLOCK_H, num_warps=4)
     return out
 
 
@@ -560,21 +570,25 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
 
 def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
                      w_down: torch.Tensor | Int4Weights, counts: torch.Tensor | None = None,
-                     config: dict | None = None):
+                     config: dict | None = None, elsewhere: bool = False):
     """The experts for routing computed elsewhere (DeepSeek-V3's grouped router runs in torch): x [T, H],
     weights [T, k] (fp32: each pair's factor, as given; no renormalisation here), ids [T, k] expert indices in
     [0, E) (any int dtype; best first, though the order only fixes the sum's) -> (out [T, H] in x's dtype,
-    counts [E] int32). moe_align sorts the pairs; the expert launches are fused_moe's."""
+    counts [E] int32). moe_align sorts the pairs; the expert launches are fused_moe's. With `elsewhere` an id may
+    also be E: a pair whose expert another rank holds, which adds nothing (counts then [E + 1])."""
     E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe_routed")
     T, top_k = ids.shape
     assert weights.shape == ids.shape and T == x.shape[0], (
         f"fused_moe_routed: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [T, k] with "
         f"T = {x.shape[0]} tokens")
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = _config(x, top_k, E, I, config)
+    sorted_experts = E + 1 if elsewhere else E  # pairs held elsewhere sort as one more expert, past the last
+    cfg = _config(x, top_k, sorted_experts, I, config)
     ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
-    routed = moe_align(ids, E, counts)
-    return _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg), routed[0]
+    routed = moe_align(ids, sorted_experts, counts)
+    out = _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg,
+                   ids if elsewhere else None)
+    return out, routed[0]
 
 
 # ----------------------------------------------------------------------------- torch references
@@ -598,11 +612,12 @@ def align_reference(ids: torch.Tensor, E: int):
 
 
 def fused_moe_routed_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                               w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights):
+                               w_gate_up: torch.Tensor | Int4Weights, w_down: torch.Tensor | Int4Weights,
+                               elsewhere: bool = False):
     """The ground truth of the experts for given routing (weights/ids [T, k]), any size: each expert on its own
     tokens in fp32, weighted, summed per token -> (out [T, H] in x's dtype, counts [E] int32). INT4 weights are
     dequantized first, to x's dtype (the values the kernels multiply). (A loop with data-dependent shapes: a
-    reference, not a graph-safe path.)"""
+    reference, not a graph-safe path.) `elsewhere`: id E marks a pair held elsewhere (no term; counts [E + 1])."""
     T, H = x.shape
     w_gate_up, w_down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (w_gate_up, w_down))
     E, two_i, _ = w_gate_up.shape
@@ -615,7 +630,7 @@ def fused_moe_routed_reference(x: torch.Tensor, weights: torch.Tensor, ids: torc
         gate, up = (xf[tok] @ w_gate_up[e].float().t()).split(two_i // 2, dim=-1)
         y = (F.silu(gate) * up) @ w_down[e].float().t()                       # [n, H]
         out.index_add_(0, tok, y * weights[tok, j, None].float())
-    counts = torch.bincount(ids.reshape(-1).long(), minlength=E).int()
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E + 1 if elsewhere else E).int()
     return out.to(x.dtype), counts
 
 

@@ -34,12 +34,14 @@ from .timing import device_copy_gbps
 
 def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = None) -> int:
     """Bytes of weights one decoding step reads: every matrix, but one row of an untied embedding, and of
-    an MoE block the router and the touched experts: `experts_touched[l]` of MoE layer l's E (default: the
-    top-k, what one token reads), e.g. a verify forward's counts from a traced round."""
+    an MoE block the router and the touched experts: `experts_touched[l]` of MoE layer l's experts held (default:
+    what one token reads, its top-k, of which an expert-parallel share holds its part on average), e.g. a verify
+    forward's counts from a traced round."""
     from ..moe import SparseMoE
 
     moe = [m for m in target.modules() if isinstance(m, SparseMoE)]
-    touched = [m.top_k for m in moe] if experts_touched is None else experts_touched
+    touched = ([m.top_k * m.experts_here / m.num_experts for m in moe] if experts_touched is None
+               else experts_touched)
     total = 0
     for m, n in zip(moe, touched, strict=True):
         E, two_i, H = m.gate_up.shape  # the local width under tensor parallelism

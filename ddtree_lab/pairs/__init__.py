@@ -113,9 +113,9 @@ PULLABLE = {name: p.pull for name, p in PAIRS.items() if p.pull is not None}
 
 
 def known_names() -> list[str]:
-    from .random import RANDOM_SHAPES  # torch-free: a table of sizes
+    from .random import SHAPE_NAMES  # torch-free: a table of sizes
 
-    return [*PAIRS, *(RANDOM_PREFIX + s for s in RANDOM_SHAPES)]
+    return [*PAIRS, *(RANDOM_PREFIX + s for s in SHAPE_NAMES)]
 
 
 def resolve(name: str) -> tuple[Path, Path]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import DrafterConfig, MlaConfig, RopeConfig, TargetConfig
+from ..config import DrafterConfig, MlaConfig, RopeConfig, TargetConfig, expert_rank_share, local_config
 
 RANDOM_SHAPES = {
     "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -36,6 +36,28 @@ RANDOM_SHAPES = {
                       scoring_func="sigmoid", n_group=1, topk_group=1, routed_scaling_factor=2.827,
                       n_shared_experts=1, first_k_dense_replace=1, expert_int4_group=32),  # INT4 experts, as shipped
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class RankShape:
+    """One GPU's share of a shape deployed over `ranks` GPUs at its full depth: what a rank holds and computes
+    (the communication between ranks is the advisor's, workbench/layouts.py). `ep`: expert parallelism, attention
+    data-parallel (a rank's requests see every head), the routed experts the rank's 1/ranks by the placement
+    e // (E / ranks) of rank 0, shared and dense MLPs whole. `tp`: tensor parallelism, 1/ranks of the heads and of
+    every MLP's and expert's width (parallel.py's split). The drafter is the shape's, whole, on every rank."""
+
+    shape: str
+    layers: int
+    layout: str  # ep | tp
+    ranks: int
+
+
+KIMI_DEPTH = 61  # Kimi K2.6's published depth (its random shape keeps fewer layers, to fit one GPU whole)
+RANK_SHAPES = {
+    "kimi-k2.6-ep8-rank": RankShape("kimi-k2.6", KIMI_DEPTH, "ep", 8),
+    "kimi-k2.6-tp8-rank": RankShape("kimi-k2.6", KIMI_DEPTH, "tp", 8),
+}
+SHAPE_NAMES = (*RANDOM_SHAPES, *RANK_SHAPES)  # every name random:<name> takes
 INT4_VALUE_STD = (255 / 12) ** 0.5  # the spread of a uniform 4-bit value (-8 … 7): random nibbles over it
 DEPTH_SEPARATOR = "@"  # random:<shape>@<layers>: the shape at another depth (its drafter taps spread over it)
 DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
@@ -48,36 +70,60 @@ DRAFTER_OVERRIDES = {
 }
 
 
-def shape_entry(shape: str) -> dict | None:
-    """The sizes of a random shape name (`qwen3-8b`, `kimi-k2.6@12`), None when unknown (torch-free)."""
+def _model_entry(shape: str) -> tuple[str, dict] | None:
+    """(the model shape's name, its sizes at the name's depth) of a shape name, rank shapes included."""
     base, sep, depth = shape.partition(DEPTH_SEPARATOR)
-    entry = RANDOM_SHAPES.get(base)
-    if entry is None or not sep:
-        return entry
-    if not depth.isdigit() or not 1 <= int(depth) <= 256:
+    rank = RANK_SHAPES.get(base)
+    model = rank.shape if rank else base
+    entry = RANDOM_SHAPES.get(model)
+    if entry is None:
         return None
-    return {**entry, "num_hidden_layers": int(depth)}
+    if rank:
+        entry = {**entry, "num_hidden_layers": rank.layers}
+    if sep:
+        if not depth.isdigit() or not 1 <= int(depth) <= 256:
+            return None
+        entry = {**entry, "num_hidden_layers": int(depth)}
+    return model, entry
+
+
+def shape_entry(shape: str) -> dict | None:
+    """The sizes of a random shape name (`qwen3-8b`, `kimi-k2.6@12`, `kimi-k2.6-ep8-rank`: what one rank holds),
+    None when unknown (torch-free)."""
+    found = _model_entry(shape)
+    if found is None:
+        return None
+    entry = found[1]
+    rank = RANK_SHAPES.get(shape.partition(DEPTH_SEPARATOR)[0])
+    if rank is None:
+        return entry
+    if rank.layout == "ep":
+        return {**entry, "experts_held": expert_rank_share(entry["num_experts"], rank.ranks, 0)}
+    share = local_config(TargetConfig(**entry), rank.ranks)
+    return {f.name: getattr(share, f.name) for f in dataclasses.fields(share)}
 
 
 def unknown_shape_message(shape: str) -> str:
-    return (f"unknown random shape {shape!r}; known: {', '.join('random:' + s for s in RANDOM_SHAPES)} "
+    return (f"unknown random shape {shape!r}; known: {', '.join('random:' + s for s in SHAPE_NAMES)} "
             f"(any of them at another depth: random:<shape>{DEPTH_SEPARATOR}<layers>, 1..256)")
 
 
 def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
-    """The target and drafter configs of a random shape (nothing allocated)."""
-    entry = shape_entry(shape)
-    if entry is None:
+    """The target and drafter configs of a random shape (nothing allocated). A rank shape's drafter is its
+    model's, whole."""
+    found = _model_entry(shape)
+    if found is None:
         raise ValueError(unknown_shape_message(shape))
-    tcfg = TargetConfig(**entry)
+    model, entry = found
+    tcfg = TargetConfig(**entry)  # the whole model: the drafter's sizes
     drafter = dict(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
                    num_hidden_layers=DRAFT_LAYERS, num_attention_heads=tcfg.num_attention_heads,
                    num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
                    vocab_size=tcfg.vocab_size, block_size=16, num_target_layers=tcfg.num_hidden_layers,
                    mask_token_id=tcfg.vocab_size - 1, rope=dataclasses.replace(tcfg.rope),
                    max_position_embeddings=tcfg.max_position_embeddings)
-    drafter.update(DRAFTER_OVERRIDES.get(shape.partition(DEPTH_SEPARATOR)[0], {}))
-    return tcfg, DrafterConfig(**drafter)
+    drafter.update(DRAFTER_OVERRIDES.get(model, {}))
+    return TargetConfig(**shape_entry(shape)), DrafterConfig(**drafter)
 
 
 def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False,

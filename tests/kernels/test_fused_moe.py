@@ -248,3 +248,29 @@ def test_bench_times_a_baseline_kernel_side_by_side(tmp_path):
     assert rows[0]["equal_to_baseline"] and rows[0]["baseline_us"] > 0 and rows[0]["over_baseline"] > 0
     with pytest.raises(SystemExit):
         bench_fused_moe.main(["--smoke", "--baseline", str(tmp_path / "missing.py")])
+
+
+@pytest.mark.parametrize("T,E,k,held", [(1, 8, 2, 4), (5, 8, 2, 2), (17, 16, 4, 4), (40, 12, 3, 6)])
+def test_pairs_held_elsewhere_add_nothing(T, E, k, held):
+    """Expert parallelism: ranks holding E/held slices of the experts each compute the pairs routed to theirs
+    (the others passed as id `held`, one past the last); the ranks' outputs sum to the whole block's, each rank's
+    counts are the whole block's at its experts plus the pairs sent elsewhere, and rank by rank the kernels equal
+    the reference."""
+    H, I = 64, 32
+    x, _, w_gate_up, w_down = make_block(T, E, H, I, torch.float32, seed=T * 7 + E)
+    g = torch.Generator().manual_seed(T + E)
+    weights, ids = route_grouped_reference(torch.randn(T, E, generator=g).to(DEVICE), torch.zeros(E, device=DEVICE),
+                                           k, 1, 1, "sigmoid", True, 1.0)
+    whole, whole_counts = fused_moe_routed(x, weights, ids, w_gate_up, w_down)
+    total = torch.zeros_like(whole)
+    for r in range(E // held):
+        mine = torch.arange(r * held, (r + 1) * held, device=DEVICE)
+        local = torch.where((ids >= r * held) & (ids < (r + 1) * held), ids - r * held, held)
+        gu, dn = w_gate_up[mine], w_down[mine]
+        out, counts = fused_moe_routed(x, weights, local, gu, dn, elsewhere=True)
+        want, want_counts = fused_moe_routed_reference(x, weights, local, gu, dn, elsewhere=True)
+        assert torch.allclose(out, want, atol=1e-5, rtol=1e-5), (out - want).abs().max()
+        assert torch.equal(counts, want_counts) and counts.shape == (held + 1,)
+        assert torch.equal(counts[:held], whole_counts[mine]) and int(counts[held]) == T * k - int(counts[:held].sum())
+        total += out
+    assert torch.allclose(total, whole, atol=1e-5, rtol=1e-5), (total - whole).abs().max()

@@ -247,3 +247,30 @@ def test_gpu_int4_cuda_graph_replays_new_routing():
         g.replay()
         want, want_counts = fused_moe_routed(x, weights, ids, w_gate_up, w_down)
         assert torch.equal(out, want) and torch.equal(counts, want_counts)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_pairs_held_elsewhere_add_nothing(symmetric):
+    """Expert parallelism with INT4 experts: two ranks' halves (packed words, scales, zero points sliced by
+    expert), the other half's pairs passed as id E/2; each rank equals the reference, and the two sum to the
+    whole block."""
+    T, E, k, H, I, G = 9, 8, 3, 64, 32, 32
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen).to(DEVICE)
+    w_gate_up, w_down = random_int4(E, 2 * I, H, G, symmetric, gen), random_int4(E, H, I, G, symmetric, gen)
+    weights, ids = routing(T, E, k, gen)
+    whole, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down)
+
+    def half(w, r):
+        sl = slice(r * E // 2, (r + 1) * E // 2)
+        return Int4Weights(w.packed[sl], w.scale[sl], None if w.zero is None else w.zero[sl], w.group_size)
+
+    total = torch.zeros_like(whole)
+    for r in range(2):
+        local = torch.where(ids // (E // 2) == r, ids % (E // 2), E // 2)
+        out, counts = fused_moe_routed(x, weights, local, half(w_gate_up, r), half(w_down, r), elsewhere=True)
+        want, want_counts = fused_moe_routed_reference(x, weights, local, half(w_gate_up, r), half(w_down, r),
+                                                       elsewhere=True)
+        assert torch.equal(counts, want_counts) and close(out, want, 1e-5)[0]
+        total += out
+    assert close(total, whole, 1e-5)[0]

@@ -172,12 +172,18 @@ def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> Mod
                       draft_features=len(dcfg.target_layer_ids), num_experts=experts,
                       experts_per_tok=int(get("num_experts_per_tok")), expert_intermediate=width,
                       moe_layers=moe_layers, shared_intermediate=int(get("n_shared_experts")) * width if experts else 0,
-                      expert_dtype_bytes=quantized_weight_bytes(raw.get("quantization_config")),
+                      expert_dtype_bytes=(quantized_weight_bytes(raw.get("quantization_config"))
+                                          or int4_weight_bytes(getattr(tcfg, "expert_int4_group", 0))),
                       draft_heads=dcfg.num_attention_heads, draft_kv_heads=dcfg.num_key_value_heads,
                       draft_head_dim=dcfg.head_dim, **mla_fields)
 
 
 SCALE_BYTES = 2  # a group's scale is bf16
+
+
+def int4_weight_bytes(group_size: int) -> float:
+    """Bytes a weight takes as INT4 in groups of group_size with a bf16 scale (symmetric); 0.0 for group 0."""
+    return 4 / 8 + SCALE_BYTES / group_size if group_size else 0.0
 
 
 def quantized_weight_bytes(qcfg: Mapping | None) -> float:
@@ -205,9 +211,9 @@ FULL_MODELS = {
 def model_shape(name: str) -> ModelShape:
     """A pair's shape by name: a whole model of FULL_MODELS (`kimi-k2.6`), `random:<shape>[@<layers>]`, a named
     pair (`lab`, ...) or a directory holding target/ and drafter/ (reads config.json only)."""
-    from ...pairs.random import RANDOM_SHAPES, shape_configs, shape_entry
+    from ...pairs.random import SHAPE_NAMES, shape_configs, shape_entry
 
-    known = [*FULL_MODELS, *("random:" + s for s in RANDOM_SHAPES)]
+    known = [*FULL_MODELS, *("random:" + s for s in SHAPE_NAMES)]
     if name in FULL_MODELS:
         full = FULL_MODELS[name]
         t, d = shape_configs(full["shape"])
