@@ -24,6 +24,25 @@ from .e2e import bench_model, bench_prompts, profile_rounds, run_e2e
 from .overhead import auto_overhead, auto_rounds, check_budget_span, moe_counting
 
 
+def _add_routing_arg(p) -> None:
+    from ..workbench.routing_replay import ROUTING_SPEC
+
+    p.add_argument("--routing", default=None, type=_routing_arg, metavar="SPEC",
+                   help=f"an MoE target's routing: {ROUTING_SPEC}; default: uniform for random shapes, the "
+                        "checkpoint's router otherwise")
+
+
+def _routing_arg(spec: str):
+    """--routing's value as load_pair takes it (a trace:FILE is read now: a bad dump is refused before loading)."""
+    import argparse
+
+    from ..workbench.routing_replay import routing_model
+    try:
+        return routing_model(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_runtime_args(p) -> None:
     """How the models run: the same options for every end-to-end bench."""
     p.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
@@ -76,11 +95,12 @@ def add_bench_args(p) -> None:
     la.add_argument("--out", default="outputs/bench/mla.json", help="JSON written here")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",
-                   help="random:qwen3-8b | random:qwen3-4b | random:llama3.1-8b | random:qwen3-30b-a3b | a pair name | a dir "
-                        "holding target/ and drafter/")
+                   help="random:<shape> (random:qwen3-8b, random:qwen3-30b-a3b, random:kimi-k2.6-ep8-rank, …) | a pair "
+                        "name | a dir holding target/ and drafter/")
     e.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
     e.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
     e.add_argument("--rounds", type=positive_int, default=24, help="decoding rounds timed per method")
+    _add_routing_arg(e)
     _add_runtime_args(e)
     e.add_argument("--out", default="outputs/bench/e2e.json", help="JSON written here")
     r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
@@ -96,6 +116,7 @@ def add_bench_args(p) -> None:
     f.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[64], help="DDTree budgets")
     f.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
     f.add_argument("--rounds", type=positive_int, default=8, help="rounds profiled per method")
+    _add_routing_arg(f)
     _add_runtime_args(f)
     f.add_argument("--out", default="outputs/bench/profile.json", help="JSON written here")
     o = sub.add_parser("auto-overhead", help="what budget='auto' costs beyond its rounds: fixed B against autos "
@@ -266,7 +287,7 @@ def bench_moe_counting(args) -> dict:
 
 
 def bench_profile(args) -> dict:
-    pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile)
+    pair = bench_model(args.model, args.dtype, args.attention, args.device, args.compile, routing=args.routing)
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
     rows = []
     for method, budget in runs:
@@ -277,13 +298,13 @@ def bench_profile(args) -> dict:
                   f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
                   for s, v in row["stages"].items()), file=sys.stderr, flush=True)
     return {"model": args.model, "dtype": args.dtype, "attention": args.attention, "compile": args.compile,
-            "tree_kernels": args.tree_kernels, "rows": rows}
+            "tree_kernels": args.tree_kernels, "routing": pair.describe().get("routing"), "rows": rows}
 
 
 def bench_e2e_cli(args) -> dict:
     start = time.perf_counter()
     result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
-                     args.compile, args.tp)
+                     args.compile, args.tp, routing=args.routing)
     return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
 
 

@@ -108,18 +108,23 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
     return {"rows": rows}
 
 
-def bench_model(model: str, dtype, attention, device, compile=False, tp: int = 1) -> Pair:
-    """A named pair (`lab`, `random:qwen3-8b`, …) or a directory holding target/ and drafter/."""
-    kw = dict(device=device, dtype=dtype, attention=attention, compile=compile, tp=tp)
+def bench_model(model: str, dtype, attention, device, compile=False, tp: int = 1, routing=None) -> Pair:
+    """A named pair (`lab`, `random:qwen3-8b`, …) or a directory holding target/ and drafter/; `routing` as
+    load_pair's (None: its default)."""
+    kw = dict(device=device, dtype=dtype, attention=attention, compile=compile, tp=tp, routing=routing)
     if "/" not in model and not Path(model).exists():
         return load_pair(model, **kw)
     return load_pair(target=Path(model) / "target", drafter=Path(model) / "drafter", **kw)
 
 
-def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1) -> dict:
-    pair = bench_model(model, dtype, attention, device, compile, tp)
+def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
+            routing=None) -> dict:
+    pair = bench_model(model, dtype, attention, device, compile, tp, routing)
     out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile,
            "tp": tp}
+    if pair.target.cfg.is_moe:  # what the experts-touched figures rest on: the routing model, the experts held here
+        out.update(routing=pair.describe()["routing"], experts_here=pair.target.cfg.experts_here,
+                   num_experts=pair.target.cfg.num_experts)
     if pair.device.type == "cuda":
         bw = copy_bandwidth()
         wb = weight_bytes_per_step(pair.target)

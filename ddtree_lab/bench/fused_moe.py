@@ -16,7 +16,13 @@ E·(1 − (1 − k/E)^T) experts touched), s near 1 makes them route alike, as a
 Time per call: `bench.timing.time_cuda_graph` (calls captured in a CUDA graph, L2 flushed before each); on the CPU
 (`--smoke`: tiny shapes, the interpreter) the wall clock of one call, a check that the path runs, not a timing.
 
+INT4 (`--int4 G`, w4a16): the experts are random INT4 in groups of G with bf16 scales, and the same experts
+dequantized to bf16 run through the dense kernel side by side (bf16_us, int4_speedup = bf16_us / triton_us); the
+floor counts the packed words and scales. `--shape` takes an MoE random shape's block (pairs/random.py:
+qwen3-30b-a3b, kimi-k2.6, kimi-k2.6-tp8-rank…); inputs are drawn on the device (a Kimi block's experts are GBs).
+
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
+                    [--shape kimi-k2.6 --int4 32]
                     [--config BLOCK_N_UP=16 BLOCK_N_DOWN=16 fuse_route=0]   (launch_config overrides)
                     [--baseline old_fused_moe.py]   (another version of the kernel, side by side)
                     python -m ddtree_lab.bench.fused_moe --smoke --out /tmp/fused_moe_smoke.json   (CPU)
@@ -33,27 +39,40 @@ from ..kernels.moe_layout import GATHER_LIMIT_BYTES, blocks_at_height, gather_by
 from . import load_kernel_file, write_bench_json
 from .timing import time_cuda_graph
 
-QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768, layers=48)
 TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route")  # --config keys besides the BLOCK_… tile sizes
 
 
-def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(1, hidden, generator=g)
-    x = similarity ** 0.5 * base + (1 - similarity) ** 0.5 * torch.randn(T, hidden, generator=g)
-    router = torch.randn(experts, hidden, generator=g) * 0.02
-    w_gate_up = torch.randn(experts, 2 * width, hidden, generator=g) * 0.02
-    w_down = torch.randn(experts, hidden, width, generator=g) * 0.02
-    return [t.to(device, dtype) for t in (x, router, w_gate_up, w_down)]
+def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):
+    """x [T, H], router [E, H], and the experts: dense [E, 2I, H], [E, H, I] in dtype, or (int4_group) Int4Weights
+    of random nibbles with scales giving about N(0, 0.02), as random shapes draw them. Drawn on `device`."""
+    from ..kernels.int4 import VALUES_PER_WORD, Int4Weights
+    from ..pairs.random import INT4_VALUE_STD
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    base = torch.randn(1, hidden, generator=g, device=device)
+    x = similarity ** 0.5 * base + (1 - similarity) ** 0.5 * torch.randn(T, hidden, generator=g, device=device)
+    router = torch.randn(experts, hidden, generator=g, device=device) * 0.02
+
+    def stack(N, K):
+        if not int4_group:
+            return torch.randn(experts, N, K, generator=g, device=device, dtype=dtype) * 0.02
+        packed = torch.randint(-2**31, 2**31 - 1, (experts, N, K // VALUES_PER_WORD), generator=g, device=device,
+                               dtype=torch.int32)
+        scale = torch.full((experts, N, K // int4_group), 0.02 / INT4_VALUE_STD, dtype=dtype, device=device)
+        return Int4Weights(packed, scale, None, int4_group)
+
+    return x.to(dtype), router.to(dtype), stack(2 * width, hidden), stack(hidden, width)
 
 
-def touched_bytes(counts, T, experts, hidden, width, elsize) -> int:
-    """What a block must move at least: the router and the touched experts' weights, x in and out."""
+def touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize=None) -> int:
+    """What a block must move at least: the router and the touched experts' weights (expert_elsize bytes a value:
+    INT4's packed words and scales; default elsize), x in and out."""
     touched = int((counts > 0).sum())
-    return int(moe_weight_bytes(touched, experts, hidden, width, elsize)) + 2 * T * hidden * elsize
+    experts_bytes = moe_weight_bytes(touched, 0, hidden, width, expert_elsize or elsize)
+    return int(experts_bytes + experts * hidden * elsize) + 2 * T * hidden * elsize
 
 
 def _time(fn, device, reps):
@@ -66,20 +85,30 @@ def _time(fn, device, reps):
 
 def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
                     dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True,
-                    config: dict | None = None, baseline=None) -> list[dict]:
+                    config: dict | None = None, baseline=None, int4_group: int = 0) -> list[dict]:
     """`baseline`: another fused_moe module (e.g. `load_baseline(PATH)` of an earlier commit's kernel file),
-    timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline."""
+    timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline.
+    `int4_group`: INT4 experts, beside the dense kernel on the same experts dequantized (bf16_us, int4_speedup);
+    the dense kernel's output is then the one compared with."""
     from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
+    from ..kernels.int4 import dequantize
     from ..moe import _grouped_mm_fits, moe_torch
 
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     for T in tokens:
-        x, router, w_gate_up, w_down = block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=T)
+        x, router, w_gate_up, w_down = block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=T,
+                                                    int4_group=int4_group)
         counts = torch.zeros(experts, dtype=torch.int32, device=device)
         out, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts, config=config)
-        want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
-        nbytes = touched_bytes(counts, T, experts, hidden, width, elsize)
+        dense = (dequantize(w_gate_up, dtype), dequantize(w_down, dtype)) if int4_group else None
+        if dense is None:  # the reference (a loop over the experts); INT4: the dense kernel on the same values
+            want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
+            expert_elsize = elsize
+        else:
+            want, want_counts = fused_moe(x, router, *dense, top_k, True)
+            expert_elsize = (w_gate_up.nbytes + w_down.nbytes) / (dense[0].numel() + dense[1].numel())
+        nbytes = touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize)
         launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize), **(config or {})}
         row = dict(T=T, **routing_stats(counts), row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
                    touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
@@ -88,6 +117,12 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
                    floor_us=None if copy_gbps is None else nbytes / (copy_gbps * 1e3))
         row["triton_us"] = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts,
                                                    config=config), device, reps)
+        if dense is not None:
+            row["bf16_us"] = _time(lambda: fused_moe(x, router, *dense, top_k, True, config=config), device, reps)
+            row["int4_speedup"] = row["bf16_us"] / row["triton_us"]
+            dense_bytes = touched_bytes(counts, T, experts, hidden, width, elsize)
+            row["bf16_floor_us"] = None if copy_gbps is None else dense_bytes / (copy_gbps * 1e3)
+            del dense
         if baseline is not None:
             base_out, base_counts = baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True)
             row["equal_to_baseline"] = bool(torch.equal(base_out, out) and torch.equal(base_counts, counts))
@@ -95,7 +130,9 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
                                        device, reps)
             row["over_baseline"] = row["triton_us"] / row["baseline_us"]
         gather = gather_bytes(T, top_k, hidden, width, elsize)
-        if not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT_BYTES:  # moe_torch would refuse it
+        if int4_group:
+            row["torch_us"], row["torch_error"] = None, 'skipped: INT4 experts (the dense kernel runs beside)'
+        elif not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT_BYTES:  # moe_torch would refuse it
             row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
         else:
             try:
@@ -103,15 +140,28 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
                 row["torch_path"] = "grouped_mm" if _grouped_mm_fits(x, width) else "gather"
             except Exception as e:  # recorded, not fatal: the other rows still run
                 row["torch_us"], row["torch_error"] = None, f"{type(e).__name__}: {e}"[:300]
-        for name in ("triton", "torch"):
-            if row["floor_us"] and row.get(f"{name}_us"):
-                row[f"{name}_over_floor"] = row[f"{name}_us"] / row["floor_us"]
+        for name in ("triton", "torch", "bf16"):
+            floor = row.get("bf16_floor_us") if name == "bf16" else row["floor_us"]
+            if floor and row.get(f"{name}_us"):
+                row[f"{name}_over_floor"] = row[f"{name}_us"] / floor
         row["per_forward_ms"] = row["triton_us"] * layers / 1e3
         row["floor_per_forward_ms"] = None if row["floor_us"] is None else row["floor_us"] * layers / 1e3
         rows.append(row)
         if progress:
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     return rows
+
+
+def block_shape(name: str) -> dict:
+    """An MoE random shape's block sizes (its expert stack as one GPU holds it), for bench_fused_moe."""
+    from ..pairs.random import shape_configs
+
+    cfg = shape_configs(name)[0]
+    if not cfg.is_moe:
+        raise ValueError(f"{name} is not an MoE shape")
+    return dict(experts=cfg.experts_here, top_k=min(cfg.num_experts_per_tok, cfg.experts_here),
+                hidden=cfg.hidden_size, width=cfg.moe_intermediate_size,
+                layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
 
 
 def load_baseline(path: str):
@@ -128,6 +178,8 @@ def main(argv=None):
                          "fuse_route=0 (route in its own launch)")
     ap.add_argument("--baseline", default=None, metavar="FILE",
                     help="another fused_moe.py (e.g. an earlier commit's), timed side by side on the same inputs")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="an MoE random shape's block (pairs/random.py)")
+    ap.add_argument("--int4", type=int, default=0, metavar="G", help="INT4 experts in groups of G, beside bf16")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -144,14 +196,20 @@ def main(argv=None):
     else:
         from .timing import device_copy_gbps
 
-        shape, tokens, device, dtype = QWEN3_30B_A3B, a.tokens or TOKENS, "cuda", torch.bfloat16
+        try:
+            shape = block_shape(a.shape)
+        except ValueError as e:
+            ap.error(f"--shape: {e}")
+        tokens, device, dtype = a.tokens or TOKENS, "cuda", torch.bfloat16
         bw = device_copy_gbps()
     if a.baseline and not Path(a.baseline).is_file():
         ap.error(f"--baseline {a.baseline}: no such file")
     rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw,
-                           config=config or None, baseline=load_baseline(a.baseline) if a.baseline else None)
+                           config=config or None, baseline=load_baseline(a.baseline) if a.baseline else None,
+                           int4_group=a.int4)
     if a.out:
-        write_bench_json(a.out, rows, shape=shape, similarity=a.similarity, config=config, baseline=a.baseline,
+        write_bench_json(a.out, rows, shape=shape, shape_name=a.shape, int4_group=a.int4, similarity=a.similarity,
+                         config=config, baseline=a.baseline,
                          dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
     return rows
 

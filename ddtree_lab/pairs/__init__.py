@@ -170,7 +170,7 @@ def load_pair(name: str | None = None, *, target=None, drafter=None, device="cpu
         from .random import random_pair
 
         return random_pair(name[len(RANDOM_PREFIX):], device=device, dtype=dtype, attention=attention,
-                           seed=seed, compile=compile, tp=tp, routing=routing or "uniform")
+                           seed=seed, compile=compile, tp=tp, routing=routing)
     if name is not None:
         target, drafter = resolve(name)
     if target is None:

@@ -127,7 +127,7 @@ def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
 
 
 def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False,
-                tp: int = 1, routing="uniform"):
+                tp: int = 1, routing=None):
     """A real-size target + DFlash drafter with random weights (N(0, 0.02) matrices, unit norms). With tp=N,
     every process draws the same full weights and keeps its share (ddtree_lab/parallel.py). An MoE target routes
     by `routing` (declared_routing.py: "uniform" unless told; "router" is the random weights' own)."""
@@ -167,8 +167,9 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     if tp != 1:
         target = parallel.make_parallel(target, tp, rank).eval().requires_grad_(False)
         models[0] = target
-    if target.cfg.is_moe:  # declared: random router weights would send nearly every token to the same experts
-        target.set_routing(routing)
+    # declared: random router weights would send nearly every token to the same experts (a dense target takes
+    # only "router": another routing given for it is refused)
+    target.set_routing(routing if routing is not None else "uniform" if target.cfg.is_moe else "router")
     for m in models:
         m.set_attention(attention)
         if compile:

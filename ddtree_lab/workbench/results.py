@@ -166,13 +166,20 @@ def trace_rows(prompt: dict, res: Any) -> list[dict]:
     return rows
 
 
+def _routing(spec: str):
+    """A run's routing spec as load_pair takes it (None: the pair's default)."""
+    from .routing_replay import routing_model
+
+    return routing_model(spec) if spec else None
+
+
 def load_run_pair(params: RunParams):
     """The pair a run names (`lab`, `random:<shape>`, another named pair, or target/drafter dirs)."""
     device = params.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(device=device, dtype=params.dtype, attention=params.attention, compile=params.compile,
-              seed=params.seed)
+              seed=params.seed, routing=_routing(params.routing))
     if params.pair:
         return load_pair(params.pair, **kw)
     return load_pair(target=params.target_dir, drafter=params.drafter_dir, **kw)

@@ -273,3 +273,4 @@ def problem_lines(doc: dict) -> list[str]:
         out += [f"{e['file']}: {n}" for n in e.get("notes") or []]
     out += [f"{u['file']}: {u['reason']}" for u in doc.get("unread") or []]
     return out
+

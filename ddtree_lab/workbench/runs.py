@@ -33,6 +33,7 @@ class RunParams:
     dtype: str = "float32"
     attention: str = "sdpa"
     compile: bool = False
+    routing: str = ""             # an MoE target's routing spec ("": the pair's default; routing_dumps.routing_model)
     prompt_set: str = "lab:code"
     n_prompts: int = 2
     method: str = "ddtree"
@@ -162,7 +163,8 @@ def base_params(study: Study, study_dir: Path) -> dict:
     m = study.models
     return dict(study_name=study.name, study_dir=str(study_dir), pair=m.pair or "",
                 target_dir=m.target or "", drafter_dir=m.drafter or "", device=m.device,
-                dtype=m.dtype, attention=m.attention, compile=m.compile, prompt_set=study.prompts.set,
+                dtype=m.dtype, attention=m.attention, compile=m.compile, routing=m.routing,
+                prompt_set=study.prompts.set,
                 n_prompts=study.prompts.n_prompts, max_new_tokens=study.grid.max_new_tokens,
                 seed=study.grid.seed, warmup=study.warmup, repeats=study.grid.repeats,
                 budgets=fixed_budgets(study.grid.budget))

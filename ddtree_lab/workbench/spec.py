@@ -46,6 +46,8 @@ class ModelsSpec:
     dtype: str = "float32"        # float32 | bfloat16 | float16
     attention: str = "sdpa"       # verify attention: sdpa | triton | flex
     compile: bool = False         # fuse each layer's elementwise work (torch.compile; slower first call)
+    routing: str = ""             # an MoE target's: router | uniform | trace:FILE ("": uniform for random shapes,
+                                  # the checkpoint's router otherwise); workbench/routing_dumps.py
 
 
 @dataclass
@@ -98,7 +100,7 @@ _SECTIONS: dict[str, dict[str, Any]] = {
          "grid": dict, "notebooks": dict, "report": bool, "warmup": bool, "external": list},
     "models": {"pair": (str, type(None)), "target": (str, type(None)),
                "drafter": (str, type(None)), "device": str, "dtype": str, "attention": str,
-               "compile": bool},
+               "compile": bool, "routing": str},
     "prompts": {"set": str, "n_prompts": int},
     "grid": {"budget": list, "topk": list, "temperature": list, "max_new_tokens": int, "seed": int,
              "repeats": int},
@@ -364,6 +366,7 @@ def parse_study(data: Any, path: Path | None = None, check_files: bool = True) -
                   warmup=data.get("warmup", True), external=external, path=path)
     if check_files:
         _check_runtime(study, src)
+        _check_routing(study, base, src)
         _check_prompts_fit(study, base, src)
     return study
 
@@ -392,9 +395,28 @@ def _check_runtime(study: Study, src: str | None) -> None:
                                              "fused-MoE kernel tiles by the number of tokens)", src)
 
 
+def _check_routing(study: Study, base: Path | None, src: str | None) -> None:
+    """models.routing: a known model, for an MoE target; a trace's dump read now (its path made absolute, as the
+    notebooks run elsewhere), so a dump that cannot drive the runs is refused before any runs."""
+    m = study.models
+    if not m.routing:
+        return
+    from .routing_replay import routing_model
+
+    if not _is_moe(study):
+        raise StudyError("models.routing", f"{m.routing!r} declares an MoE target's routing; this target is dense", src)
+    if m.routing.startswith("trace:") and m.routing[len("trace:"):]:
+        m.routing = "trace:" + str(_resolve_path(m.routing[len("trace:"):], base))
+    try:
+        routing_model(m.routing)
+    except ValueError as e:
+        raise StudyError("models.routing", str(e), src) from None
+
+
 def _is_moe(study: Study) -> bool:
     """Whether the study's target has mixture-of-experts layers."""
-    return bool((_target_config(study) or {}).get("num_experts"))
+    cfg = _target_config(study) or {}
+    return bool(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts"))
 
 
 def _target_config(study: Study) -> dict | None:

@@ -173,3 +173,17 @@ def test_mla_cuda_graphs_equal_eager_for_every_budget(mla_gpu_pairs, key):
         assert eager.tokens == graph.tokens and eager.acceptance_lengths == graph.acceptance_lengths, budget
         if key[1] == "float32":
             assert eager.tokens == ar.tokens, budget
+
+
+@cuda
+@pytest.mark.parametrize("shape", ["kimi-k2.6-ep8-rank@2", "kimi-k2.6-tp8-rank@2"])
+def test_rank_shapes_cuda_graphs_equal_eager_for_every_budget(shape):
+    """One GPU's share of Kimi K2.6 over 8 (EP: 48 of 384 experts at full width; TP: 1/8 of every width and head),
+    bf16 with INT4 experts, declared uniform routing, two of its layers (one dense, one MoE): graph replay ==
+    eager at every budget, as the MLA sweep above."""
+    pair = dl.load_pair(f"random:{shape}", device="cuda", dtype="bfloat16", attention="triton")
+    prompt = list(range(100, 140))
+    for budget in GRAPH_BUDGETS:
+        eager = dl.generate(pair, prompt, budget=budget, max_new_tokens=24, stop=[], cuda_graphs=False)
+        graph = dl.generate(pair, prompt, budget=budget, max_new_tokens=24, stop=[], cuda_graphs=True)
+        assert eager.tokens == graph.tokens and eager.acceptance_lengths == graph.acceptance_lengths, budget

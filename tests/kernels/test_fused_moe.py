@@ -220,6 +220,22 @@ def test_bench_smoke_runs_the_logic_path(tmp_path):
         assert 2 <= r["experts_touched"] <= min(8, 2 * r["T"]) and r["floor_us"] is None
 
 
+
+def test_bench_int4_runs_beside_the_dense_kernel_on_the_same_experts(tmp_path):
+    """`--int4 G`: INT4 experts timed beside their dequantized bf16 copy; the INT4 block equals the dense kernel
+    on the dequantized values, and the INT4 floor counts packed words and scales (9/16 of fp16's bytes at G 32)."""
+    from ddtree_lab.bench import fused_moe as bench_fused_moe
+
+    rows = bench_fused_moe.main(["--smoke", "--int4", "32", "--tokens", "1", "5"])
+    for r in rows:
+        assert r["counts_equal_reference"] and r["max_abs_diff"] < 1e-4 and r["bf16_us"] > 0
+        assert r["int4_speedup"] == pytest.approx(r["bf16_us"] / r["triton_us"]) and r["torch_us"] is None
+    assert bench_fused_moe.block_shape("kimi-k2.6-tp8-rank") == dict(experts=384, top_k=8, hidden=7168, width=256,
+                                                                    layers=60)
+    with pytest.raises(ValueError, match="not an MoE shape"):
+        bench_fused_moe.block_shape("qwen3-8b")
+
+
 @pytest.mark.parametrize("T", [1, 2, 17, 65, 300])  # 300: several chunks of routing, counting and placing
 def test_routing_inside_the_align_program_equals_its_own_launch(T):
     from ddtree_lab.kernels.fused_moe import moe_route_align
