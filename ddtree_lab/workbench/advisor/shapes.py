@@ -54,6 +54,8 @@ class ModelShape:
     draft_heads: int = 0              # the drafter's attention, where it is not the target's (0: the target's)
     draft_kv_heads: int = 0
     draft_head_dim: int = 0
+    experts_held: int = 0             # an expert-parallel rank's routed experts (0: all); experts_per_tok is then
+                                      # the mean pairs a token sends to them, k · held / E
 
     @property
     def attn_params(self) -> int:
@@ -106,8 +108,9 @@ class ModelShape:
             return 0.0
         if load and load.touched:
             return _interp_log(load.touched, tokens)
-        e, k = self.num_experts, self.experts_per_tok
-        return e * (1 - (1 - k / e) ** tokens)
+        e, here = self.num_experts, self.experts_held or self.num_experts
+        p = self.experts_per_tok / here  # one token's chance of picking a given expert, k / E
+        return here * (1 - (1 - p) ** tokens)
 
     def expert_row_blocks(self, tokens: int, load: ExpertLoad | None = None) -> float:
         """Row blocks one MoE layer runs, Σ_e ceil(n_e / h) at h = row_height(tokens): measured, else from
@@ -115,7 +118,7 @@ class ModelShape:
         n_e ~ Binomial(T, k/E), its expectation summed exactly)."""
         if not self.num_experts:
             return 0.0
-        h, e, k = row_height(tokens), self.num_experts, self.experts_per_tok
+        h, e, k = row_height(tokens), self.experts_held or self.num_experts, self.experts_per_tok
         if load and load.row_blocks:
             return _interp_log(load.row_blocks, tokens)
         if load and load.touched:
@@ -162,6 +165,8 @@ def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> Mod
         moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
     mla = getattr(tcfg, "mla", None)
     width = int(get("moe_intermediate_size"))
+    held = len(getattr(tcfg, "experts_held", ()) or ())  # an EP rank shape: its share of the experts
+    per_token = int(get("num_experts_per_tok")) * (held / experts if held else 1)
     mla_fields = {} if mla is None else dict(
         q_lora_rank=mla.q_lora_rank or 0, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
         qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
@@ -170,7 +175,7 @@ def shape_from_configs(name: str, tcfg, dcfg, raw: Mapping | None = None) -> Mod
                       vocab=tcfg.vocab_size, draft_layers=dcfg.num_hidden_layers,
                       draft_intermediate=dcfg.intermediate_size, block_size=dcfg.block_size,
                       draft_features=len(dcfg.target_layer_ids), num_experts=experts,
-                      experts_per_tok=int(get("num_experts_per_tok")), expert_intermediate=width,
+                      experts_per_tok=per_token, expert_intermediate=width, experts_held=held,
                       moe_layers=moe_layers, shared_intermediate=int(get("n_shared_experts")) * width if experts else 0,
                       expert_dtype_bytes=(quantized_weight_bytes(raw.get("quantization_config"))
                                           or int4_weight_bytes(getattr(tcfg, "expert_int4_group", 0))),
