@@ -604,6 +604,9 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig, where: str = "draft
     if bad:
         raise ValueError(f"{where}: target_layer_ids {bad} are outside the target's "
                          f"{target.num_hidden_layers} layers")
+    twice = sorted({i for i in drafter.target_layer_ids if drafter.target_layer_ids.count(i) > 1})
+    if twice:  # each tapped layer is one block of the drafter's context features
+        raise ValueError(f"{where}: target_layer_ids lists layer(s) {twice} more than once")
     if drafter.num_target_layers != target.num_hidden_layers:
         raise ValueError(f"{where}: num_target_layers {drafter.num_target_layers} does not match the "
                          f"target's num_hidden_layers {target.num_hidden_layers}")

@@ -8,6 +8,7 @@ ATTENTION_BACKENDS = ("sdpa", "triton", "flex", "invariant")    # verify attenti
 #   and the batch-invariant target (kernels/batch_invariant.py: every budget and AR give a token the same bits)
 MLA_BACKENDS = ("sdpa", "triton")  # an MLA target's: the dense reference and its kernel (mla.py)
 ROUTING_MODELS = ("router", "uniform")  # an MoE target's declared routing, or "trace:<file>" (declared_routing.py)
+ROUTING_SPEC = "router, uniform or trace:FILE (a routing dump: vLLM's, SGLang's, a recorder's per-token .pt)"
 TRITON_BACKENDS = ("triton", "invariant")                      # the backends whose kernels need CUDA or the interpreter
 MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
 AUTO = "auto"                                                    # budget="auto": chosen per round (auto_budget.py)

@@ -25,7 +25,7 @@ from .overhead import auto_overhead, auto_rounds, check_budget_span, moe_countin
 
 
 def _add_routing_arg(p) -> None:
-    from ..workbench.routing_replay import ROUTING_SPEC
+    from ..names import ROUTING_SPEC
 
     p.add_argument("--routing", default=None, type=_routing_arg, metavar="SPEC",
                    help=f"an MoE target's routing: {ROUTING_SPEC}; default: uniform for random shapes, the "

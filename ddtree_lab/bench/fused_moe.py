@@ -91,7 +91,6 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
     `int4_group`: INT4 experts, beside the dense kernel on the same experts dequantized (bf16_us, int4_speedup);
     the dense kernel's output is then the one compared with."""
     from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
-    from ..kernels.int4 import dequantize
     from ..moe import _grouped_mm_fits, moe_torch
 
     elsize = torch.empty((), dtype=dtype).element_size()
@@ -101,7 +100,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
                                                     int4_group=int4_group)
         counts = torch.zeros(experts, dtype=torch.int32, device=device)
         out, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts, config=config)
-        dense = (dequantize(w_gate_up, dtype), dequantize(w_down, dtype)) if int4_group else None
+        dense = (dense_copy(w_gate_up, dtype), dense_copy(w_down, dtype)) if int4_group else None
         if dense is None:  # the reference (a loop over the experts); INT4: the dense kernel on the same values
             want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
             expert_elsize = elsize
@@ -150,6 +149,19 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
         if progress:
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     return rows
+
+
+def dense_copy(w, dtype, chunk: int = 8) -> torch.Tensor:
+    """INT4 experts dequantized into one dense [E, N, K] stack, a few experts at a time (dequantizing a Kimi
+    block whole would take several times its dense size in intermediates)."""
+    from ..kernels.int4 import dequantize
+
+    E, N, K = w.shape
+    out = torch.empty(E, N, K, dtype=dtype, device=w.device)
+    for e0 in range(0, E, chunk):
+        ids = torch.arange(e0, min(E, e0 + chunk), device=w.device)
+        out[e0:e0 + len(ids)] = dequantize(w, dtype, experts=ids)
+    return out
 
 
 def block_shape(name: str) -> dict:

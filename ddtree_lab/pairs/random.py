@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import DrafterConfig, MlaConfig, RopeConfig, TargetConfig, expert_rank_share, local_config
+from ..config import (DrafterConfig, MlaConfig, RopeConfig, TargetConfig, default_target_layer_ids, expert_rank_share,
+                      local_config)
 
 RANDOM_SHAPES = {
     "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -123,6 +124,10 @@ def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
                    mask_token_id=tcfg.vocab_size - 1, rope=dataclasses.replace(tcfg.rope),
                    max_position_embeddings=tcfg.max_position_embeddings)
     drafter.update(DRAFTER_OVERRIDES.get(model, {}))
+    layers, taps = tcfg.num_hidden_layers, drafter["num_hidden_layers"]
+    spread = default_target_layer_ids(layers, taps)
+    if len(set(spread)) < taps or not 0 <= min(spread) <= max(spread) < layers:  # too shallow for the spread
+        drafter["target_layer_ids"] = list(range(min(layers, taps)))            # rule: each layer once
     return TargetConfig(**shape_entry(shape)), DrafterConfig(**drafter)
 
 

@@ -11,9 +11,6 @@ import numpy as np
 
 from .routing_formats import SNIFF_BYTES, RoutingOptions, is_candidate, read_items
 
-ROUTING_SPEC = "router, uniform or trace:FILE (a routing dump: vLLM's, SGLang's, a recorder's per-token .pt)"
-
-
 def read_trace(path: Path, options: RoutingOptions = RoutingOptions()) -> np.ndarray:
     """A dump's per-token routing for replay: every sequence (and every forward given as ids) end to end, in file
     order, the dense layers' zero placeholders left out -> ids [tokens, MoE layers, k] int64. ValueError naming
@@ -52,7 +49,7 @@ def read_trace(path: Path, options: RoutingOptions = RoutingOptions()) -> np.nda
 def routing_model(spec: str, base: Path | None = None):
     """A routing spec as the engine takes it (load_pair(routing=…)): "router", "uniform", or for trace:FILE the
     dump read as a RoutingTrace (FILE relative to `base`). ValueError naming what is wrong."""
-    from ..names import ROUTING_MODELS
+    from ..names import ROUTING_MODELS, ROUTING_SPEC
 
     if spec in ROUTING_MODELS:
         return spec

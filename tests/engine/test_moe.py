@@ -375,3 +375,21 @@ def test_gpu_moe_graph_rounds_equal_ar_and_count_alike(moe_dirs):
         eager = dl.generate(pair, prompt, budget=budget, max_new_tokens=24, stop=[], cuda_graphs=False)
         assert graphs.tokens == ar.tokens == eager.tokens, budget
         assert [r.experts_touched for r in graphs.rounds] == [r.experts_touched for r in eager.rounds], budget
+
+
+@pytest.mark.parametrize("shape", ["kimi-k2.6", "kimi-k2.6@2", "kimi-k2.6-ep8-rank@3", "qwen3-8b@1", "qwen3-8b"])
+def test_random_shapes_drafters_tap_distinct_target_layers(shape):
+    """Every random shape's drafter, at any depth, taps distinct layers of its target (a shape too shallow for the
+    spread rule taps each layer once), and a drafter listing a layer twice is refused."""
+    import dataclasses
+
+    from ddtree_lab.config import check_pair
+    from ddtree_lab.pairs.random import shape_configs
+
+    tcfg, dcfg = shape_configs(shape)
+    check_pair(tcfg, dcfg)
+    assert len(set(dcfg.target_layer_ids)) == len(dcfg.target_layer_ids) >= 1
+    if len(dcfg.target_layer_ids) > 1:
+        twice = dataclasses.replace(dcfg, target_layer_ids=[dcfg.target_layer_ids[0]] * 2)
+        with pytest.raises(ValueError, match=r"target_layer_ids lists layer\(s\) \[\d+\] more than once"):
+            check_pair(tcfg, twice)
