@@ -199,9 +199,15 @@ class SparseMoE(nn.Module):
         # here: one entry more, the pairs routed elsewhere
         self.register_buffer("counts", torch.zeros(n + bool(self.held), dtype=torch.int32), persistent=False)
         if self.held:  # global expert -> its place in the stack, or n (held elsewhere)
-            local = torch.full((num_experts,), n, dtype=torch.int64)
-            local[list(self.held)] = torch.arange(n)
-            self.register_buffer("local_index", local, persistent=False)
+            self.register_buffer("local_index", torch.empty(num_experts, dtype=torch.int64), persistent=False)
+            self.fill_local_index()
+
+    def fill_local_index(self) -> None:
+        """local_index anew (a model built on the meta device and moved by to_empty holds garbage there)."""
+        if self.held:
+            n = self.experts_here
+            self.local_index.fill_(n)
+            self.local_index[list(self.held)] = torch.arange(n, device=self.local_index.device)
 
     @property
     def experts_here(self) -> int:

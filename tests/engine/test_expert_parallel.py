@@ -97,3 +97,16 @@ def test_expert_share_refusals():
         expert_rank_share(384, 7, 0)
     with pytest.raises(ValueError, match="held experts .* distinct indices in 0..7"):
         SparseMoE(16, 8, 8, 2, True, held=(1, 9))
+
+
+def test_a_share_built_on_the_meta_device_gets_its_expert_table_back():
+    """random_pair builds on the meta device and moves with to_empty, which leaves buffers unset: the share's
+    global -> local table is filled again (fill_local_index), as a share built in place has it."""
+    made = SparseMoE(16, 8, 8, 2, True, held=(2, 5, 6))
+    with torch.device("meta"):
+        moved = SparseMoE(16, 8, 8, 2, True, held=(2, 5, 6))
+    moved = moved.to_empty(device="cpu")
+    moved.local_index.fill_(-7)  # what an unset buffer may hold
+    moved.fill_local_index()
+    assert torch.equal(moved.local_index, made.local_index)
+    assert made.local_index.tolist() == [3, 3, 0, 3, 3, 1, 2, 3]
