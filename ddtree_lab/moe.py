@@ -183,7 +183,8 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate, self.routing = intermediate, routing
         self.held = tuple(held)  # expert parallelism: the global indices of the experts stacked here (() = all)
-        if self.held and (sorted(set(self.held)) != sorted(self.held) or not 0 <= min(self.held) <= max(self.held) < num_experts):
+        distinct = len(set(self.held)) == len(self.held)
+        if self.held and not (distinct and 0 <= min(self.held) and max(self.held) < num_experts):
             raise ValueError(f"held experts {self.held[:4]}… must be distinct indices in 0..{num_experts - 1}")
         n = self.experts_here
         self.router = nn.Linear(hidden, num_experts, bias=False) if routing is None else Float32Router(hidden, num_experts)
