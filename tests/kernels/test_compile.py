@@ -45,11 +45,11 @@ CHAIN_ATTN_SIGNATURE = {
 GATE_UP_SIGNATURE = {
     "X": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Hbuf": "*bf16", "Counts": "*i32",
     "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32",
-    **{s: "i32" for s in ("s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_ht")}}
+    "E": "i32", **{s: "i32" for s in ("s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_ht")}}
 DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
-    "S": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
+    "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
 DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "GROUPS": 1}
 
 MLA_FWD_SIGNATURE = {
@@ -102,7 +102,11 @@ CASES = [
     ("fused_moe", "_count_kernel",
      {"Ids": "*i32", "ChunkCounts": "*i32", "P": "i32", "CHUNK": "i32"}, {"BLOCK_P": 128, "BLOCK_E": 128}),
     ("fused_moe", "_combine_kernel",
-     {"Y": "*fp32", "Out": "*bf16", "H": "i32", "s_yt": "i32", "s_ot": "i32"}, {"TOP_K": 8, "BLOCK_H": 1024}),
+     {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yt": "i32", "s_ot": "i32"},
+     {"TOP_K": 8, "ELSEWHERE": False, "BLOCK_H": 1024}),
+    ("fused_moe", "_combine_kernel",  # an expert-parallel share: pairs held elsewhere left out
+     {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yt": "i32", "s_ot": "i32"},
+     {"TOP_K": 8, "ELSEWHERE": True, "BLOCK_H": 1024}),
     ("fused_moe", "_gate_up_kernel", GATE_UP_SIGNATURE,
      {"TOP_K": 8, "IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64,
       "BLOCK_K": 128}),
