@@ -108,7 +108,7 @@ class ModelShape:
             return 0.0
         if load and load.touched:
             return _interp_log(load.touched, tokens)
-        e, here = self.num_experts, self.experts_held or self.num_experts
+        here = self.experts_held or self.num_experts
         p = self.experts_per_tok / here  # one token's chance of picking a given expert, k / E
         return here * (1 - (1 - p) ** tokens)
 
