@@ -34,9 +34,9 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      `_route_align_kernel` does 2 and 3 in one program: a launch or two fewer, where serial work is small;
   4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N): one BLOCK_M block of a slot's tokens times its
      expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
-     blocks any routing can need; each program finds its slot from the counts). Both expert kernels read
-     weight tiles through `_weight_tile`: dense, or INT4 unpacked and scaled in fp32, then cast to the
-     activations' dtype for the dot (accumulated in fp32 either way);
+     blocks any routing can need; each program finds its slot from the counts). Both expert kernels take
+     their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time and scaled in
+     fp32, then cast to the activations' dtype for the dot (accumulated in fp32 either way);
   5. `_down_kernel`, grid (row blocks, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
      y [T·top_k, H] fp32 in pair order;
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
@@ -75,7 +75,8 @@ except ImportError:  # loaded as a lone file (bench's --baseline, tests/kernels/
 _WORD = tl.constexpr(VALUES_PER_WORD)  # int4.py's layout, for the kernels: 4-bit values a packed int32
 _BITS = tl.constexpr(32 // VALUES_PER_WORD)
 _NIBBLE = tl.constexpr((1 << (32 // VALUES_PER_WORD)) - 1)
-_OFFSET = tl.constexpr(NIBBLE_OFFSET)
+_MAGIC_BITS = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a nibble OR-ed in is its mantissa's low bits
+_MAGIC_ZERO = tl.constexpr(float(2 ** 23 + NIBBLE_OFFSET))  # 2^23 + the symmetric zero point
 
 
 def _interpret() -> bool:
@@ -231,44 +232,53 @@ def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
-def _weight_tile(W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Expert e's rows n [BLOCK_N], columns k0 … k0 + BLOCK_K, as a [BLOCK_K, BLOCK_N] tile. Dense: the stored
-    values. INT4 (int4.py's layout): each packed word loaded once, its 8 nibbles split by shifts on a
-    broadcast, less the zero point (8, or the group's own), times the group's scale, in fp32; the tile spans
-    GROUPS = max(1, BLOCK_K // GROUP) groups of GROUP values (one when a group is at least BLOCK_K wide), so
-    scales and zero points load once a group and row."""
+def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
+              INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BM, BN] fp32 += A[:, k0 … k0 + BLOCK_K] @ expert e's rows n [BN] (as [BK, BN]); a_rows [BM, 1] points
+    at the rows of A (rmask: the live ones). Dense: the stored weights. INT4 (int4.py's layout): each packed word
+    loads once; nibble j of every word makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K
+    taken in another order, so no tile is reshaped). A nibble becomes a float without a conversion: q | 2^23's
+    bits is 2^23 + q in fp32, less 2^23 + the zero point gives q − zero exactly; times the group's scale (exact
+    in fp32: a 4-bit integer times a 16-bit scale), rounded once to A's dtype, the value `dequantize` gives."""
     e = e.to(tl.int64)
     if INT4:
-        words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)
-        packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None],
-                         mask=(words < K // _WORD)[:, None] & nmask[None, :], other=0)    # [BK/8, BN] int32
-        shifts = tl.arange(0, _WORD) * _BITS
-        q = (packed[:, None, :] >> shifts[None, :, None]) & _NIBBLE            # [BK/8, 8, BN]
-        q = tl.reshape(q, [GROUPS, BLOCK_K // GROUPS, BLOCK_N])                            # [tile's groups, ·, BN]
-        g = k0 // GROUP + tl.arange(0, GROUPS)                     # k0 is a multiple of GROUP when GROUPS > 1
-        gmask = (g < K // GROUP)[:, None] & nmask[None, :]
-        scale = tl.load(Scale + e * s_se + n[None, :] * s_sn + g[:, None], mask=gmask, other=0.0)   # [GROUPS, BN]
+        words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)                                 # [BW]
+        wmask = words < K // _WORD
+        tmask = wmask[:, None] & nmask[None, :]
+        packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
+        g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
+        scale = tl.load(Scale + e * s_se + n[None, :] * s_sn + g[:, None], mask=tmask, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            zw = tl.load(Zero + e * s_ze + (n // _WORD)[None, :] * s_zn + g[:, None], mask=gmask, other=0)
-            shift = (n % _WORD) * _BITS                                                    # [BN] row n's nibble
-            zero = (zw >> shift[None, :]) & _NIBBLE                                        # [GROUPS, BN]
+            zw = tl.load(Zero + e * s_ze + (n // _WORD)[None, :] * s_zn + g[:, None], mask=tmask, other=0)
+            zero = ((zw >> ((n % _WORD) * _BITS)[None, :]) & _NIBBLE) | _MAGIC_BITS                # [BW, BN]
+            zero = zero.to(tl.float32, bitcast=True)
         else:
-            zero = tl.full([GROUPS, BLOCK_N], _OFFSET, tl.int32)
-        w = (q - zero[:, None, :]).to(tl.float32) * scale.to(tl.float32)[:, None, :]
-        w = tl.reshape(w, [BLOCK_K, BLOCK_N])
+            zero = _MAGIC_ZERO
+        for j in tl.static_range(_WORD):
+            q = ((packed >> (j * _BITS)) & _NIBBLE) | _MAGIC_BITS                               # [BW, BN]
+            w = (q.to(tl.float32, bitcast=True) - zero) * scale
+            a = tl.load(a_rows + (words * _WORD + j)[None, :], mask=rmask[:, None] & wmask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w.to(a.dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w.to(a.dtype), acc)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)   # [BM, BK]
         w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None], mask=(kk < K)[:, None] & nmask[None, :],
-                    other=0.0)                                                             # [BK, BN]
-    return w
+                    other=0.0)                                                                 # [BK, BN]
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
 def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_xt, s_we, s_wn,
                     s_se, s_sn, s_ze, s_zn, s_ht, TOP_K: tl.constexpr, IEEE: tl.constexpr, INT4: tl.constexpr,
-                    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
                     ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
@@ -277,26 +287,18 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, Sort
     count = tl.load(Counts + e)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    ks = tl.arange(0, BLOCK_K)
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < count
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
     tok = pair // TOP_K
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_rows = X + tok[:, None] * s_xt                                                       # [BM, 1]
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(X + tok[:, None] * s_xt + kk[None, :], mask=rmask[:, None] & (kk < H)[None, :], other=0.0)
-        wg = _weight_tile(W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4,
-                          HAS_ZERO, GROUP, GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)                   # [BK, BN] gate rows
-        wu = _weight_tile(W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4,
-                          HAS_ZERO, GROUP, GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)                   # up rows
-        if IEEE:
-            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, wg, acc_g)
-            acc_u = tl.dot(a, wu, acc_u)
+        acc_g = _dot_tile(acc_g, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
+                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, IEEE, BLOCK_K, BLOCK_N)             # gate rows
+        acc_u = _dot_tile(acc_u, a_rows, rmask, W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
+                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, IEEE, BLOCK_K, BLOCK_N)             # up rows
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # silu(gate) * up
     tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -305,7 +307,7 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, Sort
 @triton.jit
 def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_ht, s_we,
                  s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
@@ -314,21 +316,14 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     count = tl.load(Counts + e)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output columns (of H)
     cmask = cols < H
-    ks = tl.arange(0, BLOCK_K)
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < count
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_rows = Hbuf + (start + rows)[:, None] * s_ht                                         # [BM, 1]
     for k0 in range(0, I, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(Hbuf + (start + rows)[:, None] * s_ht + kk[None, :], mask=rmask[:, None] & (kk < I)[None, :],
-                    other=0.0)
-        wd = _weight_tile(W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn, s_ze, s_zn, INT4,
-                          HAS_ZERO, GROUP, GROUPS, BLOCK_K, BLOCK_N).to(a.dtype)                   # [BK, BN]
-        if IEEE:
-            acc = tl.dot(a, wd, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, wd, acc)
+        acc = _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn, s_ze,
+                        s_zn, INT4, HAS_ZERO, GROUP, IEEE, BLOCK_K, BLOCK_N)
     acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
@@ -501,7 +496,7 @@ def _expert_shapes(x, w_gate_up, w_down, what: str) -> tuple[int, int]:
 
 
 def _weight_args(w) -> tuple[list, dict]:
-    """A stacked weight -> (its kernel arguments: W, Scale, Zero and their strides, _weight_tile's constexprs).
+    """A stacked weight -> (its kernel arguments: W, Scale, Zero and their strides, _dot_tile's constexprs).
     Dense weights pass themselves where the INT4 tensors go (never read: INT4=False)."""
     if isinstance(w, Int4Weights):
         zero = w.packed if w.zero is None else w.zero
@@ -528,18 +523,20 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     BLOCK_S = _pow2(S, 16)
     up_args, up_const = _weight_args(w_gate_up)
     down_args, down_const = _weight_args(w_down)
-    up_const["GROUPS"] = max(1, cfg["BLOCK_K_UP"] // up_const["GROUP"])
-    down_const["GROUPS"] = max(1, cfg["BLOCK_K_DOWN"] // down_const["GROUP"])
+    block_k = {side: cfg[f"BLOCK_K_{side}"] for side in ("UP", "DOWN")}
+    for side, const in (("UP", up_const), ("DOWN", down_const)):
+        if const["INT4"] and not _interpret():  # an INT4 tile's slices are BLOCK_K / 8 deep: tl.dot takes 16 at least
+            block_k[side] = max(block_k[side], 16 * VALUES_PER_WORD)
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
         x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, x.stride(0), s_we, s_wn,
         *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=cfg["BLOCK_K_UP"], **common)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=block_k["UP"], **common)
     down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
         *down_strides, y.stride(0), IEEE=ieee, **down_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=cfg["BLOCK_K_DOWN"], **common)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=block_k["DOWN"], **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)

@@ -50,7 +50,7 @@ DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
     "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
-DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "GROUPS": 1}
+DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1}
 
 MLA_FWD_SIGNATURE = {
     "Q": "*bf16", "Cache": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
@@ -116,12 +116,12 @@ CASES = [
       "BLOCK_K": 64}),
     ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "GROUPS": 4, "BLOCK_S": 64,
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "BLOCK_S": 64,
       "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
-    ("fused_moe", "_down_kernel",  # INT4 with zero points, a group wider than the tile
+    ("fused_moe", "_down_kernel",  # INT4 with zero points, a group as wide as the tile
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "GROUPS": 1, "BLOCK_S": 128, "ONE_BLOCK": False,
-      "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64}),
+     {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "BLOCK_S": 128, "ONE_BLOCK": False,
+      "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
     ("fused_moe", "_down_kernel", DOWN_SIGNATURE,
      {"IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
     ("commit", "_advance_kernel", ADVANCE_SIGNATURE, {"BLOCK": 16}),
