@@ -232,6 +232,14 @@ def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; IEEE: exact fp32 products (fp32 inputs), else the tensor cores' default."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
               INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -259,19 +267,13 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
             q = ((packed >> (j * _BITS)) & _NIBBLE) | _MAGIC_BITS                               # [BW, BN]
             w = (q.to(tl.float32, bitcast=True) - zero) * scale
             a = tl.load(a_rows + (words * _WORD + j)[None, :], mask=rmask[:, None] & wmask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w.to(a.dtype), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w.to(a.dtype), acc)
+            acc = _dot(a, w.to(a.dtype), acc, IEEE)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)   # [BM, BK]
         w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None], mask=(kk < K)[:, None] & nmask[None, :],
                     other=0.0)                                                                 # [BK, BN]
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc, IEEE)
     return acc
 
 
@@ -506,6 +508,12 @@ def _weight_args(w) -> tuple[list, dict]:
     return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1)
 
 
+def _block_k(depth: int, const: dict) -> int:
+    """A K step of `depth` values, deepened for INT4 on a GPU: its nibble slices are depth / 8 deep, and tl.dot
+    takes 16 at least."""
+    return max(depth, 16 * VALUES_PER_WORD) if const["INT4"] and not _interpret() else depth
+
+
 def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict, elsewhere=None) -> torch.Tensor:
     """The expert stage after the sort (launches 4-6): x [T, H], weights [T, top_k] fp32 (pair order), routed =
     moe_align's (counts, slot_expert, slot_start, sorted_pairs), weights checked by _expert_shapes -> out [T, H]
@@ -523,20 +531,16 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     BLOCK_S = _pow2(S, 16)
     up_args, up_const = _weight_args(w_gate_up)
     down_args, down_const = _weight_args(w_down)
-    block_k = {side: cfg[f"BLOCK_K_{side}"] for side in ("UP", "DOWN")}
-    for side, const in (("UP", up_const), ("DOWN", down_const)):
-        if const["INT4"] and not _interpret():  # an INT4 tile's slices are BLOCK_K / 8 deep: tl.dot takes 16 at least
-            block_k[side] = max(block_k[side], 16 * VALUES_PER_WORD)
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
         x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, x.stride(0), s_we, s_wn,
         *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=block_k["UP"], **common)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=_block_k(cfg["BLOCK_K_UP"], up_const), **common)
     down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
         *down_strides, y.stride(0), IEEE=ieee, **down_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=block_k["DOWN"], **common)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=_block_k(cfg["BLOCK_K_DOWN"], down_const), **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)
