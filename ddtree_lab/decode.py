@@ -410,12 +410,13 @@ def _auto_programs_for(pair: Pair, plan: Plan):
 
 
 def prefill_program(pair: Pair, plan: Plan, n: int, layers: list[int]):
-    """Where graphs run, the prefill at the prompt's padded length (captured now if that length is new); -> (it,
-    or None for an eager prefill; the seconds its capture took, kept off the clock)."""
-    if not padded_prefill(plan.graphs, pair.target):
+    """On a GPU the prefill at the prompt's padded length (graphs.padded_prefill), captured now where the rounds
+    are graphs and that length is new; -> (it, or None for an unpadded eager prefill; the seconds its capture
+    took, kept off the clock)."""
+    if not padded_prefill(pair.device, pair.target):
         return None, 0.0
     prefill = prefill_for(pair, n, layers, plan.method != "ar")
-    if prefill.graph is not None or pair.device.type != "cuda":
+    if not plan.graphs or prefill.graph is not None:
         return prefill, 0.0
     start = time.perf_counter()
     prefill.capture()
@@ -428,7 +429,7 @@ def run_prefill(pair: Pair, plan: Plan, program: RoundProgram, prefill, prompt_i
     n, device = len(prompt_ids), pair.device
     with torch.profiler.record_function("prefill"):
         if prefill is not None:
-            logits = prefill.run(prompt_ids)
+            logits = prefill.run(prompt_ids, replay=plan.graphs)
         else:
             positions = torch.arange(n, device=device)
             logits, hidden = pair.target(torch.tensor(prompt_ids, device=device), positions, 0,

@@ -101,7 +101,9 @@ class Prefill:
     An eager prefill of a new length is host-bound (a large share of a short generation on a GPU,
     docs/performance.md). Rows past the prompt are padding: the causal
     mask keeps them out of the prompt's attention, their K/V land in cache slots the first round writes
-    before anything reads them, and the drafter commits only the prompt's `count` rows."""
+    before anything reads them, and the drafter commits only the prompt's `count` rows. A GPU without
+    graphs runs the same padded forward eagerly: a matmul's rows can round differently at another row
+    count, so only the same length gives eager and replayed runs the same bits."""
 
     def __init__(self, pair, length: int, layers: list[int], with_drafter: bool):
         device = pair.device
@@ -115,11 +117,12 @@ class Prefill:
             self.mask.bits  # packed now, outside the capture
         self.graph = None
 
-    def forward(self) -> None:
-        self.logits, hidden = self.pair.target(self.tokens, self.positions, 0, self.mask, self.layers,
-                                               logits_rows=self.last_row)
+    def forward(self) -> torch.Tensor:
+        logits, hidden = self.pair.target(self.tokens, self.positions, 0, self.mask, self.layers,
+                                          logits_rows=self.last_row)
         if self.with_drafter:
             self.pair.drafter.append_context(hidden, self.positions, self.count)
+        return logits
 
     def capture(self) -> None:
         warm_up(self.forward)
@@ -127,27 +130,28 @@ class Prefill:
             self.pair.drafter.ctx_len.zero_()  # the warm-up committed context; the replay starts from none
         self.graph = torch.cuda.CUDAGraph()
         with capturing(), torch.cuda.graph(self.graph):
-            self.forward()
+            self.logits = self.forward()  # the graph's own output buffer, refilled by each replay
         _captured["prefill"] += 1
 
-    def run(self, prompt_ids: list[int]) -> torch.Tensor:
-        """-> logits [1, V] of the prompt's last token; caches filled as an unpadded prefill would."""
+    def run(self, prompt_ids: list[int], replay: bool = True) -> torch.Tensor:
+        """-> logits [1, V] of the prompt's last token; caches filled as an unpadded prefill would. Replayed
+        where captured and `replay`, else the same padded forward eagerly."""
         n = len(prompt_ids)
         padded = prompt_ids + [0] * (self.tokens.shape[0] - n)
         self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
         self.last_row.fill_(n - 1)
         self.count.fill_(n)
-        if self.graph is not None:
+        if replay and self.graph is not None:
             self.graph.replay()
-        else:  # no GPU: the same padded forward, eagerly (the CPU test of the padding)
-            self.forward()
-        return self.logits
+            return self.logits
+        return self.forward()
 
 
-def padded_prefill(graphs: bool, target) -> bool:
-    """With graphs the prefill is one too, at the prompt's padded length. (Flex attention builds its block
-    mask on the host at each call, so its prefill stays eager.)"""
-    return graphs and target.attention != "flex"
+def padded_prefill(device: torch.device, target) -> bool:
+    """On a GPU the prefill runs at the prompt's padded length, a graph where the rounds are graphs, eager where
+    not (Prefill says why both pad). Flex attention builds its block mask on the host at each call, so its
+    prefill stays eager and unpadded."""
+    return torch.device(device).type == "cuda" and target.attention != "flex"
 
 
 MAX_KEPT = 16  # entries per kind and pair; past this the kind is cleared (graphs pin device memory)

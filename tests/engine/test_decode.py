@@ -182,7 +182,7 @@ def test_text_prompt_and_trace_json(tiny_pair):
 
 @pytest.mark.parametrize("prompt_len", [1, 5, 63, 64, 65])
 def test_padded_prefill_gives_the_same_tokens(tiny_dirs, monkeypatch, prompt_len):
-    """With CUDA graphs the prompt runs padded to a multiple of PREFILL_BUCKET (one graph per length).
+    """On a GPU the prompt runs padded to a multiple of PREFILL_BUCKET (one graph per length where graphs run).
     Here the padded forward runs eagerly: the padding's K/V and drafter context must never be read."""
     from ddtree_lab import decode, graphs
 
@@ -191,7 +191,7 @@ def test_padded_prefill_gives_the_same_tokens(tiny_dirs, monkeypatch, prompt_len
     for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 9)):
         want = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=20, stop=[])
         with monkeypatch.context() as m:
-            m.setattr(decode, "padded_prefill", lambda graphs, target: True)
+            m.setattr(decode, "padded_prefill", lambda device, target: True)
             got = dl.generate(pair, prompt, method=method, budget=budget, max_new_tokens=20, stop=[])
         assert got.tokens == want.tokens, method
         assert got.acceptance_lengths == want.acceptance_lengths, method

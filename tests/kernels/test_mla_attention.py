@@ -129,7 +129,8 @@ def test_device_past_len_and_a_larger_bound(past_dtype, shape):
     bits = ta.pack_mask(anc)
     past_t = torch.full(shape, past, dtype=past_dtype, device=DEVICE)
     ref = mla.mla_tree_attention_reference(q, cache, past, anc, C, 0.25)
-    split = dict(split_target=8)  # the split count follows the GPU's SMs unless pinned: pinned, every device splits
+    # the split count follows the GPU's SMs and a chunk's least length unless pinned: pinned, every device splits
+    split = dict(split_target=8, min_chunk=64)
     for bound in (None, past, past + 300):  # None: the whole cache's room (S_max - T)
         cfg = mla.launch_config(T, H, C, R, bound if bound is not None else cache.shape[0] - T, q.device, split,
                                 dtype=q.dtype)
