@@ -236,12 +236,19 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
                    waves=1.0, min_chunk=64, merge_rows=max(16, min(256, triton.next_power_of_2(M))),
                    merge_cols=c_pad)
     else:
-        bm = max(16, min(128, triton.next_power_of_2(M)))
-        while bm > 16 and bm * c_pad > ACC_REGS * 32 * 8:  # even 8 warps could not hold the accumulator
-            bm //= 2
-        warps = 4 if bm * c_pad < ACC_REGS * 32 * 4 else 8  # 4 warps at the limit spilled
+        if c_pad >= 256:
+            # a model's latent (512 wide): 16 rows up to 255 (query, head) pairs, else 32, 64 slots a step, 4
+            # warps, 2 stages; the fastest tiles of the H200 sweep at T 1…129, H 8 and 64, contexts 4k and 32k
+            # (docs/bench/mla_kimi_config_sweep.json), though 32 rows fill the accumulator's registers
+            bm, bn, warps, stages = (16 if M < 256 else 32), 64, 4, 2
+        else:
+            bm = max(16, min(128, triton.next_power_of_2(M)))
+            while bm > 16 and bm * c_pad > ACC_REGS * 32 * 8:  # even 8 warps could not hold the accumulator
+                bm //= 2
+            warps = 4 if bm * c_pad < ACC_REGS * 32 * 4 else 8  # 4 warps at the limit spilled
+            bn, stages = 64, 3
         # one query (an AR step) gets short splits, as in tree_attention; each split also writes H x C fp32
-        cfg = dict(block_m=bm, block_n=64 if c_pad <= 128 else 32, num_warps=warps, num_stages=3 if c_pad <= 128 else 2,
+        cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
                    waves=2.0, min_chunk=128 if T == 1 else 512, merge_rows=16, merge_cols=min(64, c_pad))
         while (cfg["num_stages"] > 1
                and shared_bytes(cfg["block_m"], cfg["block_n"], cfg["num_stages"], C, R, elt) > SMEM_BUDGET):

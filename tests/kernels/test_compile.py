@@ -151,6 +151,9 @@ CASES = [
     ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's latent and RoPE widths, all 64 heads a tile
      {"H": 64, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 64, "BLOCK_N": 32, "SINGLE": False,
       "PAST_FROM_PTR": True, "IEEE": False}),
+    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # the launch default for a 512-wide latent (8 TP heads)
+     {"H": 8, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 32, "BLOCK_N": 64, "SINGLE": False,
+      "PAST_FROM_PTR": True, "IEEE": False}),
     ("mla_attention", "_mla_fwd", {**MLA_FWD_SIGNATURE, "Q": "*fp32", "Cache": "*fp32", "Out": "*fp32"},
      {"H": 4, "C": 24, "R": 8, "C_PAD": 32, "R_PAD": 16, "BLOCK_M": 64, "BLOCK_N": 64, "SINGLE": True,
       "PAST_FROM_PTR": False, "IEEE": True}),  # padded widths, fp32

@@ -225,7 +225,8 @@ def test_gpu_launch_config_fits_hopper(monkeypatch):
             assert mla.shared_bytes(cfg["block_m"], cfg["block_n"], cfg["num_stages"], 512, 64, elt) <= mla.SMEM_BUDGET
             assert cfg["block_m"] * 512 <= mla.ACC_REGS * 32 * cfg["num_warps"]
     real = mla.launch_config(1025, 64, 512, 64, 4096, cpu)
-    assert (real["block_m"], real["num_warps"], real["num_splits"]) == (64, 8, 1)  # one query's heads a tile
+    assert (real["block_m"], real["block_n"], real["num_warps"], real["num_splits"]) == (32, 64, 4, 1)  # swept
+    assert mla.launch_config(9, 8, 512, 64, 4096, cpu)["block_m"] == 16  # few (query, head) rows: short tiles
     one = mla.launch_config(1, 64, 512, 64, 4096, cpu)
     assert (one["min_chunk"], one["num_splits"]) == (128, 32)  # an AR step splits its context finely
     tree = mla.launch_config(17, 64, 512, 64, 4096, cpu)
