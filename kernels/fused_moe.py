@@ -35,8 +35,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N): one BLOCK_M block of a slot's tokens times its
      expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
      blocks any routing can need; each program finds its slot from the counts). Both expert kernels take
-     their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time and scaled in
-     fp32, then cast to the activations' dtype for the dot (accumulated in fp32 either way);
+     their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time into the
+     activations' dtype (bf16: two values an instruction) for the dot (accumulated in fp32 either way);
   5. `_down_kernel`, grid (row blocks, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
      y [T·top_k, H] fp32 in pair order;
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
@@ -240,34 +240,136 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _nibble_columns(a, BLOCK_K: tl.constexpr):
+    """a [BM, BK] -> its 8 column slices a_j [BM, BK/8], a_j[:, w] = a[:, 8w + j]: the activations that meet
+    nibble j of each word. Each thread holds whole words' 8 columns, so the splits move nothing."""
+    BM: tl.constexpr = a.shape[0]
+    a = tl.reshape(a, (BM, BLOCK_K // 8, 2, 2, 2))       # (m, w, i2, i1, i0): column 8w + 4 i2 + 2 i1 + i0
+    e, o = tl.split(a)                                   # i0
+    ee, eo = tl.split(e)                                 # i1
+    oe, oo = tl.split(o)
+    a0, a4 = tl.split(ee)                                # i2
+    a2, a6 = tl.split(eo)
+    a1, a5 = tl.split(oe)
+    a3, a7 = tl.split(oo)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _dequant_f32(packed, scale, Zero, e, n, g, tmask, s_ze, s_zn, HAS_ZERO: tl.constexpr, dtype: tl.constexpr):
+    """INT4 words [BW, BN] (and their scales) -> the 8 nibble slices in `dtype`, slice j from nibble j of each
+    word. A nibble becomes a float without a conversion: q | 2^23's bits is 2^23 + q in fp32, less 2^23 + the
+    zero point gives q − zero exactly; times the group's scale (exact in fp32: a 4-bit integer times a 16-bit
+    scale), rounded once to `dtype`: the value `dequantize` gives."""
+    scale = scale.to(tl.float32)
+    if HAS_ZERO:
+        zw = tl.load(Zero + e * s_ze + (n // _WORD)[None, :] * s_zn + g[:, None], mask=tmask, other=0)
+        zero = ((zw >> ((n % _WORD) * _BITS)[None, :]) & _NIBBLE) | _MAGIC_BITS                # [BW, BN]
+        zero = zero.to(tl.float32, bitcast=True)
+    else:
+        zero = _MAGIC_ZERO
+    w0 = ((((packed >> 0) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w1 = ((((packed >> 4) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w2 = ((((packed >> 8) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w3 = ((((packed >> 12) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w4 = ((((packed >> 16) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w5 = ((((packed >> 20) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w6 = ((((packed >> 24) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    w7 = ((((packed >> 28) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
+    return (w0.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), w4.to(dtype), w5.to(dtype), w6.to(dtype),
+            w7.to(dtype))
+
+
+@triton.jit
+def _dequant_bf16x2(packed, scale):
+    """Symmetric INT4 words [BW, BN] and their bf16 scales -> the 8 nibble slices in bf16, two values an
+    instruction: (word >> 4j) & 0x000F000F | 0x43004300 is the bf16 pair (128 + q_j, 128 + q_j+4); one fma takes
+    136 off (exact), one more multiplies by the scale (rounded once: the value `dequantize` gives)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 s2, t0, t1, t2, t3, u, one, off, nz;
+        mov.b32 s2, {$9, $9};
+        mov.b32 one, 0x3f803f80;
+        mov.b32 off, 0xc308c308;
+        mov.b32 nz, 0x80008000;
+        lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 u, $8, 4;
+        lop3.b32 t1, u, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 u, $8, 8;
+        lop3.b32 t2, u, 0x000f000f, 0x43004300, 0xea;
+        shr.u32 u, $8, 12;
+        lop3.b32 t3, u, 0x000f000f, 0x43004300, 0xea;
+        fma.rn.bf16x2 t0, t0, one, off;
+        fma.rn.bf16x2 t1, t1, one, off;
+        fma.rn.bf16x2 t2, t2, one, off;
+        fma.rn.bf16x2 t3, t3, one, off;
+        fma.rn.bf16x2 t0, t0, s2, nz;
+        fma.rn.bf16x2 t1, t1, s2, nz;
+        fma.rn.bf16x2 t2, t2, s2, nz;
+        fma.rn.bf16x2 t3, t3, s2, nz;
+        mov.b32 {$0, $4}, t0;
+        mov.b32 {$1, $5}, t1;
+        mov.b32 {$2, $6}, t2;
+        mov.b32 {$3, $7}, t3;
+        }
+        """,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+        args=[packed, scale],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _scale_tile(Scale, n, nmask, k0, K, s_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scales of a [BK/8 words, BN rows] INT4 tile, one for each word: [BW, BN]. Loaded once per group, a
+    row's groups side by side ([BN, NG], contiguous), then widened to every word of its group in registers: a
+    load per word would read each scale GROUP/8 times, one scattered element a lane."""
+    NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1          # groups a K step spans
+    groups = k0 // GROUP + tl.arange(0, NG)
+    s = tl.load(Scale + n[:, None] * s_sn + groups[None, :],
+                mask=nmask[:, None] & (groups * GROUP < K)[None, :], other=0.0)                  # [BN, NG]
+    s = tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, BLOCK_K // _WORD // NG))
+    return tl.trans(tl.reshape(s, (BLOCK_N, BLOCK_K // _WORD)))
+
+
+@triton.jit
 def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
-              INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+              INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr,
+              EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BM, BN] fp32 += A[:, k0 … k0 + BLOCK_K] @ expert e's rows n [BN] (as [BK, BN]); a_rows [BM, 1] points
     at the rows of A (rmask: the live ones). Dense: the stored weights. INT4 (int4.py's layout): each packed word
-    loads once; nibble j of every word makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K
-    taken in another order, so no tile is reshaped). A nibble becomes a float without a conversion: q | 2^23's
-    bits is 2^23 + q in fp32, less 2^23 + the zero point gives q − zero exactly; times the group's scale (exact
-    in fp32: a 4-bit integer times a 16-bit scale), rounded once to A's dtype, the value `dequantize` gives."""
+    loads once and A's [BM, BK] tile once (contiguous, so both stream ahead of the dots); nibble j of every word
+    makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so no
+    weight tile is reshaped). PAIRED (bf16 activations, symmetric, compiled): two values an instruction
+    (`_dequant_bf16x2`); else in fp32 (`_dequant_f32`). Both give `dequantize`'s values bit for bit. EVEN_K
+    (K a multiple of BLOCK_K): no mask along K, so the words load 16 bytes at a time."""
     e = e.to(tl.int64)
     if INT4:
         words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)                                 # [BW]
-        wmask = words < K // _WORD
+        wmask = (words < K // _WORD) | EVEN_K
         tmask = wmask[:, None] & nmask[None, :]
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
-        scale = tl.load(Scale + e * s_se + n[None, :] * s_sn + g[:, None], mask=tmask, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            zw = tl.load(Zero + e * s_ze + (n // _WORD)[None, :] * s_zn + g[:, None], mask=tmask, other=0)
-            zero = ((zw >> ((n % _WORD) * _BITS)[None, :]) & _NIBBLE) | _MAGIC_BITS                # [BW, BN]
-            zero = zero.to(tl.float32, bitcast=True)
+        scale = _scale_tile(Scale + e * s_se, n, nmask, k0, K, s_sn, GROUP, BLOCK_K, BLOCK_N)     # [BW, BN]
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)   # [BM, BK]
+        a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
+        if PAIRED:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_bf16x2(packed, scale)                    # [BW, BN] each
         else:
-            zero = _MAGIC_ZERO
-        for j in tl.static_range(_WORD):
-            q = ((packed >> (j * _BITS)) & _NIBBLE) | _MAGIC_BITS                               # [BW, BN]
-            w = (q.to(tl.float32, bitcast=True) - zero) * scale
-            a = tl.load(a_rows + (words * _WORD + j)[None, :], mask=rmask[:, None] & wmask[None, :], other=0.0)
-            acc = _dot(a, w.to(a.dtype), acc, IEEE)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_f32(packed, scale, Zero, e, n, g, tmask, s_ze, s_zn, HAS_ZERO,
+                                                          a.dtype)
+        acc = _dot(a0, w0, acc, IEEE)
+        acc = _dot(a1, w1, acc, IEEE)
+        acc = _dot(a2, w2, acc, IEEE)
+        acc = _dot(a3, w3, acc, IEEE)
+        acc = _dot(a4, w4, acc, IEEE)
+        acc = _dot(a5, w5, acc, IEEE)
+        acc = _dot(a6, w6, acc, IEEE)
+        acc = _dot(a7, w7, acc, IEEE)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)   # [BM, BK]
@@ -280,7 +382,8 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
 @triton.jit
 def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_xt, s_we, s_wn,
                     s_se, s_sn, s_ze, s_zn, s_ht, TOP_K: tl.constexpr, IEEE: tl.constexpr, INT4: tl.constexpr,
-                    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
+                    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_S: tl.constexpr,
                     ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
@@ -298,9 +401,9 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, Sort
     a_rows = X + tok[:, None] * s_xt                                                       # [BM, 1]
     for k0 in range(0, H, BLOCK_K):
         acc_g = _dot_tile(acc_g, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
-                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, IEEE, BLOCK_K, BLOCK_N)             # gate rows
+                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # gate rows
         acc_u = _dot_tile(acc_u, a_rows, rmask, W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
-                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, IEEE, BLOCK_K, BLOCK_N)             # up rows
+                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # up rows
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # silu(gate) * up
     tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -309,7 +412,8 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, Sort
 @triton.jit
 def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_ht, s_we,
                  s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
@@ -325,7 +429,7 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     a_rows = Hbuf + (start + rows)[:, None] * s_ht                                         # [BM, 1]
     for k0 in range(0, I, BLOCK_K):
         acc = _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn, s_ze,
-                        s_zn, INT4, HAS_ZERO, GROUP, IEEE, BLOCK_K, BLOCK_N)
+                        s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
     acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
@@ -346,10 +450,10 @@ def _cuda_sms(index: int) -> int:  # asked once per GPU: an eager forward calls 
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2) -> dict:
+def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: int = 2, int4: bool = False) -> dict:
     """Tile sizes from the static shape only (never from routing), so they are fixed at capture time.
 
-    BLOCK_M is `row_height(T)`: one block holds every token of an expert up to 32 tokens (an expert gets at
+    BLOCK_M is `row_height(T, int4)`: one block holds every token of an expert up to 32 tokens (an expert gets at
     most T); up to WIDE_ROWS_FROM_T tokens 32 or 64, more programs while the touched experts are few and
     crowded; from there 64, so a crowded expert's many tokens share its weight tiles in fewer programs.
     BLOCK_N shrinks until (slots × N-tiles) gives about two programs per SM, since a few programs cannot pull
@@ -368,7 +472,7 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
         return bn
 
     depth = 128 if elsize <= 2 else 64
-    return dict(S=S, BLOCK_M=row_height(T), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
+    return dict(S=S, BLOCK_M=row_height(T, int4), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
                 BLOCK_K_UP=min(depth, _pow2(H, 16)), BLOCK_K_DOWN=min(depth, _pow2(I, 16)), num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
 
@@ -497,15 +601,18 @@ def _expert_shapes(x, w_gate_up, w_down, what: str) -> tuple[int, int]:
     return E, I
 
 
-def _weight_args(w) -> tuple[list, dict]:
+def _weight_args(w, activations: torch.dtype, paired: bool = True) -> tuple[list, dict]:
     """A stacked weight -> (its kernel arguments: W, Scale, Zero and their strides, _dot_tile's constexprs).
-    Dense weights pass themselves where the INT4 tensors go (never read: INT4=False)."""
+    Dense weights pass themselves where the INT4 tensors go (never read: INT4=False). PAIRED (unless `paired` is
+    False, the launch config's "paired": the fp32 unpacking, for side-by-side checks): bf16 activations and
+    scales, symmetric, compiled (the interpreter runs no inline assembly)."""
     if isinstance(w, Int4Weights):
         zero = w.packed if w.zero is None else w.zero
         args = [w.packed, w.scale, zero, w.packed.stride(0), w.packed.stride(1), w.scale.stride(0),
                 w.scale.stride(1), zero.stride(0), zero.stride(1)]
-        return args, dict(INT4=True, HAS_ZERO=w.zero is not None, GROUP=w.group_size)
-    return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1)
+        paired = paired and w.zero is None and activations == w.scale.dtype == torch.bfloat16 and not _interpret()
+        return args, dict(INT4=True, HAS_ZERO=w.zero is not None, GROUP=w.group_size, PAIRED=paired)
+    return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1, PAIRED=False)
 
 
 def _block_k(depth: int, const: dict) -> int:
@@ -529,18 +636,19 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     one_block = T <= cfg["BLOCK_M"]
     blocks = S if one_block else row_blocks(P, S, cfg["BLOCK_M"])
     BLOCK_S = _pow2(S, 16)
-    up_args, up_const = _weight_args(w_gate_up)
-    down_args, down_const = _weight_args(w_down)
+    up_args, up_const = _weight_args(w_gate_up, x.dtype, cfg.get("paired", True))
+    down_args, down_const = _weight_args(w_down, x.dtype, cfg.get("paired", True))
+    up_k, down_k = _block_k(cfg["BLOCK_K_UP"], up_const), _block_k(cfg["BLOCK_K_DOWN"], down_const)
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
         x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, x.stride(0), s_we, s_wn,
-        *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=_block_k(cfg["BLOCK_K_UP"], up_const), **common)
+        *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, EVEN_K=H % up_k == 0, BLOCK_S=BLOCK_S,
+        ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
     down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
-        *down_strides, y.stride(0), IEEE=ieee, **down_const, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=_block_k(cfg["BLOCK_K_DOWN"], down_const), **common)
+        *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=I % down_k == 0, BLOCK_S=BLOCK_S,
+        ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)
@@ -549,9 +657,10 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     return out
 
 
-def _config(x, top_k: int, E: int, I: int, config: dict | None) -> dict:
+def _config(x, top_k: int, E: int, I: int, config: dict | None, w_gate_up) -> dict:
     T, H = x.shape
-    return {**launch_config(T, top_k, E, H, I, x.device, x.element_size()), **(config or {})}
+    int4 = isinstance(w_gate_up, Int4Weights)
+    return {**launch_config(T, top_k, E, H, I, x.device, x.element_size(), int4), **(config or {})}
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
@@ -563,7 +672,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
     assert router_weight.shape == (E, x.shape[1]), (
         f"fused_moe: router {tuple(router_weight.shape)} does not fit x {tuple(x.shape)} and {E} experts")
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = _config(x, top_k, E, I, config)
+    cfg = _config(x, top_k, E, I, config, w_gate_up)
     weights, _, *routed = moe_route_align(F.linear(x, router_weight), top_k, renormalize, counts,
                                           cfg.get("fuse_route"))
     return _experts(x, weights, routed, w_gate_up, w_down, top_k, I, cfg), routed[0]
@@ -584,7 +693,7 @@ def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
         f"T = {x.shape[0]} tokens")
     x = x if x.stride(1) == 1 else x.contiguous()
     sorted_experts = E + 1 if elsewhere else E  # pairs held elsewhere sort as one more expert, past the last
-    cfg = _config(x, top_k, sorted_experts, I, config)
+    cfg = _config(x, top_k, sorted_experts, I, config, w_gate_up)
     ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
     routed = moe_align(ids, sorted_experts, counts)
     out = _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg,

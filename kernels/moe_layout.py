@@ -2,7 +2,7 @@
 and the cost model: imports neither Triton nor torch (tensor code calls tensor methods only), so the advisor,
 which runs without torch, reads the same facts the kernel launches with.
 
-    row_height(T)              BLOCK_M: rows of one expert a program takes, one of ROW_HEIGHTS
+    row_height(T, int4)        BLOCK_M: rows of one expert a program takes, one of ROW_HEIGHTS
     ROUTE_IN_ALIGN_MAX_T       up to this many tokens one program routes and sorts them
     row_blocks(P, S, h)        the grid's bound on row blocks, for any routing
     blocks_at_height(counts, h)  the row blocks a routing runs, Σ_e ceil(n_e / h)
@@ -25,22 +25,24 @@ GATHER_LIMIT_BYTES = 4 << 30  # the most the torch path's per-token gather may t
                               # the benchmark skips that path
 
 
-def row_height(T: int) -> int:
+def row_height(T: int, int4: bool = False) -> int:
     """BLOCK_M on a GPU: 16 up to 16 tokens; from WIDE_ROWS_FROM_T, 64; between, the height of 32 or 64 that pads
     a crowded expert's T tokens (a tree routes alike, so one expert may get them all) least, the taller on a
     tie, which runs fewer blocks: 33 tokens take one block of 64, not two of 32 (measured end to end on the
-    H200, docs/kernels.md)."""
-    if T <= 16:
+    H200, docs/kernels.md). INT4 experts (`int4`) always take 16: a block unpacks its expert's weights whatever
+    its height, and a taller one cost about twice as much on the H200 (Kimi K2.6's block, T = 17 … 129,
+    docs/performance.md), so it pays only where an expert gets over 32 of a call's tokens."""
+    if T <= 16 or int4:
         return 16
     if T >= WIDE_ROWS_FROM_T:
         return 64
     return min((64, 32), key=lambda h: -(-T // h) * h - T)
 
 
-def at_kernel_height(per_height: Mapping[str, object] | None, tokens: int):
+def at_kernel_height(per_height: Mapping[str, object] | None, tokens: int, int4: bool = False):
     """Of a record counted at each row height ({"16": …, "32": …, "64": …}), the value at the height the
-    kernel runs `tokens` tokens with; None without one."""
-    return (per_height or {}).get(str(row_height(tokens)))
+    kernel runs `tokens` tokens with (INT4 experts: `int4`); None without one."""
+    return (per_height or {}).get(str(row_height(tokens, int4)))
 
 
 def row_blocks(P: int, S: int, block_m: int) -> int:

@@ -23,19 +23,22 @@ MLA_HEADS = (64, 8)  # Kimi K2's heads on one GPU; a TP8 rank's
 
 def load_kernel_file(path: str, name: str):
     """A kernel file from elsewhere (`git show REV:kernels/X.py > old.py`) as a module of its own, `name`. A
-    neighbour it imports as a lone file (`from auto_budget import …`) is found beside it, else in this
-    checkout's kernels (a file kept alone in /tmp still finds `moe_layout`)."""
+    neighbour it imports as a lone file (`from auto_budget import …`) is found beside it, else it is this
+    checkout's own module (a file kept alone in /tmp still finds `moe_layout`, and the INT4 weights it is handed
+    are instances of the classes it checks for)."""
+    import importlib
     import importlib.util
     import sys
     from pathlib import Path
 
     from .. import kernels
 
-    folder = str(Path(path).resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    if (ours := str(Path(kernels.__file__).parent)) not in sys.path:
-        sys.path.append(ours)
+    folder = Path(path).resolve().parent
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    for ours in Path(kernels.__file__).parent.glob("*.py"):
+        if ours.stem != "__init__" and not (folder / ours.name).exists():
+            sys.modules.setdefault(ours.stem, importlib.import_module(f"{kernels.__name__}.{ours.stem}"))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

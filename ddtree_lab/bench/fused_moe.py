@@ -42,7 +42,7 @@ from .timing import time_cuda_graph
 TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
-CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route")  # --config keys besides the BLOCK_… tile sizes
+CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired")  # --config keys besides the BLOCK_… tile sizes
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):
@@ -108,7 +108,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             want, want_counts = fused_moe(x, router, *dense, top_k, True)
             expert_elsize = (w_gate_up.nbytes + w_down.nbytes) / (dense[0].numel() + dense[1].numel())
         nbytes = touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize)
-        launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize), **(config or {})}
+        launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize, bool(int4_group)), **(config or {})}
         row = dict(T=T, **routing_stats(counts), row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
                    touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
@@ -187,7 +187,7 @@ def main(argv=None):
     ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
                     help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32, num_warps=8, "
-                         "fuse_route=0 (route in its own launch)")
+                         "fuse_route=0 (route in its own launch), paired=0 (INT4 unpacked in fp32)")
     ap.add_argument("--baseline", default=None, metavar="FILE",
                     help="another fused_moe.py (e.g. an earlier commit's), timed side by side on the same inputs")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="an MoE random shape's block (pairs/random.py)")
@@ -200,7 +200,7 @@ def main(argv=None):
         key, _, value = item.partition("=")
         if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
             ap.error(f"--config {item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
-        config[key] = bool(int(value)) if key == "fuse_route" else int(value)
+        config[key] = bool(int(value)) if key in ("fuse_route", "paired") else int(value)
     if a.smoke:
         # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
         device = "cuda" if torch.cuda.is_available() else "cpu"

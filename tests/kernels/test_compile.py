@@ -50,7 +50,7 @@ DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
     "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
-DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1}
+DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": True}
 
 MLA_FWD_SIGNATURE = {
     "Q": "*bf16", "Cache": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
@@ -114,13 +114,13 @@ CASES = [
      {**GATE_UP_SIGNATURE, "X": "*fp32", "W": "*fp32", "Scale": "*fp32", "Zero": "*fp32", "Hbuf": "*fp32"},
      {"TOP_K": 8, "IEEE": True, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32,
       "BLOCK_K": 64}),
-    ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile
+    ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile; bf16 pairs (inline assembly)
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "BLOCK_S": 64,
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True, "BLOCK_S": 64,
       "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     ("fused_moe", "_down_kernel",  # INT4 with zero points, a group as wide as the tile
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "BLOCK_S": 128, "ONE_BLOCK": False,
+     {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "PAIRED": False, "EVEN_K": False, "BLOCK_S": 128, "ONE_BLOCK": False,
       "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
     ("fused_moe", "_down_kernel", DOWN_SIGNATURE,
      {"IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),

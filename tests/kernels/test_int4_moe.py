@@ -223,6 +223,22 @@ def test_gpu_kimi_width_bf16(E, I, T):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 33])
+def test_gpu_paired_unpacking_equals_fp32_unpacking(T):
+    """bf16 activations unpack two values an instruction (inline assembly the interpreter cannot run); the fp32
+    unpacking, its twin here and under the interpreter, gives the same bf16 weights, so the outputs are equal."""
+    gen = torch.Generator().manual_seed(11 + T)
+    E, k, H, I = 16, 4, 1024, 256
+    x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    w_gate_up = random_int4(E, 2 * I, H, 32, True, gen, torch.bfloat16, "cuda")
+    w_down = random_int4(E, H, I, 32, True, gen, torch.bfloat16, "cuda")
+    weights, ids = routing(T, E, k, gen)
+    paired, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down)
+    fp32, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config={"paired": False})
+    assert torch.equal(paired, fp32)
+
+
+@gpu
 def test_gpu_int4_cuda_graph_replays_new_routing():
     """One capture of the routed INT4 path serves any routing of the same T."""
     gen = torch.Generator().manual_seed(4)

@@ -22,6 +22,13 @@ def test_row_height_pads_a_crowded_expert_least():
     assert at_kernel_height({"16": "a", "32": "b", "64": "c"}, 65) == "b" and at_kernel_height(None, 65) is None
 
 
+def test_int4_experts_take_short_rows_at_every_size():
+    """INT4 experts unpack their weights once per row block whatever its height, so every T takes 16 rows; the
+    telemetry's pick follows."""
+    assert {row_height(T, int4=True) for T in range(1, 2048)} == {16}
+    assert at_kernel_height({"16": "a", "32": "b", "64": "c"}, 65, int4=True) == "a"
+
+
 @pytest.mark.parametrize("block_m", [1, 16, 64])
 def test_row_blocks_bounds_any_routing(block_m):
     """The grid's bound on row blocks covers the blocks any routing of P pairs over min(E, P) experts runs."""

@@ -78,7 +78,7 @@ def measured_load(bench: dict, shape) -> ExpertLoad | None:
             continue
         tokens = {"ar": 1, "dflash": shape.block_size}.get(r["method"], int(r.get("budget") or 0) + 1)
         touched[tokens] = float(r["experts_touched_mean"])
-        at_height = at_kernel_height(r.get("expert_row_blocks_mean"), tokens)
+        at_height = at_kernel_height(r.get("expert_row_blocks_mean"), tokens, shape.int4_experts)
         if at_height is not None:
             blocks[tokens] = float(at_height)
     return ExpertLoad(touched, blocks or None) if touched else None

@@ -84,6 +84,11 @@ class ModelShape:
     def expert_bytes(self) -> float:
         return self.expert_dtype_bytes or self.dtype_bytes
 
+    @property
+    def int4_experts(self) -> bool:
+        """The routed experts run the fused kernel's INT4 path (under a byte a weight, scales included)."""
+        return 0 < self.expert_dtype_bytes < 1
+
     def moe_block_bytes(self, touched: float) -> float:
         """Weights one MoE block reads: its router [E, H] and the touched experts, at their own bytes (the shared
         experts are with the dense weights)."""
@@ -113,12 +118,12 @@ class ModelShape:
         return here * (1 - (1 - p) ** tokens)
 
     def expert_row_blocks(self, tokens: int, load: ExpertLoad | None = None) -> float:
-        """Row blocks one MoE layer runs, Σ_e ceil(n_e / h) at h = row_height(tokens): measured, else from
+        """Row blocks one MoE layer runs, Σ_e ceil(n_e / h) at h = row_height(tokens, INT4 experts): measured, else from
         a measured union with the pairs shared equally among its experts, else uniform routing (each expert's
         n_e ~ Binomial(T, k/E), its expectation summed exactly)."""
         if not self.num_experts:
             return 0.0
-        h, e, k = row_height(tokens), self.experts_held or self.num_experts, self.experts_per_tok
+        h, e, k = row_height(tokens, self.int4_experts), self.experts_held or self.num_experts, self.experts_per_tok
         if load and load.row_blocks:
             return _interp_log(load.row_blocks, tokens)
         if load and load.touched:
