@@ -79,6 +79,48 @@ _MAGIC_BITS = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a nibble OR-ed in i
 _MAGIC_ZERO = tl.constexpr(float(2 ** 23 + NIBBLE_OFFSET))  # 2^23 + the symmetric zero point
 
 
+assert VALUES_PER_WORD == 8, "the unpacking splits a word into 2·2·2 nibble columns"
+
+
+def _bf16_pair(value: float) -> str:
+    """A bf16 value's bits twice over, as a PTX 32-bit immediate (both halves of a bf16x2 register)."""
+    bits = torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+    return f"0x{bits:04x}{bits:04x}"
+
+
+# _dequant_bf16x2's assembly: one symmetric word ($8) and its bf16 scale ($9) -> 8 bf16 values ($0 … $7, value j
+# from nibble j). A nibble q OR-ed into bf16 128's bits is 128 + q exactly (128's last mantissa bit is worth 1);
+# adding −(128 + NIBBLE_OFFSET) gives the value exactly, the scale multiplies it, rounded once.
+_PAIR_ASM = tl.constexpr(f"""
+{{
+.reg .b32 s2, t0, t1, t2, t3, u, one, off, nz;
+mov.b32 s2, {{$9, $9}};
+mov.b32 one, {_bf16_pair(1.0)};
+mov.b32 off, {_bf16_pair(-(128 + NIBBLE_OFFSET))};
+mov.b32 nz, {_bf16_pair(-0.0)};
+lop3.b32 t0, $8, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
+shr.u32 u, $8, 4;
+lop3.b32 t1, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
+shr.u32 u, $8, 12;
+lop3.b32 t3, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
+fma.rn.bf16x2 t0, t0, one, off;
+fma.rn.bf16x2 t1, t1, one, off;
+fma.rn.bf16x2 t2, t2, one, off;
+fma.rn.bf16x2 t3, t3, one, off;
+fma.rn.bf16x2 t0, t0, s2, nz;
+fma.rn.bf16x2 t1, t1, s2, nz;
+fma.rn.bf16x2 t2, t2, s2, nz;
+fma.rn.bf16x2 t3, t3, s2, nz;
+mov.b32 {{$0, $4}}, t0;
+mov.b32 {{$1, $5}}, t1;
+mov.b32 {{$2, $6}}, t2;
+mov.b32 {{$3, $7}}, t3;
+}}
+""")
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -268,16 +310,17 @@ def _dequant_f32(packed, scale, Zero, e, n, g, tmask, s_ze, s_zn, HAS_ZERO: tl.c
         zero = zero.to(tl.float32, bitcast=True)
     else:
         zero = _MAGIC_ZERO
-    w0 = ((((packed >> 0) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w1 = ((((packed >> 4) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w2 = ((((packed >> 8) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w3 = ((((packed >> 12) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w4 = ((((packed >> 16) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w5 = ((((packed >> 20) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w6 = ((((packed >> 24) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    w7 = ((((packed >> 28) & _NIBBLE) | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero) * scale
-    return (w0.to(dtype), w1.to(dtype), w2.to(dtype), w3.to(dtype), w4.to(dtype), w5.to(dtype), w6.to(dtype),
-            w7.to(dtype))
+    return (_nibble_f32(packed, 0, zero, scale, dtype), _nibble_f32(packed, 1, zero, scale, dtype),
+            _nibble_f32(packed, 2, zero, scale, dtype), _nibble_f32(packed, 3, zero, scale, dtype),
+            _nibble_f32(packed, 4, zero, scale, dtype), _nibble_f32(packed, 5, zero, scale, dtype),
+            _nibble_f32(packed, 6, zero, scale, dtype), _nibble_f32(packed, 7, zero, scale, dtype))
+
+
+@triton.jit
+def _nibble_f32(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr):
+    """Nibble j of every word [BW, BN] as (q − zero) · scale in fp32, rounded once to `dtype`."""
+    q = ((packed >> (j * _BITS)) & _NIBBLE) | _MAGIC_BITS
+    return ((q.to(tl.float32, bitcast=True) - zero) * scale).to(dtype)
 
 
 @triton.jit
@@ -286,34 +329,7 @@ def _dequant_bf16x2(packed, scale):
     instruction: (word >> 4j) & 0x000F000F | 0x43004300 is the bf16 pair (128 + q_j, 128 + q_j+4); one fma takes
     136 off (exact), one more multiplies by the scale (rounded once: the value `dequantize` gives)."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 s2, t0, t1, t2, t3, u, one, off, nz;
-        mov.b32 s2, {$9, $9};
-        mov.b32 one, 0x3f803f80;
-        mov.b32 off, 0xc308c308;
-        mov.b32 nz, 0x80008000;
-        lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
-        shr.u32 u, $8, 4;
-        lop3.b32 t1, u, 0x000f000f, 0x43004300, 0xea;
-        shr.u32 u, $8, 8;
-        lop3.b32 t2, u, 0x000f000f, 0x43004300, 0xea;
-        shr.u32 u, $8, 12;
-        lop3.b32 t3, u, 0x000f000f, 0x43004300, 0xea;
-        fma.rn.bf16x2 t0, t0, one, off;
-        fma.rn.bf16x2 t1, t1, one, off;
-        fma.rn.bf16x2 t2, t2, one, off;
-        fma.rn.bf16x2 t3, t3, one, off;
-        fma.rn.bf16x2 t0, t0, s2, nz;
-        fma.rn.bf16x2 t1, t1, s2, nz;
-        fma.rn.bf16x2 t2, t2, s2, nz;
-        fma.rn.bf16x2 t3, t3, s2, nz;
-        mov.b32 {$0, $4}, t0;
-        mov.b32 {$1, $5}, t1;
-        mov.b32 {$2, $6}, t2;
-        mov.b32 {$3, $7}, t3;
-        }
-        """,
+        asm=_PAIR_ASM,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
         args=[packed, scale],
         dtype=(tl.bfloat16,) * 8,
