@@ -24,6 +24,7 @@ qwen3-30b-a3b, kimi-k2.6, kimi-k2.6-tp8-rank…); inputs are drawn on the device
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
                     [--shape kimi-k2.6 --int4 32]
                     [--config BLOCK_N_UP=16 BLOCK_N_DOWN=16 fuse_route=0]   (launch_config overrides)
+                    [--sweep BLOCK_N_UP=32,BLOCK_N_DOWN=32 num_warps=8]   (more overrides, each on the same inputs)
                     [--baseline old_fused_moe.py]   (another version of the kernel, side by side)
                     python -m ddtree_lab.bench.fused_moe --smoke --out /tmp/fused_moe_smoke.json   (CPU)
 """
@@ -85,11 +86,13 @@ def _time(fn, device, reps):
 
 def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
                     dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True,
-                    config: dict | None = None, baseline=None, int4_group: int = 0) -> list[dict]:
+                    config: dict | None = None, baseline=None, int4_group: int = 0,
+                    sweep: list[dict] | None = None) -> list[dict]:
     """`baseline`: another fused_moe module (e.g. `load_baseline(PATH)` of an earlier commit's kernel file),
     timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline.
     `int4_group`: INT4 experts, beside the dense kernel on the same experts dequantized (bf16_us, int4_speedup);
-    the dense kernel's output is then the one compared with."""
+    the dense kernel's output is then the one compared with. `sweep`: more launch overrides timed on the same inputs
+    (rows gain `sweep`: each config's us, ÷ floor, and whether its output equals the row's own bit for bit)."""
     from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
     from ..moe import _grouped_mm_fits, moe_torch
 
@@ -122,6 +125,14 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             dense_bytes = touched_bytes(counts, T, experts, hidden, width, elsize)
             row["bf16_floor_us"] = None if copy_gbps is None else dense_bytes / (copy_gbps * 1e3)
             del dense
+        if sweep:
+            row["sweep"] = []
+            for extra in sweep:
+                cfg = {**(config or {}), **extra}
+                got, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg)
+                us = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg), device, reps)
+                row["sweep"].append(dict(config=extra, us=us, equal=bool(torch.equal(got, out)),
+                                         over_floor=None if not row["floor_us"] else us / row["floor_us"]))
         if baseline is not None:
             base_out, base_counts = baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True)
             row["equal_to_baseline"] = bool(torch.equal(base_out, out) and torch.equal(base_counts, counts))
@@ -188,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
                     help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32, num_warps=8, "
                          "fuse_route=0 (route in its own launch), paired=0 (INT4 unpacked in fp32)")
+    ap.add_argument("--sweep", nargs="+", default=[], metavar="KEY=INT[,KEY=INT…]",
+                    help="more launch overrides, each timed on the same inputs as the row, e.g. "
+                         "BLOCK_N_UP=32,BLOCK_N_DOWN=32 num_warps=8 num_stages=2")
     ap.add_argument("--baseline", default=None, metavar="FILE",
                     help="another fused_moe.py (e.g. an earlier commit's), timed side by side on the same inputs")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="an MoE random shape's block (pairs/random.py)")
@@ -195,12 +209,17 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    config = {}
-    for item in a.config:
-        key, _, value = item.partition("=")
-        if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
-            ap.error(f"--config {item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
-        config[key] = bool(int(value)) if key in ("fuse_route", "paired") else int(value)
+    def overrides(items, flag):
+        out = {}
+        for item in items:
+            key, _, value = item.partition("=")
+            if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
+                ap.error(f"{flag} {item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
+            out[key] = bool(int(value)) if key in ("fuse_route", "paired") else int(value)
+        return out
+
+    config = overrides(a.config, "--config")
+    sweep = [overrides(group.split(","), "--sweep") for group in a.sweep]
     if a.smoke:
         # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,10 +237,11 @@ def main(argv=None):
         ap.error(f"--baseline {a.baseline}: no such file")
     rows = bench_fused_moe(tokens, **shape, similarity=a.similarity, dtype=dtype, device=device, copy_gbps=bw,
                            config=config or None, baseline=load_baseline(a.baseline) if a.baseline else None,
+                           sweep=sweep,
                            int4_group=a.int4)
     if a.out:
         write_bench_json(a.out, rows, shape=shape, shape_name=a.shape, int4_group=a.int4, similarity=a.similarity,
-                         config=config, baseline=a.baseline,
+                         config=config, sweep=sweep, baseline=a.baseline,
                          dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
     return rows
 

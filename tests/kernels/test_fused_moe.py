@@ -262,8 +262,26 @@ def test_bench_times_a_baseline_kernel_side_by_side(tmp_path):
     shutil.copy(kernel.__file__, copy)
     rows = bench_fused_moe.main(["--smoke", "--tokens", "3", "--baseline", str(copy)])
     assert rows[0]["equal_to_baseline"] and rows[0]["baseline_us"] > 0 and rows[0]["over_baseline"] > 0
+    # INT4 experts too: the copy's lone-file imports resolve to this checkout's modules, so the Int4Weights it is
+    # handed are of the class it checks for
+    rows = bench_fused_moe.main(["--smoke", "--int4", "32", "--tokens", "3", "--baseline", str(copy)])
+    assert rows[0]["equal_to_baseline"]
     with pytest.raises(SystemExit):
         bench_fused_moe.main(["--smoke", "--baseline", str(tmp_path / "missing.py")])
+
+
+def test_bench_sweeps_launch_overrides_on_the_same_inputs():
+    """`--sweep`: each group of overrides timed on the row's own inputs, its output compared with the row's; a
+    key the launch does not take is refused in one line."""
+    from ddtree_lab.bench import fused_moe as bench_fused_moe
+
+    rows = bench_fused_moe.main(["--smoke", "--int4", "32", "--tokens", "3", "--sweep",
+                                 "BLOCK_N_UP=16,BLOCK_N_DOWN=16", "BLOCK_M=32"])
+    sweep = rows[0]["sweep"]
+    assert [c["config"] for c in sweep] == [dict(BLOCK_N_UP=16, BLOCK_N_DOWN=16), dict(BLOCK_M=32)]
+    assert all(c["us"] > 0 and isinstance(c["equal"], bool) for c in sweep)
+    with pytest.raises(SystemExit):
+        bench_fused_moe.main(["--smoke", "--sweep", "BLOCK_N_UP=16,warps=2"])
 
 
 @pytest.mark.parametrize("T,E,k,held", [(1, 8, 2, 4), (5, 8, 2, 2), (17, 16, 4, 4), (40, 12, 3, 6)])
