@@ -352,6 +352,13 @@ def _scale_tile(Scale, n, nmask, k0, K, s_sn, GROUP: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def _a_tile(a_rows, rmask, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A's [BM, BK] tile at columns k0 …: its live rows (rmask), no column mask when EVEN_K."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(a_rows + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)
+
+
+@triton.jit
 def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
               INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr,
               EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -361,7 +368,7 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
     makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so no
     weight tile is reshaped). PAIRED (bf16 activations, symmetric, compiled): two values an instruction
     (`_dequant_bf16x2`); else in fp32 (`_dequant_f32`). Both give `dequantize`'s values bit for bit. EVEN_K
-    (K a multiple of BLOCK_K): no mask along K, so the words load 16 bytes at a time."""
+    (INT4 launches whose K is a multiple of BLOCK_K): no mask along K, so the words load 16 bytes at a time."""
     e = e.to(tl.int64)
     if INT4:
         words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)                                 # [BW]
@@ -370,8 +377,7 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
         scale = _scale_tile(Scale + e * s_se, n, nmask, k0, K, s_sn, GROUP, BLOCK_K, BLOCK_N)     # [BW, BN]
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)   # [BM, BK]
+        a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                                  # [BM, BK]
         a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
         if PAIRED:
             w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_bf16x2(packed, scale)                    # [BW, BN] each
@@ -388,7 +394,7 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
         acc = _dot(a7, w7, acc, IEEE)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)   # [BM, BK]
+        a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                                  # [BM, BK]
         w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None], mask=(kk < K)[:, None] & nmask[None, :],
                     other=0.0)                                                                 # [BK, BN]
         acc = _dot(a, w, acc, IEEE)
@@ -658,13 +664,14 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
         x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, x.stride(0), s_we, s_wn,
-        *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, EVEN_K=H % up_k == 0, BLOCK_S=BLOCK_S,
-        ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
+        *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0,
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
     down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
-        *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=I % down_k == 0, BLOCK_S=BLOCK_S,
-        ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, **common)
+        *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=down_const["INT4"] and I % down_k == 0,
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k,
+        **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)

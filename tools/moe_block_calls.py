@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from ddtree_lab.bench.fused_moe import block_inputs, block_shape
+from ddtree_lab.bench.fused_moe import block_inputs, block_shape, parse_overrides
 from ddtree_lab.kernels.fused_moe import fused_moe
 
 
@@ -26,9 +26,12 @@ def main(argv=None):
     ap.add_argument("--dense", action="store_true", help="bf16 experts instead of INT4")
     ap.add_argument("config", nargs="*", metavar="KEY=INT", help="launch_config overrides, e.g. BLOCK_M=16")
     a = ap.parse_args(argv)
+    try:
+        config = parse_overrides(a.config) or None
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    config = {k: int(v) for k, v in (item.split("=", 1) for item in a.config)} or None
     sh = block_shape(a.shape)
     x, router, w_gate_up, w_down = block_inputs(a.tokens, sh["experts"], sh["hidden"], sh["width"], torch.bfloat16,
                                                 "cuda", 0.0, seed=a.tokens, int4_group=0 if a.dense else 32)

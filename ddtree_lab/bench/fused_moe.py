@@ -68,6 +68,18 @@ def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, i
     return x.to(dtype), router.to(dtype), stack(2 * width, hidden), stack(hidden, width)
 
 
+def parse_overrides(items) -> dict:
+    """["KEY=INT", …] -> fused_moe launch overrides (KEY a BLOCK_… tile size or one of CONFIG_KEYS; fuse_route and
+    paired as booleans); ValueError naming the item that is not one."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
+            raise ValueError(f"{item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
+        out[key] = bool(int(value)) if key in ("fuse_route", "paired") else int(value)
+    return out
+
+
 def touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize=None) -> int:
     """What a block must move at least: the router and the touched experts' weights (expert_elsize bytes a value:
     INT4's packed words and scales; default elsize), x in and out."""
@@ -111,7 +123,8 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             want, want_counts = fused_moe(x, router, *dense, top_k, True)
             expert_elsize = (w_gate_up.nbytes + w_down.nbytes) / (dense[0].numel() + dense[1].numel())
         nbytes = touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize)
-        launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize, bool(int4_group)), **(config or {})}
+        launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize, bool(int4_group)),
+                  **(config or {})}
         row = dict(T=T, **routing_stats(counts), row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
                    touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
@@ -209,17 +222,14 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    def overrides(items, flag):
-        out = {}
-        for item in items:
-            key, _, value = item.partition("=")
-            if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
-                ap.error(f"{flag} {item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
-            out[key] = bool(int(value)) if key in ("fuse_route", "paired") else int(value)
-        return out
-
-    config = overrides(a.config, "--config")
-    sweep = [overrides(group.split(","), "--sweep") for group in a.sweep]
+    try:
+        config = parse_overrides(a.config)
+    except ValueError as e:
+        ap.error(f"--config {e}")
+    try:
+        sweep = [parse_overrides(group.split(",")) for group in a.sweep]
+    except ValueError as e:
+        ap.error(f"--sweep {e}")
     if a.smoke:
         # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -50,7 +50,7 @@ DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
     "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
-DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": True}
+DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": False}
 
 MLA_FWD_SIGNATURE = {
     "Q": "*bf16", "Cache": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
