@@ -244,9 +244,10 @@ class RoundProgram:
 
 
 def routing_fields(target) -> dict:
-    """A traced round's MoE routing (RoundTrace.experts_touched, expert_tokens_max, expert_row_blocks); None
-    for a dense target."""
-    return target.expert_routing() or {"experts_touched": None, "expert_tokens_max": None, "expert_row_blocks": None}
+    """A traced round's MoE routing (RoundTrace.experts_touched, expert_tokens_max, expert_row_blocks,
+    expert_int4); None (False) for a dense target."""
+    return target.expert_routing() or {"experts_touched": None, "expert_tokens_max": None, "expert_row_blocks": None,
+                                       "expert_int4": False}
 
 
 def check_pair(pair) -> None:

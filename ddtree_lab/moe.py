@@ -276,7 +276,8 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 def expert_routing(blocks: list[SparseMoE]) -> dict[str, object]:
     """Per MoE block's last forward, in order: `moe_layout.routing_stats` of its counts (experts touched, the
-    busiest expert's tokens, row blocks per height). One host read."""
+    busiest expert's tokens, row blocks per height), and whether the experts are INT4 (`expert_int4`: the
+    kernel's row height follows it, `moe_layout.row_height`). One host read."""
     counts = (torch.stack([m.counts_here() for m in blocks]) if blocks
               else torch.zeros(0, 1, dtype=torch.int32))  # [L, experts here]
-    return routing_stats(counts)
+    return {**routing_stats(counts), "expert_int4": any(isinstance(m.gate_up, Int4Experts) for m in blocks)}

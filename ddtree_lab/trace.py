@@ -28,6 +28,7 @@ class RoundTrace:
     expert_tokens_max: list[int] | None = None  # per MoE layer, the most tokens one expert got (its load)
     # per row-block height ("16", "32", "64"), per MoE layer: the fused kernel's row blocks, Σ ceil(tokens_e / h)
     expert_row_blocks: dict[str, list[int]] | None = None
+    expert_int4: bool = False      # the experts are INT4 (the kernel runs them at moe_layout.row_height(T, int4))
     budget: int | None = None      # the round's tree budget (DDTree; with budget="auto" the one chosen)
 
     @property
@@ -41,7 +42,7 @@ class RoundTrace:
             "accepted_tokens": self.accepted_tokens, "next_token": self.next_token,
             "stage_seconds": self.stage_seconds, "experts_touched": self.experts_touched,
             "expert_tokens_max": self.expert_tokens_max, "expert_row_blocks": self.expert_row_blocks,
-            "budget": self.budget,
+            "expert_int4": self.expert_int4, "budget": self.budget,
             "tree": None if self.tree is None else self.tree.to_json(),
         }
 
@@ -52,7 +53,7 @@ class RoundTrace:
                    accepted=d["accepted"], accepted_tokens=d["accepted_tokens"],
                    next_token=d["next_token"], stage_seconds=d.get("stage_seconds", {}),
                    experts_touched=d.get("experts_touched"), expert_tokens_max=d.get("expert_tokens_max"),
-                   expert_row_blocks=d.get("expert_row_blocks"),
+                   expert_row_blocks=d.get("expert_row_blocks"), expert_int4=bool(d.get("expert_int4")),
                    budget=d.get("budget"))
 
 

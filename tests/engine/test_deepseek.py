@@ -262,7 +262,10 @@ def test_an_int4_copy_equals_its_dequantized_weights(hf_pair, tmp_path, symmetri
     assert torch.equal(a, b)
     pair = dl.load_pair(target=str(tmp_path / "int4"), drafter=str(ddir))
     ar = dl.generate(pair, tokens[:8].tolist(), method="ar", max_new_tokens=16)
-    assert dl.generate(pair, tokens[:8].tolist(), budget=32, max_new_tokens=16).tokens == ar.tokens
+    tree = dl.generate(pair, tokens[:8].tolist(), budget=32, max_new_tokens=16, trace=True)
+    assert tree.tokens == ar.tokens
+    # traces say the experts are INT4, so readers take the row blocks at INT4's height
+    assert all(r.expert_int4 for r in tree.rounds) and dense.expert_routing()["expert_int4"] is False
 
 
 def test_int4_refusals(hf_pair, tmp_path):

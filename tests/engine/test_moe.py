@@ -207,6 +207,7 @@ def test_experts_touched_is_the_verify_forwards(moe_pair):
     routing = target.expert_routing()
     touched, busiest, blocks = routing["experts_touched"], routing["expert_tokens_max"], routing["expert_row_blocks"]
     assert touched == r.experts_touched and busiest == r.expert_tokens_max and blocks == r.expert_row_blocks
+    assert routing["expert_int4"] is False and r.expert_int4 is False  # dense experts
     assert all(1 <= b <= len(tokens) for b in busiest)  # one expert gets at most every token of the forward
     pairs = len(tokens) * moe_pair.target.cfg.num_experts_per_tok
     for h, per_layer in blocks.items():  # each expert: ceil(tokens / h) blocks, between the touched and the pairs

@@ -318,6 +318,8 @@ def test_expert_load_and_confidence_calibration_from_trace_rows():
     load = A.expert_load(rows)
     assert load.touched == {1: 8.0, 17: 85.0}
     assert load.row_blocks == {17: 87.0}  # 17 tokens run 32-row blocks; the AR row carried none
+    int4 = [{**r, "expert_int4": True} for r in rows]
+    assert A.expert_load(int4).row_blocks == {17: 99.0}  # INT4 experts run 16-row blocks at any size
     assert A.tau_calibration(rows) == pytest.approx((1 + 3) / (2 + 2))
     assert A.expert_load([{"tree": {"tokens": [1]}}]) is None and A.tau_calibration([{}]) is None
 

@@ -16,8 +16,9 @@ def verify_tokens(row: Mapping) -> int:
 
 
 def row_blocks_at_height(row: Mapping) -> list[int] | None:
-    """A traced round's row blocks per MoE layer at the kernel's height for its verify tokens; None without."""
-    return at_kernel_height(row.get("expert_row_blocks"), verify_tokens(row))
+    """A traced round's row blocks per MoE layer at the kernel's height for its verify tokens (and its experts'
+    INT4-ness, `expert_int4`); None without."""
+    return at_kernel_height(row.get("expert_row_blocks"), verify_tokens(row), bool(row.get("expert_int4")))
 
 
 def expert_load(trace_rows: Sequence[Mapping]) -> ExpertLoad | None:
