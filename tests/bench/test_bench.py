@@ -50,6 +50,22 @@ def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
     assert shares == sorted(shares, reverse=True) and {k["stage"] for k in tree["top_kernels"]} <= set(tree["stages"])
 
 
+def test_e2e_and_profile_serve_an_mla_moe_target(tmp_path):
+    """A DeepSeek-V3 target (MLA, grouped sigmoid routing, shared expert, a dense first layer) through both
+    benches: rows per method, each round's kernels attributed to its stages, the MoE rows' experts counted."""
+    d = tmp_path / "pair"
+    make_tiny_pair(d, arch="deepseek_v3", seed=4)
+    common = ["--model", str(d), "--budgets", "8", "--rounds", "2", "--prompt-len", "10", "--device", "cpu",
+              "--dtype", "float32", "--attention", "sdpa"]
+    e2e = bench(tmp_path, "e2e", *common)
+    assert [(r["method"], r["budget"]) for r in e2e["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 8)]
+    ar, _, tree = e2e["rows"]
+    assert ar["experts_touched_mean"] <= tree["experts_touched_mean"]  # a tree reads the union of its tokens'
+    prof = bench(tmp_path, "profile", *common, "--methods", "ar", "ddtree")
+    assert set(prof["rows"][1]["stages"]) == {"draft", "tree_build", "verify", "commit"}
+    assert all(s["kernels_per_round"] >= 1 for s in prof["rows"][1]["stages"].values())
+
+
 def test_prompts_speedup_and_equality_counts(tmp_path):
     res = bench(tmp_path, "prompts", "--pair", "lab", "--prompts", "lab:code", "--n-prompts", "2", "--budgets", "8",
                 "--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa",
