@@ -93,6 +93,9 @@ class GraphRunner:
 
 
 PREFILL_BUCKET = 64  # a captured prefill pads the prompt to a multiple of this many tokens (one graph each)
+# Longer prompts run the same padded forward eagerly: their compute hides the host's launches, and a captured
+# prefill keeps a pool of that length's activations on the device for as long as it is kept.
+MAX_CAPTURED_PREFILL = 8192
 
 
 class Prefill:
@@ -157,17 +160,27 @@ def padded_prefill(device: torch.device, target) -> bool:
 MAX_KEPT = 16  # entries per kind and pair; past this the kind is cleared (graphs pin device memory)
 
 
-def kept(pair, kind: str, key: tuple, with_drafter: bool, make, release):
-    """make(), kept on the pair under `kind` for this key, the current options and these exact cache
-    tensors; past MAX_KEPT entries the kind is cleared, each dropped entry release()d at once."""
+def _cache_signature(pair, with_drafter: bool) -> tuple:
+    """(address, shape) of the caches a kept entry is bound to: the target's KV, and the drafter's if it drafts."""
     caches = [pair.target.kv] + ([pair.drafter.kv, pair.drafter.ctx_len] if with_drafter else [])
-    key = key + options.key() + tuple((t.data_ptr(), tuple(t.shape)) for t in caches)
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in caches)
+
+
+def kept(pair, kind: str, key: tuple, with_drafter: bool, make, release):
+    """make(), kept on the pair under `kind` for this key, the current options and these exact cache tensors.
+    Graphs pin device memory, so when an entry is made, the kind's entries bound to a cache the pair no longer
+    holds (a cache grows by replacement, attention.static_cache: they can never run again) are dropped, and past
+    MAX_KEPT entries the whole kind; each dropped entry release()d at once."""
+    bound = _cache_signature(pair, with_drafter)
+    key = key + options.key() + (bound,)
     cache = pair.__dict__.setdefault(kind, {})
     if key not in cache:
-        if len(cache) >= MAX_KEPT:
-            for entry in cache.values():
-                release(entry)
-            cache.clear()
+        held = set(_cache_signature(pair, pair.drafter is not None))
+        stale = [k for k in cache if not set(k[-1]) <= held]
+        if len(cache) - len(stale) >= MAX_KEPT:
+            stale = list(cache)
+        for k in stale:
+            release(cache.pop(k))
         cache[key] = make()
     return cache[key]
 

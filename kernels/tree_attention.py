@@ -30,10 +30,18 @@ def _interpret() -> bool:
 # mask helpers (plain torch, vectorised, no host sync)
 # --------------------------------------------------------------------------------------------
 
-def pack_mask(anc: torch.Tensor) -> torch.Tensor:
-    """anc bool [T, T] -> int32 [T, ceil(T/32)]; bit (j % 32) of word j // 32 of row i = anc[i, j]."""
+PACK_STAGING = 1 << 25  # int64 elements pack_mask stages at once (256 MiB); a 32k-token prefill's mask whole: 8 GiB
+
+
+def pack_mask(anc: torch.Tensor, rows_at_once: int | None = None) -> torch.Tensor:
+    """anc bool [T, T] -> int32 [T, ceil(T/32)]; bit (j % 32) of word j // 32 of row i = anc[i, j].
+    Rows are packed `rows_at_once` at a time (default: PACK_STAGING's worth), so a long prefill's mask packs in
+    bounded memory; a verify tree's packs in one go (the same few launches)."""
     T, Tc = anc.shape
     W = (Tc + 31) // 32
+    rows = rows_at_once or max(1, PACK_STAGING // (W * 32))
+    if T > rows:
+        return torch.cat([pack_mask(anc[i:i + rows], rows) for i in range(0, T, rows)])
     bits = torch.zeros(T, W * 32, dtype=torch.int64, device=anc.device)
     bits[:, :Tc] = anc.to(torch.int64)
     weights = torch.ones(32, dtype=torch.int64, device=anc.device) << torch.arange(32, device=anc.device)

@@ -278,6 +278,30 @@ def test_the_cache_only_grows_so_alternating_runs_keep_their_programs(tiny_pair)
     assert tiny_pair.target.cache_len >= tiny_pair.target.max_past + 129  # a short prompt keeps the long one's room
 
 
+def test_kept_entries_bound_to_a_replaced_cache_are_released():
+    """Graphs pin device memory: once a cache grows (a new tensor), what was kept on the old one can never run
+    again, so making the next entry releases it; entries on the caches held stay, and are found again."""
+    from types import SimpleNamespace
+
+    from ddtree_lab.graphs import kept
+
+    pair = SimpleNamespace(target=SimpleNamespace(kv=torch.zeros(2, 8)),
+                           drafter=SimpleNamespace(kv=torch.zeros(2, 4), ctx_len=torch.zeros(1)))
+    released = []
+
+    def keep(key, with_drafter=True):
+        return kept(pair, "_things", (key,), with_drafter, lambda: object(), released.append)
+
+    a, b = keep("a"), keep("b", with_drafter=False)
+    assert keep("a") is a and released == []
+    pair.drafter.kv = torch.zeros(2, 16)  # the drafter's cache grew: "a" was bound to the old one, "b" was not
+    c = keep("c")
+    assert released == [a] and keep("b", with_drafter=False) is b and keep("c") is c
+    pair.target.kv = torch.zeros(2, 32)
+    keep("a")
+    assert released == [a, b, c] and len(pair._things) == 1
+
+
 def test_a_static_cache_grows_along_its_slots_only():
     held = static_cache(None, (2, 2, 3, 64, 8), "cpu", torch.float32)
     assert static_cache(held, (2, 2, 3, 40, 8), "cpu", torch.float32) is held      # fewer slots: kept

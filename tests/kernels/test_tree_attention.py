@@ -82,6 +82,17 @@ def test_pack_mask_roundtrip_and_bit_layout():
     assert ta.pack_mask(anc).tolist() == [[-(2**31), 1]]
 
 
+def test_pack_mask_in_row_chunks_equals_whole(monkeypatch):
+    """A long prefill's mask packs a few rows at a time (bounded staging): the same words as packed whole."""
+    gen = torch.Generator().manual_seed(2)
+    anc = torch.rand(100, 100, generator=gen) < 0.5
+    whole = ta.pack_mask(anc)
+    for rows in (1, 7, 32, 99):
+        assert torch.equal(ta.pack_mask(anc, rows_at_once=rows), whole), rows
+    monkeypatch.setattr(ta, "PACK_STAGING", 4 * 128)  # the default chunking: 4 rows of 4 words
+    assert torch.equal(ta.pack_mask(anc), whole)
+
+
 # ---------------------------------------------------------------- interpreter / any-device matrix
 
 HEADS = [(4, 4), (8, 2), (12, 4)]
