@@ -45,13 +45,23 @@ def load_kernel_file(path: str, name: str):
     return module
 
 
-def write_bench_json(path: str, rows: list, **meta) -> None:
-    """A micro-benchmark's rows as JSON after the machine, the library versions and `meta`, written atomically."""
+def write_bench_json(path: str, rows: list, module: str, argv: list[str] | None, **meta) -> None:
+    """A micro-benchmark's rows as JSON, written atomically, after what names the run: the machine, the library
+    versions, the command (`python -m module argv…`; argv None: the process's own), the commit and the digest of
+    the sources that ran, and `meta`."""
+    import shlex
+    import sys
+
     import torch
     import triton
 
     from ..atomic import atomic_write_json
+    from ..environment import git_commit, source_digest
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
-    atomic_write_json(path, {"device": device, "torch": torch.__version__, "triton": triton.__version__, **meta,
+    if module == "__main__":  # run as `python -m …`: the module's own name is its spec's
+        module = sys.modules["__main__"].__spec__.name
+    command = shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+    atomic_write_json(path, {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+                             "command": command, "commit": git_commit(), "source_sha256": source_digest(), **meta,
                              "rows": rows})

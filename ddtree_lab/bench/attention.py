@@ -380,7 +380,7 @@ def main(argv=None):
         rows = bench_tree_attention(a.trees, a.contexts, tuple(a.backends), a.hq, a.hkv, a.head_dim,
                                     torch_dtype(a.dtype), **timed)
     if a.out:
-        write_bench_json(a.out, rows, copy_gbps=copy_gbps)
+        write_bench_json(a.out, rows, __name__, argv, copy_gbps=copy_gbps)
     print(mla_summary_table(rows) if a.mla else summary_table(rows))
     return rows
 

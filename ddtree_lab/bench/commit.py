@@ -128,8 +128,8 @@ def main(argv=None):
         ap.error("no CUDA device: time it on a GPU, or set TRITON_INTERPRET=1 for a correctness run on the CPU")
     rows = bench_commit(a.budgets, a.block, a.accepted, a.layers, a.kv_heads, a.head_dim, a.features, device)
     if a.out:
-        write_bench_json(a.out, rows, budgets=a.budgets, block=a.block, accepted=a.accepted, layers=a.layers,
-                         kv_heads=a.kv_heads, head_dim=a.head_dim, features=a.features)
+        write_bench_json(a.out, rows, __name__, argv, budgets=a.budgets, block=a.block, accepted=a.accepted,
+                         layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim, features=a.features)
     return rows
 
 

@@ -250,8 +250,8 @@ def main(argv=None):
                            sweep=sweep,
                            int4_group=a.int4)
     if a.out:
-        write_bench_json(a.out, rows, shape=shape, shape_name=a.shape, int4_group=a.int4, similarity=a.similarity,
-                         config=config, sweep=sweep, baseline=a.baseline,
+        write_bench_json(a.out, rows, __name__, argv, shape=shape, shape_name=a.shape, int4_group=a.int4,
+                         similarity=a.similarity, config=config, sweep=sweep, baseline=a.baseline,
                          dtype=str(dtype).replace("torch.", ""), copy_gbps=bw, smoke=a.smoke)
     return rows
 

@@ -57,7 +57,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rows = bench_fused_tree(a.widths, a.warps)
     if a.out:
-        write_bench_json(a.out, rows)
+        write_bench_json(a.out, rows, __name__, argv)
     return rows
 
 

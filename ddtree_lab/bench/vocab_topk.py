@@ -58,7 +58,7 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = bench_vocab_topk(a.vocabs, a.ks, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     if a.out:
-        write_bench_json(a.out, rows)
+        write_bench_json(a.out, rows, __name__, argv)
     return rows
 
 

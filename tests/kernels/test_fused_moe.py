@@ -215,6 +215,9 @@ def test_bench_smoke_runs_the_logic_path(tmp_path):
     rows = bench_fused_moe.main(["--smoke", "--tokens", "1", "5", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert [r["T"] for r in saved["rows"]] == [1, 5] == [r["T"] for r in rows] and saved["smoke"]
+    # what names the run: the command that repeats it, the commit and the sources' digest
+    assert saved["command"] == f"python -m ddtree_lab.bench.fused_moe --smoke --tokens 1 5 --out {out}"
+    assert saved["commit"] and len(saved["source_sha256"]) == 64
     for r in rows:
         assert r["counts_equal_reference"] and r["max_abs_diff"] < 1e-5 and r["triton_us"] > 0 and r["torch_us"] > 0
         assert 2 <= r["experts_touched"] <= min(8, 2 * r["T"]) and r["floor_us"] is None
