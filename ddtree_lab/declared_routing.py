@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.moe_layout import uniform_ids_reference
 from .names import ROUTING_MODELS
-
-_PRIME = 2_147_483_647  # 2^31 − 1: products of two residues stay below 2^62, exact in int64
-_MIX = (1_103_515_245, 2_654_435_761 % _PRIME, 40_503, 1_597_334_677)
+from .tree import use_triton
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,15 @@ def check_routing(model, experts: int, top_k: int) -> None:
 
 def uniform_ids(keys: torch.Tensor, layer: int, experts: int, top_k: int) -> torch.Tensor:
     """keys [T] int64 (one per token: its id and position) -> ids [T, top_k]: k distinct experts, uniform and
-    independent across distinct keys and layers (each expert scored by a hash of (key, layer, expert))."""
-    e = torch.arange(experts, device=keys.device, dtype=torch.int64)
-    x = (keys[:, None] % _PRIME * _MIX[0] + (layer + 1) * _MIX[1] + e[None] * _MIX[2]) % _PRIME   # [T, E]
-    x = (x ^ (x >> 13)) * _MIX[3] % _PRIME
-    x = (x ^ (x >> 7)) * _MIX[0] % _PRIME
-    return x.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+    independent across distinct keys and layers (each expert scored by a hash of (key, layer, expert):
+    kernels/moe_layout.uniform_ids_reference). One launch where the Triton kernels run (kernels/uniform_route.py),
+    torch elsewhere."""
+    if use_triton(keys.device):
+        from .kernels import uniform_route
+
+        if experts <= uniform_route.MAX_EXPERTS:
+            return uniform_route.uniform_ids(keys, layer, experts, top_k)
+    return uniform_ids_reference(keys, layer, experts, top_k)
 
 
 class DeclaredRouting(torch.nn.Module):

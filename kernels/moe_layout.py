@@ -8,6 +8,8 @@ which runs without torch, reads the same facts the kernel launches with.
     blocks_at_height(counts, h)  the row blocks a routing runs, Σ_e ceil(n_e / h)
     route_reference(...)       the routing in torch: the kernel's ground truth and the engine's torch path
     route_grouped_reference(...)  DeepSeek-V3's grouped sigmoid routing (the engine computes it for the kernel)
+    uniform_ids_reference(...)  declared uniform routing's experts, a hash per (token, layer, expert) (its kernel:
+                               uniform_route.py)
     routing_stats(counts)      experts touched, the busiest expert's tokens, row blocks per height
     moe_weight_bytes, reread_bytes, gather_bytes   bytes a block reads, re-reads, or gathers in torch
 """
@@ -106,6 +108,23 @@ def route_grouped_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+UNIFORM_PRIME = 2_147_483_647  # 2^31 − 1: products of two residues stay below 2^62, exact in int64
+UNIFORM_MIX = (1_103_515_245, 2_654_435_761 % UNIFORM_PRIME, 40_503, 1_597_334_677)
+
+
+def uniform_ids_reference(keys: torch.Tensor, layer: int, experts: int, top_k: int) -> torch.Tensor:
+    """keys [T] int64 (≥ 0, one per token) -> ids [T, top_k] int64: the top_k of hash(key, layer, e) over the
+    experts e, best first, ties to the smaller index; uniform and independent across distinct keys and layers."""
+    import torch  # only here: the advisor reads this module without torch
+
+    P, M = UNIFORM_PRIME, UNIFORM_MIX
+    e = torch.arange(experts, device=keys.device, dtype=torch.int64)
+    x = (keys[:, None] % P * M[0] + (layer + 1) * M[1] + e[None] * M[2]) % P   # [T, E]
+    x = (x ^ (x >> 13)) * M[3] % P
+    x = (x ^ (x >> 7)) * M[0] % P
+    return x.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
 
 
 def expert_bytes(hidden: int, width: int, dtype_bytes: int) -> int:
