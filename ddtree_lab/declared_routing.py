@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.moe_layout import uniform_ids_reference
+from .kernels.moe_layout import declared_weights_reference, uniform_ids_reference
 from .names import ROUTING_MODELS
 from .tree import use_triton
 
@@ -61,13 +61,7 @@ def check_routing(model, experts: int, top_k: int) -> None:
 def uniform_ids(keys: torch.Tensor, layer: int, experts: int, top_k: int) -> torch.Tensor:
     """keys [T] int64 (one per token: its id and position) -> ids [T, top_k]: k distinct experts, uniform and
     independent across distinct keys and layers (each expert scored by a hash of (key, layer, expert):
-    kernels/moe_layout.uniform_ids_reference). One launch where the Triton kernels run (kernels/uniform_route.py),
-    torch elsewhere."""
-    if use_triton(keys.device):
-        from .kernels import uniform_route
-
-        if experts <= uniform_route.MAX_EXPERTS:
-            return uniform_route.uniform_ids(keys, layer, experts, top_k)
+    kernels/moe_layout.uniform_ids_reference)."""
     return uniform_ids_reference(keys, layer, experts, top_k)
 
 
@@ -91,6 +85,23 @@ class DeclaredRouting(torch.nn.Module):
         rows = (self.cursor + torch.arange(T, device=device)) % self.table.shape[0]              # [T]
         self.cursor.add_(T)
         return self.table[rows]
+
+    def route(self, logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k]): the declared experts, weighted by the
+        router's scores at them (moe_layout.declared_weights_reference). One launch where the Triton kernels run
+        (kernels/declared_route.py), a trace's ids looked up first."""
+        T, E = logits.shape
+        if use_triton(logits.device):
+            from .kernels import declared_route
+
+            if E <= declared_route.MAX_EXPERTS:
+                given = None if self.model == "uniform" else self.ids(T, E, top_k, logits.device)
+                return declared_route.declared_route(logits, top_k, scoring, renormalize, scaling,
+                                                     keys=self.keys if given is None else None, layer=self.layer,
+                                                     ids=given)
+        ids = self.ids(T, E, top_k, logits.device)
+        return declared_weights_reference(logits, ids, scoring, renormalize, scaling), ids
 
 
 def token_keys(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -226,18 +226,12 @@ class SparseMoE(nn.Module):
             logits = F.linear(x, self.router.weight)
             if self.declared is None:
                 return route_reference(logits, self.top_k, self.renormalize)
-            scores = logits.float().softmax(-1)
-        else:
-            logits = F.linear(x.float(), self.router.weight)                                  # [T, E] fp32
-            scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(-1)
+            return self.declared.route(logits, self.top_k, "softmax", self.renormalize, 1.0)
+        logits = F.linear(x.float(), self.router.weight)                                      # [T, E] fp32
         if self.declared is None:
             return route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k, r.n_group,
                                            r.topk_group, r.scoring, self.renormalize, r.scaling)
-        ids = self.declared.ids(x.shape[0], self.num_experts, self.top_k, x.device)          # [T, k]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return (weights if r is None else weights * r.scaling), ids
+        return self.declared.route(logits, self.top_k, r.scoring, self.renormalize, r.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]

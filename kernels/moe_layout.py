@@ -8,8 +8,9 @@ which runs without torch, reads the same facts the kernel launches with.
     blocks_at_height(counts, h)  the row blocks a routing runs, Σ_e ceil(n_e / h)
     route_reference(...)       the routing in torch: the kernel's ground truth and the engine's torch path
     route_grouped_reference(...)  DeepSeek-V3's grouped sigmoid routing (the engine computes it for the kernel)
-    uniform_ids_reference(...)  declared uniform routing's experts, a hash per (token, layer, expert) (its kernel:
-                               uniform_route.py)
+    uniform_ids_reference(...)  declared uniform routing's experts, a hash per (token, layer, expert)
+    declared_weights_reference(...)  a declared routing's weights: the router's scores at the declared experts
+                               (both in one launch: declared_route.py)
     routing_stats(counts)      experts touched, the busiest expert's tokens, row blocks per height
     moe_weight_bytes, reread_bytes, gather_bytes   bytes a block reads, re-reads, or gathers in torch
 """
@@ -125,6 +126,17 @@ def uniform_ids_reference(keys: torch.Tensor, layer: int, experts: int, top_k: i
     x = (x ^ (x >> 13)) * M[3] % P
     x = (x ^ (x >> 7)) * M[0] % P
     return x.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+def declared_weights_reference(logits: torch.Tensor, ids: torch.Tensor, scoring: str, renormalize: bool,
+                               scaling: float) -> torch.Tensor:
+    """A declared routing's weights: the router's own scores (softmax or sigmoid of the fp32 logits [T, E]) at the
+    declared experts ids [T, k], divided by their sum when `renormalize`, times `scaling` -> [T, k] fp32."""
+    scores = logits.float().sigmoid() if scoring == "sigmoid" else logits.float().softmax(-1)   # [T, E]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling
 
 
 def expert_bytes(hidden: int, width: int, dtype_bytes: int) -> int:

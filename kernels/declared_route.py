@@ -1,0 +1,111 @@
+"""A declared routing in one launch: each token's experts (uniform's hash, or given) and their weights.
+
+    declared_route(logits, top_k, scoring, renormalize, scaling, keys=, layer=)  uniform: hash, top-k, weights
+    declared_route(logits, top_k, scoring, renormalize, scaling, ids=)           given experts (a trace): weights
+    references (moe_layout.py): uniform_ids_reference, then declared_weights_reference
+
+Uniform routing scores expert e of token t by hash(key_t, layer, e), a few multiply-xorshift rounds modulo the
+prime 2^31 − 1, and takes the top_k, best first. The scores are integers, so the kernel's experts equal the
+reference's exactly: it takes the maximum top_k times, the smallest index among equal maxima first (the
+reference's stable descending sort), and strikes each pick. Every product is of two residues below 2^31, exact in
+int64. The weights are the router's own scores at those experts (softmax over the row, or sigmoid), in fp32 as
+the reference computes them; the sums run in another order, so they agree to rounding, not bit for bit.
+
+Why: in torch a declared routing is about twenty launches in every MoE layer of every forward (the hash's
+elementwise steps and sort, then the scores, gather and normalisation), where a trained router's top-k is fused
+into the expert kernel's routing; here it is one after the router's matmul. Not yet timed on a GPU:
+docs/performance.md, Session 6, has the AR step it may explain.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from .moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
+    from .moe_layout import declared_weights_reference, uniform_ids_reference  # noqa: F401 (the references)
+except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): its neighbour
+    from moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
+    from moe_layout import declared_weights_reference, uniform_ids_reference  # noqa: F401
+
+MAX_EXPERTS = 4096  # a token's row of logits sits in registers
+SCORINGS = ("softmax", "sigmoid")
+
+
+@triton.jit
+def _declared_route_kernel(Logits, Keys, Ids, Weights, T, E, s_lt, layer_term, M0, M2, M3, scaling,
+                           PRIME: tl.constexpr, HASH: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
+                           TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    # one program: BLOCK_T tokens × every expert
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                       # [BT]
+    e = tl.arange(0, BLOCK_E).to(tl.int64)                                        # [BE]
+    j = tl.arange(0, BLOCK_K)                                                     # [BK]
+    live = t < T
+    row = tl.minimum(t, T - 1)  # rows past T repeat the last (stored nowhere): no -inf row to make NaN of
+    logits = tl.load(Logits + row[:, None] * s_lt + e[None, :], mask=e[None, :] < E,
+                     other=float("-inf")).to(tl.float32)                         # [BT, BE]
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = z / tl.sum(z, axis=1)[:, None]
+    picks = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    if HASH:
+        key = tl.load(Keys + t, mask=live, other=0).to(tl.int64)
+        x = ((key % PRIME) * M0 + layer_term)[:, None] + e[None, :] * M2         # [BT, BE]
+        x = x % PRIME
+        x = ((x ^ (x >> 13)) * M3) % PRIME
+        x = ((x ^ (x >> 7)) * M0) % PRIME
+        x = tl.where(e[None, :] < E, x, -1)                                       # padding never wins
+        for k in tl.static_range(TOP_K):
+            best = tl.max(x, axis=1)                                              # [BT]
+            pick = tl.min(tl.where(x == best[:, None], e[None, :], BLOCK_E), axis=1)  # smallest index of the max
+            picks = tl.where(j[None, :] == k, pick[:, None], picks)
+            x = tl.where(e[None, :] == pick[:, None], -1, x)
+        tl.store(Ids + t[:, None] * TOP_K + j[None, :], picks, mask=live[:, None] & (j[None, :] < TOP_K))
+    else:
+        picks = tl.load(Ids + t[:, None] * TOP_K + j[None, :], mask=live[:, None] & (j[None, :] < TOP_K),
+                        other=0).to(tl.int64)
+    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick = tl.sum(tl.where(j[None, :] == k, picks, 0), axis=1)                # [BT]
+        score = tl.sum(tl.where(e[None, :] == pick[:, None], scores, 0.0), axis=1)
+        w = tl.where(j[None, :] == k, score[:, None], w)
+    if RENORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+    tl.store(Weights + t[:, None] * TOP_K + j[None, :], w * scaling, mask=live[:, None] & (j[None, :] < TOP_K))
+
+
+def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float = 1.0, *,
+                   keys: torch.Tensor | None = None, layer: int = 0,
+                   ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (the router's) -> (weights [T, top_k] fp32, ids [T, top_k] int64). The experts are uniform
+    routing's for `keys` [T] int64 (≥ 0) at `layer`, or the given `ids` [T, top_k]; the weights are their
+    scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. Fixed shapes, no host
+    read (graph-safe)."""
+    T, E = logits.shape
+    assert scoring in SCORINGS, f"scoring={scoring!r} is not one of {SCORINGS}"
+    assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
+    assert 1 <= top_k <= E <= MAX_EXPERTS, (top_k, E)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    hashed = keys is not None
+    if hashed:
+        assert keys.shape == (T,), (tuple(keys.shape), T)
+        keys, ids = keys.contiguous(), torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    else:
+        assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
+        ids = ids.contiguous()
+        keys = ids  # unread without the hash
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return weights, ids
+    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_T = max(1, min(16, 4096 // BLOCK_E))
+    M = UNIFORM_MIX
+    _declared_route_kernel[(triton.cdiv(T, BLOCK_T),)](
+        x, keys, ids, weights, T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling),
+        PRIME=UNIFORM_PRIME, HASH=hashed, SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize),
+        TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids

@@ -1,0 +1,83 @@
+"""kernels/declared_route.py (a declared routing in one launch) vs its torch references: uniform routing's experts
+exactly, the weights to rounding, across token counts, expert counts, top-k, layers, scorings and given experts;
+and the engine routes through it where the Triton kernels run. Without a GPU the kernel runs under the
+interpreter."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import ddtree_lab as dl  # noqa: E402
+from ddtree_lab.declared_routing import token_keys  # noqa: E402
+from ddtree_lab.kernels.declared_route import (declared_route, declared_weights_reference,  # noqa: E402
+                                               uniform_ids_reference)
+from ddtree_lab.testing import make_tiny_pair  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [torch.float16])
+
+
+def inputs(T, E, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    # keys as the engine makes them: a vocabulary of 160k tokens at positions up to a million
+    keys = token_keys(torch.randint(0, 163_840, (T,), generator=g), torch.randint(0, 1 << 20, (T,), generator=g))
+    logits = (torch.randn(T, E, generator=g) * 3).to(dtype)
+    return keys.to(DEVICE), logits.to(DEVICE)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 1), (5, 16, 2), (33, 128, 8), (70, 384, 8), (300, 48, 6), (9, 1000, 3)])
+@pytest.mark.parametrize("layer", [0, 60])
+def test_uniform_experts_exactly_and_weights_to_rounding(T, E, k, layer):
+    keys, logits = inputs(T, E, T * 31 + E)
+    scoring, renorm, scaling = ("sigmoid", True, 2.5) if layer else ("softmax", False, 1.0)
+    weights, ids = declared_route(logits, k, scoring, renorm, scaling, keys=keys, layer=layer)
+    want_ids = uniform_ids_reference(keys, layer, E, k)
+    assert ids.dtype == want_ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+    want = declared_weights_reference(logits, want_ids, scoring, renorm, scaling)
+    assert weights.dtype == torch.float32 and torch.allclose(weights, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scoring,renorm", [("softmax", True), ("sigmoid", False)])
+def test_given_experts_take_their_scores(dtype, scoring, renorm):
+    T, E, k = 12, 64, 4
+    _, logits = inputs(T, E, 7, dtype)
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i))[:k] for i in range(T)])
+    ids = ids.to(DEVICE)
+    weights, got = declared_route(logits, k, scoring, renorm, 1.0, ids=ids)
+    assert torch.equal(got, ids)
+    want = declared_weights_reference(logits, ids, scoring, renorm, 1.0)
+    assert torch.allclose(weights, want, rtol=1e-5, atol=1e-7)
+
+
+def test_no_tokens_and_bad_arguments():
+    keys, logits = inputs(3, 8, 1)
+    w, ids = declared_route(logits[:0], 2, "softmax", True, keys=keys[:0])
+    assert w.shape == ids.shape == (0, 2)
+    for kwargs in (dict(keys=keys, ids=torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)), {}):
+        with pytest.raises(AssertionError, match="one of them"):
+            declared_route(logits, 2, "softmax", True, **kwargs)
+    with pytest.raises(AssertionError, match="scoring"):
+        declared_route(logits, 2, "relu", True, keys=keys)
+    with pytest.raises(AssertionError):
+        declared_route(logits, 9, "softmax", True, keys=keys)  # more picks than experts
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_options, monkeypatch, arch):
+    """tree_kernels="triton" sends declared uniform routing through the kernel (counted) and keeps DDTree == AR:
+    every forward routes a token alike, whatever else shares its forward."""
+    from ddtree_lab.kernels import declared_route as kernel_module
+
+    t, d = make_tiny_pair(tmp_path, arch=arch, seed=3, tokenizer=False, num_experts=16, num_experts_per_tok=2)
+    pair = dl.load_pair(target=t, drafter=d, routing="uniform")
+    calls = []
+    monkeypatch.setattr(kernel_module, "declared_route", lambda *a, **kw: calls.append(kw) or declared_route(*a, **kw))
+    use_options(tree_kernels="triton")
+    ar = dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[])
+    assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
+    assert calls and all(kw["keys"] is not None and kw["ids"] is None for kw in calls)
