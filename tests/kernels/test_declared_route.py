@@ -69,15 +69,16 @@ def test_no_tokens_and_bad_arguments():
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_options, monkeypatch, arch):
-    """tree_kernels="triton" sends declared uniform routing through the kernel (counted) and keeps DDTree == AR:
-    every forward routes a token alike, whatever else shares its forward."""
+    """Where the Triton kernels run (a GPU; tree_kernels="triton" on the CPU) declared uniform routing goes through
+    the kernel (counted), and DDTree == AR holds: every forward routes a token alike, whatever shares it."""
     from ddtree_lab.kernels import declared_route as kernel_module
 
     t, d = make_tiny_pair(tmp_path, arch=arch, seed=3, tokenizer=False, num_experts=16, num_experts_per_tok=2)
-    pair = dl.load_pair(target=t, drafter=d, routing="uniform")
+    pair = dl.load_pair(target=t, drafter=d, routing="uniform", device=DEVICE, dtype="float32")
     calls = []
     monkeypatch.setattr(kernel_module, "declared_route", lambda *a, **kw: calls.append(kw) or declared_route(*a, **kw))
-    use_options(tree_kernels="triton")
+    if DEVICE == "cpu":
+        use_options(tree_kernels="triton")  # the GPU's path, under the interpreter
     ar = dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[])
     assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
     assert calls and all(kw["keys"] is not None and kw["ids"] is None for kw in calls)
