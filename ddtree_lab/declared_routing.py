@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.moe_layout import declared_weights_reference, uniform_ids_reference
+from . import options
 from .names import ROUTING_MODELS
 from .tree import use_triton
 
@@ -90,9 +91,10 @@ class DeclaredRouting(torch.nn.Module):
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k]): the declared experts, weighted by the
         router's scores at them (moe_layout.declared_weights_reference). One launch where the Triton kernels run
-        (kernels/declared_route.py), a trace's ids looked up first."""
+        (kernels/declared_route.py; options.declared_routing chooses), a trace's ids looked up first."""
         T, E = logits.shape
-        if use_triton(logits.device):
+        choice = options.current().declared_routing
+        if choice == "triton" or (choice is None and use_triton(logits.device)):
             from .kernels import declared_route
 
             if E <= declared_route.MAX_EXPERTS:

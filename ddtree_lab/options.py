@@ -15,6 +15,7 @@ from dataclasses import dataclass
 TREE_BUILDS = ("sort", "count", "fused")
 TREE_KERNELS = ("triton", "torch")
 TREE_TOPKS = ("torch", "triton")
+DECLARED_ROUTINGS = ("torch", "triton")
 CANDIDATE_POOLS = ("each", "shared")
 
 
@@ -28,6 +29,9 @@ class Options:
     tree_build: str | None = None
     # The per-depth top-K over the vocabulary: "torch" or "triton" (kernels/vocab_topk.py); None: torch.
     tree_topk: str | None = None
+    # A declared MoE routing (random shapes, replayed traces): "triton" (kernels/declared_route.py, one launch) or
+    # "torch" (kernels/moe_layout.py's references); None: Triton where the tree kernels run.
+    declared_routing: str | None = None
     # Host reads of new tokens in flight before the host waits for one; None: 1 on CUDA, 0 elsewhere
     # (on the CPU nothing runs while the host reads, so a lag would only compute a round past the stop).
     host_read_lag: int | None = None
@@ -42,7 +46,8 @@ class Options:
 
     def __post_init__(self):
         for name, allowed in (("tree_kernels", TREE_KERNELS), ("tree_build", TREE_BUILDS),
-                              ("tree_topk", TREE_TOPKS), ("candidate_pools", CANDIDATE_POOLS)):
+                              ("tree_topk", TREE_TOPKS), ("declared_routing", DECLARED_ROUTINGS),
+                              ("candidate_pools", CANDIDATE_POOLS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)} (or None)")

@@ -102,7 +102,7 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     if T == 0:
         return weights, ids
     BLOCK_E = triton.next_power_of_2(E)
-    BLOCK_T = max(1, min(16, 4096 // BLOCK_E))
+    BLOCK_T = max(1, min(16, 4096 // BLOCK_E, triton.next_power_of_2(T)))  # an AR step: one row, not sixteen
     M = UNIFORM_MIX
     _declared_route_kernel[(triton.cdiv(T, BLOCK_T),)](
         x, keys, ids, weights, T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling),

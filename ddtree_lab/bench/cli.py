@@ -64,6 +64,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--tree-topk", choices=["auto", "torch", "triton"], default="auto",
                    help="the per-depth top-K over the vocabulary: torch (log_softmax, topk) or triton (one launch, "
                         "vocabularies up to kernels/vocab_topk.MAX_VOCAB); auto: torch")
+    p.add_argument("--declared-routing", choices=["auto", "torch", "triton"], default="auto",
+                   help="who computes a declared MoE routing (--routing uniform or trace:FILE): torch or triton "
+                        "(one launch); auto: Triton where the tree kernels run")
     p.add_argument("--host-read-lag", type=non_negative_int, default=None,
                    help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
                         "0 elsewhere); 0 reads after each round")
@@ -192,7 +195,7 @@ def bench_budget_arg(text: str):
 def run_options(args) -> dict:
     """The process-wide choices (options.py) that a bench command's flags ask for."""
     chosen = {}
-    for name in ("tree_kernels", "tree_build", "tree_topk"):
+    for name in ("tree_kernels", "tree_build", "tree_topk", "declared_routing"):
         value = getattr(args, name, "auto")
         if value != "auto":
             chosen[name] = value
@@ -323,6 +326,7 @@ def run_bench_cli(args) -> int:
               **BENCHES[args.bench](args)}
     result["tree_build"] = getattr(args, "tree_build", "auto")
     result["tree_topk"] = getattr(args, "tree_topk", "auto")
+    result["declared_routing"] = getattr(args, "declared_routing", "auto")
     result["attn_config"] = dict(options.current().attention_launch)
     result["compile_mode"] = getattr(args, "compile_mode", "default")
     result["host_read_lag"] = host_read_lag(getattr(args, "device", "cuda"))

@@ -50,14 +50,16 @@ def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
     assert shares == sorted(shares, reverse=True) and {k["stage"] for k in tree["top_kernels"]} <= set(tree["stages"])
 
 
-def test_e2e_and_profile_serve_an_mla_moe_target(tmp_path):
+def test_e2e_and_profile_serve_an_mla_moe_target(tmp_path, use_options):
     """A DeepSeek-V3 target (MLA, grouped sigmoid routing, shared expert, a dense first layer) through both
     benches: rows per method, each round's kernels attributed to its stages, the MoE rows' experts counted."""
+    use_options()  # run_bench_cli sets process-wide choices: restore them after this test
     d = tmp_path / "pair"
     make_tiny_pair(d, arch="deepseek_v3", seed=4)
     common = ["--model", str(d), "--budgets", "8", "--rounds", "2", "--prompt-len", "10", "--device", "cpu",
               "--dtype", "float32", "--attention", "sdpa"]
-    e2e = bench(tmp_path, "e2e", *common)
+    e2e = bench(tmp_path, "e2e", *common, "--routing", "uniform", "--declared-routing", "torch")
+    assert e2e["routing"] == "uniform" and e2e["declared_routing"] == "torch"
     assert [(r["method"], r["budget"]) for r in e2e["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 8)]
     ar, _, tree = e2e["rows"]
     assert ar["experts_touched_mean"] <= tree["experts_touched_mean"]  # a tree reads the union of its tokens'

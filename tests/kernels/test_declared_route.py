@@ -82,3 +82,7 @@ def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_op
     ar = dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[])
     assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
     assert calls and all(kw["keys"] is not None and kw["ids"] is None for kw in calls)
+    seen = len(calls)
+    use_options(declared_routing="torch")  # the references instead, for a side-by-side timing: the same tokens
+    assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
+    assert len(calls) == seen
