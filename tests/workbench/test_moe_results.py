@@ -1,7 +1,9 @@
 """An MoE target's runs record the experts each verify forward touched, and the bytes such a forward reads."""
 import dataclasses
+import json
 
 import pytest
+import yaml
 
 import ddtree_lab as dl
 from ddtree_lab.bench.e2e import weight_bytes_per_step
@@ -63,3 +65,25 @@ def test_report_shows_experts_and_verify_cost_for_an_moe_study(tmp_path, arch):
     k = pair.target.cfg.num_experts_per_tok
     assert advice["experts_touched"][1] == k == advice["expert_row_blocks"][1]  # AR's step: one token, k experts
     assert {1, 5, 17} <= set(advice["experts_touched"]) == set(advice["expert_row_blocks"])
+
+
+def test_an_mla_moe_study_runs_its_notebooks_and_report(tmp_path):
+    """A DeepSeek-V3 target (MLA, grouped sigmoid routing, shared expert) through a whole study: each run's
+    notebook and the study's (papermill), then the report with its experts figure."""
+    from ddtree_lab.workbench import runner
+
+    t, d = make_tiny_pair(tmp_path / "ds", arch="deepseek_v3", seed=2)
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "p0", "prompt": "def add(a, b):\n"}) + "\n")
+    spec = {"name": "mla", "models": {"target": str(t), "drafter": str(d), "device": "cpu"},
+            "prompts": {"set": "prompts.jsonl", "n_prompts": 1}, "methods": ["ar", "ddtree"],
+            "grid": {"budget": [4], "max_new_tokens": 8},
+            "notebooks": {"per_run": ["accepted_paths"], "per_study": ["draft_trees", "budget_sweep"],
+                          "timeout": 600},
+            "warmup": False}
+    (tmp_path / "mla.yaml").write_text(yaml.safe_dump(spec))
+    log = []
+    summary = runner.main_study(tmp_path / "mla.yaml", tmp_path / "out", progress=False, log=log.append)
+    assert {o.name: o.status for o in summary.outcomes} == {
+        "ar-t0": "complete", "ddtree-b4-k0-t0": "complete", "draft_trees": "complete", "budget_sweep": "complete"}, log
+    assert (tmp_path / "out" / "ddtree-b4-k0-t0" / "accepted_paths.ipynb").is_file()
+    assert "experts touched per MoE layer per verify forward" in summary.report.read_text()
