@@ -118,6 +118,38 @@ def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
     assert A.round_cost(dense, m, "ddtree", 64, 512, cal).parts["moe"] == 0
 
 
+def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_only():
+    data = A.machines_data()["calibration"]
+    fit = A.calibrate_int4([REPO / p for p in data["int4_from"]], machine=data["machine"])
+    stored = data["fit"]["moe_int4_unpack_over_bandwidth"]
+    assert fit["moe_int4_unpack_over_bandwidth"] == pytest.approx(stored, rel=1e-6) and 0 < stored < 10
+    cal, m = A.load_calibration(), A.get_machine("h200")
+    without = dataclasses.replace(cal, moe_int4_unpack_over_bandwidth=0.0)
+    kimi, bf16 = A.model_shape("random:kimi-k2.6-ep8-rank"), A.model_shape("random:qwen3-30b-a3b")
+    assert kimi.int4_experts and not bf16.int4_experts
+    for b in (8, 64):  # the unpacking grows with the experts a tree touches
+        priced, bare = (A.round_cost(kimi, m, "ddtree", b, 4096, c).parts["moe"] for c in (cal, without))
+        assert priced > bare
+    assert A.round_cost(bf16, m, "ddtree", 64, 512, cal).parts == A.round_cost(bf16, m, "ddtree", 64, 512, without).parts
+
+
+def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):
+    sh = {"hidden": 64, "width": 32, "top_k": 2, "experts": 8}
+    rows = [{"T": t, "experts_touched": 2, "row_blocks": 2, "touched_bytes": 1e6, "triton_us": 900.0} for t in (1, 3)]
+    dense, int4 = tmp_path / "dense.json", tmp_path / "int4.json"
+    dense.write_text(json.dumps({"shape": sh, "rows": rows}))
+    int4.write_text(json.dumps({"shape": sh, "int4_group": 32, "rows": rows}))
+    with pytest.raises(A.AdvisorError, match="dense.json: not an INT4 bench"):
+        A.calibrate_int4([dense])
+    with pytest.raises(A.AdvisorError, match="int4.json: an INT4 bench .*calibrate_int4"):
+        A.calibrate_moe([int4])
+    fast = tmp_path / "fast.json"  # faster than its bytes alone: nothing left to fit
+    fast.write_text(json.dumps({"shape": sh, "int4_group": 32,
+                                "rows": [dict(r, touched_bytes=1e12, triton_us=1.0) for r in rows]}))
+    with pytest.raises(A.AdvisorError, match="unpacking free"):
+        A.calibrate_int4([fast])
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '{"kind": "prompts", "rows": []}', "not json"])
 def test_a_file_that_is_not_a_bench_e2e_json_is_refused_by_name(tmp_path, text):
     path = tmp_path / "other.json"

@@ -1,6 +1,7 @@
 """The calibration the cost model runs on, fitted once (machines.json's `calibration.fit`; tests re-fit and
 compare): the efficiency factors and kernel counts on H200 bench e2e and profile JSONs (`calibrate`), the MoE
-block's terms on the fused-MoE kernel bench (`calibrate_moe`)."""
+block's terms on the fused-MoE kernel bench (`calibrate_moe`), INT4 experts' unpacking on its INT4 runs
+(`calibrate_int4`)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from .check import modelled
 from .cost import Terms, draft_terms, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, get_machine, load_calibration
-from .shapes import model_shape
+from .shapes import int4_weight_bytes, model_shape
 
 
 def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_layers: Sequence[int]) -> dict:
@@ -102,6 +103,8 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
     xs, ys = [], []
     for path in fused_moe_paths:
         d = json.loads(Path(path).read_text())
+        if d.get("int4_group"):
+            raise AdvisorError(f"{path}: an INT4 bench (int4_group {d['int4_group']}); its term is calibrate_int4's")
         sh = d["shape"]
         h, w, k = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"])
         elsize = 4 if d.get("dtype") == "float32" else 2
@@ -119,6 +122,46 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
     block, pair, sort, reread = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
     return {"moe_block_seconds": max(0.0, float(block)), "moe_pair_seconds": max(0.0, float(pair)),
             "moe_sort_seconds": max(0.0, float(sort)), "moe_reread_over_bandwidth": _positive_inverse(reread)}
+
+
+def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration | None = None,
+                   machine: str = "h200") -> dict:
+    """INT4 experts' unpacking, from `bench fused_moe --int4` JSONs (the block alone with INT4 experts, at several
+    T): the time beyond what the dense block's terms price for the same bytes (weights at eta_bw, FLOPs, and
+    calibrate_moe's fixed, per-pair, sort and re-read parts), per byte of INT4 experts touched, by least squares
+    through the origin. Kernel-level data, as calibrate_moe's. -> {"moe_int4_unpack_over_bandwidth": the
+    unpacking costs bytes / (spec bandwidth × this)}."""
+    import numpy as np
+
+    cal = cal or load_calibration()
+    m = get_machine(machine)
+    xs, ys = [], []
+    for path in fused_moe_int4_paths:
+        d = json.loads(Path(path).read_text())
+        group = int(d.get("int4_group") or 0)
+        if not group:
+            raise AdvisorError(f"{path}: not an INT4 bench (no int4_group); a dense block's terms are calibrate_moe's")
+        sh = d["shape"]
+        h, w, k, e = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"]), int(sh["experts"])
+        for r in d["rows"]:
+            if "row_blocks" not in r:
+                raise AdvisorError(f"{path}: a row without row_blocks; re-run python -m ddtree_lab.bench.fused_moe")
+            T = int(r["T"])
+            parts = Terms(weights=r["touched_bytes"], flops=2 * T * k * 3 * h * w).seconds(m, cal)
+            sort = cal.moe_sort_seconds if T > ROUTE_IN_ALIGN_MAX_T else 0.0
+            reread = reread_bytes(r["row_blocks"], r["experts_touched"], h, w, int4_weight_bytes(group))
+            known = (parts["weights"] + parts["flops"] + cal.moe_block_seconds + cal.moe_pair_seconds * T * k + sort
+                     + reread / (m.bandwidth * cal.moe_reread_over_bandwidth))
+            xs.append((r["touched_bytes"] - e * h * 2) / m.bandwidth)  # the experts' bytes, less the bf16 router
+            ys.append(r["triton_us"] * 1e-6 - known)
+    if not xs:
+        raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: no rows to fit the INT4 term on")
+    x, y = np.array(xs), np.array(ys)
+    per = float(x @ y / (x @ x))
+    if per <= 0:
+        raise AdvisorError("the INT4 fit found unpacking free: the INT4 block ran as fast as the dense terms price "
+                           "its bytes, so there is no term to fit")
+    return {"moe_int4_unpack_over_bandwidth": 1.0 / per}
 
 
 def _positive_inverse(seconds_per_spec_byte: float) -> float:

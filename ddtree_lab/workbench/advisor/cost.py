@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes
+from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, expert_bytes, reread_bytes
 from .machines import AdvisorError, Calibration, Machine, load_calibration
 from .shapes import ExpertLoad, ModelShape
 
 PARTS = ("weights", "kv", "flops", "launches", "moe", "other")
 PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
-               "launches": "kernel launches", "moe": "MoE routing and tiles", "other": "tree build and commit"}
+               "launches": "kernel launches", "moe": "MoE routing, tiles and INT4 unpacking", "other": "tree build and commit"}
 
 
 
@@ -23,6 +23,7 @@ class Terms:
     fixed_seconds: float = 0.0    # tree build / commit
     moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
     moe_reread: float = 0.0       # bytes: expert weights read again by an expert's second and later row blocks
+    int4_bytes: float = 0.0       # bytes of INT4 experts read, which the kernel also unpacks
 
     def seconds(self, m: Machine, cal: Calibration) -> dict[str, float]:
         """This stage's time split into PARTS (sums to its total)."""
@@ -35,7 +36,9 @@ class Terms:
                "kv": core * share_m * (tk / mem if mem else 0.0),
                "flops": core * (1 - share_m), "launches": self.launches * cal.launch_seconds,
                "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
-                                          if self.moe_reread else 0.0),
+                                          if self.moe_reread else 0.0)
+                      + (self.int4_bytes / (m.bandwidth * cal.moe_int4_unpack_over_bandwidth)
+                         if self.int4_bytes and cal.moe_int4_unpack_over_bandwidth else 0.0),
                "other": self.fixed_seconds}
         return out
 
@@ -73,8 +76,10 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
     reread = s.moe_layers * reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate,
                                          s.expert_bytes)
+    # INT4 experts are unpacked as they are read: the kernel bench's time beyond their bytes, per byte
+    int4 = s.moe_layers * touched * expert_bytes(h, s.expert_intermediate, s.expert_bytes) if s.int4_experts else 0.0
     return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
-                 moe_reread=reread)
+                 moe_reread=reread, int4_bytes=int4)
 
 
 def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:

@@ -122,6 +122,9 @@ class Calibration:
     moe_pair_seconds: float = 0.0   # and per routed (token, expert) pair
     moe_sort_seconds: float = 0.0   # and the sort's two launches of its own, past a few tokens
     moe_reread_over_bandwidth: float = 1.0  # an expert's weights read again (L2) stream at this × spec bandwidth
+    # INT4 experts' unpacking beyond reading them: bytes / (spec bandwidth × this) more (fused-MoE INT4 bench);
+    # 0: not fitted, no such term
+    moe_int4_unpack_over_bandwidth: float = 0.0
     settings: dict = field(default_factory=dict)
 
 
