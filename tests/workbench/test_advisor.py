@@ -130,7 +130,8 @@ def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_on
     for b in (8, 64):  # the unpacking grows with the experts a tree touches
         priced, bare = (A.round_cost(kimi, m, "ddtree", b, 4096, c).parts["moe"] for c in (cal, without))
         assert priced > bare
-    assert A.round_cost(bf16, m, "ddtree", 64, 512, cal).parts == A.round_cost(bf16, m, "ddtree", 64, 512, without).parts
+    assert (A.round_cost(bf16, m, "ddtree", 64, 512, cal).parts
+            == A.round_cost(bf16, m, "ddtree", 64, 512, without).parts)
 
 
 def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):

@@ -9,7 +9,8 @@ from .shapes import ExpertLoad, ModelShape
 
 PARTS = ("weights", "kv", "flops", "launches", "moe", "other")
 PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
-               "launches": "kernel launches", "moe": "MoE routing, tiles and INT4 unpacking", "other": "tree build and commit"}
+               "launches": "kernel launches", "moe": "MoE routing, tiles and INT4 unpacking",
+               "other": "tree build and commit"}
 
 
 
