@@ -134,6 +134,22 @@ def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_on
             == A.round_cost(bf16, m, "ddtree", 64, 512, without).parts)
 
 
+def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only(tmp_path):
+    data = A.machines_data()["calibration"]
+    fit = A.calibrate_mla([REPO / p for p in data["mla_from"]], machine=data["machine"])
+    for k in ("mla_call_seconds", "mla_bytes_over_bandwidth", "mla_flops_over_peak"):
+        assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
+    cal, m = A.load_calibration(), A.get_machine("h200")
+    kimi, gqa = A.model_shape("random:kimi-k2.6-tp8-rank"), A.model_shape("random:qwen3-8b")
+    short, long = (A.round_cost(kimi, m, "ddtree", 16, ctx, cal).parts["attention"] for ctx in (4096, 32768))
+    assert 0 < short < long  # the latent read grows with the context
+    assert A.round_cost(gqa, m, "ddtree", 16, 4096, cal).parts["attention"] == 0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"kind": "e2e", "rows": []}))
+    with pytest.raises(A.AdvisorError, match="other.json: not a 'bench mla' JSON"):
+        A.calibrate_mla([other])
+
+
 def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):
     sh = {"hidden": 64, "width": 32, "top_k": 2, "experts": 8}
     rows = [{"T": t, "experts_touched": 2, "row_blocks": 2, "touched_bytes": 1e6, "triton_us": 900.0} for t in (1, 3)]

@@ -1,7 +1,7 @@
 """The calibration the cost model runs on, fitted once (machines.json's `calibration.fit`; tests re-fit and
 compare): the efficiency factors and kernel counts on H200 bench e2e and profile JSONs (`calibrate`), the MoE
 block's terms on the fused-MoE kernel bench (`calibrate_moe`), INT4 experts' unpacking on its INT4 runs
-(`calibrate_int4`)."""
+(`calibrate_int4`), MLA attention's kernel on the MLA bench (`calibrate_mla`)."""
 from __future__ import annotations
 
 import json
@@ -162,6 +162,39 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
         raise AdvisorError("the INT4 fit found unpacking free: the INT4 block ran as fast as the dense terms price "
                            "its bytes, so there is no term to fit")
     return {"moe_int4_unpack_over_bandwidth": 1.0 / per}
+
+
+def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = None, machine: str = "h200") -> dict:
+    """MLA attention's time beyond its latent bytes and FLOPs, from `bench mla` JSONs (the Triton kernel at trees
+    of T tokens over contexts, 64 and 8 heads): measured − (M² + C²)^½ = a per call + bytes / (spec bandwidth ·
+    x) + FLOPs / (peak · y), least squares relative to each row's time (the rows span 25 µs to 17 ms). Kernel-
+    level data, as calibrate_moe's. -> {"mla_call_seconds", "mla_bytes_over_bandwidth", "mla_flops_over_peak"}."""
+    import numpy as np
+
+    cal = cal or load_calibration()
+    m = get_machine(machine)
+    xs, ys, ts = [], [], []
+    for path in mla_paths:
+        d = json.loads(Path(path).read_text())
+        if d.get("kind") != "mla":
+            raise AdvisorError(f"{path}: not a 'bench mla' JSON (field 'kind' is {d.get('kind')!r})")
+        for r in d["rows"]:
+            if r.get("backend") != "triton" or not r.get("ms"):
+                continue
+            t = r["ms"] * 1e-3
+            parts = Terms(kv=r["bytes"], flops=r["flops"]).seconds(m, cal)
+            xs.append([1.0, r["bytes"] / m.bandwidth, r["flops"] / m.flops])
+            ys.append(t - parts["kv"] - parts["flops"])
+            ts.append(t)
+    if len(xs) < 4:
+        raise AdvisorError(f"{', '.join(map(str, mla_paths))}: {len(xs)} Triton rows; the MLA fit needs at least 4")
+    w = 1 / np.array(ts)
+    call, per_byte, per_flop = np.linalg.lstsq(np.array(xs) * w[:, None], np.array(ys) * w, rcond=None)[0]
+    if min(call, per_byte, per_flop) <= 0:
+        raise AdvisorError("the MLA fit found a term free (non-positive): give rows over more trees and contexts, "
+                           "e.g. ddtree-lab bench mla --trees 1 9 33 129 1025 --contexts 4096 32768")
+    return {"mla_call_seconds": float(call), "mla_bytes_over_bandwidth": float(1 / per_byte),
+            "mla_flops_over_peak": float(1 / per_flop)}
 
 
 def _positive_inverse(seconds_per_spec_byte: float) -> float:

@@ -7,10 +7,10 @@ from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, expert_bytes, reread_byt
 from .machines import AdvisorError, Calibration, Machine, load_calibration
 from .shapes import ExpertLoad, ModelShape
 
-PARTS = ("weights", "kv", "flops", "launches", "moe", "other")
+PARTS = ("weights", "kv", "flops", "launches", "moe", "attention", "other")
 PART_TITLES = {"weights": "weights read", "kv": "KV and activations", "flops": "FLOPs",
                "launches": "kernel launches", "moe": "MoE routing, tiles and INT4 unpacking",
-               "other": "tree build and commit"}
+               "attention": "MLA attention beyond its floor", "other": "tree build and commit"}
 
 
 
@@ -25,6 +25,9 @@ class Terms:
     moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
     moe_reread: float = 0.0       # bytes: expert weights read again by an expert's second and later row blocks
     int4_bytes: float = 0.0       # bytes of INT4 experts read, which the kernel also unpacks
+    mla_calls: float = 0.0        # MLA attention calls (one a layer), and their latent bytes and FLOPs
+    mla_bytes: float = 0.0
+    mla_flops: float = 0.0
 
     def seconds(self, m: Machine, cal: Calibration) -> dict[str, float]:
         """This stage's time split into PARTS (sums to its total)."""
@@ -40,6 +43,11 @@ class Terms:
                                           if self.moe_reread else 0.0)
                       + (self.int4_bytes / (m.bandwidth * cal.moe_int4_unpack_over_bandwidth)
                          if self.int4_bytes and cal.moe_int4_unpack_over_bandwidth else 0.0),
+               "attention": (self.mla_calls * cal.mla_call_seconds
+                             + (self.mla_bytes / (m.bandwidth * cal.mla_bytes_over_bandwidth)
+                                if cal.mla_bytes_over_bandwidth else 0.0)
+                             + (self.mla_flops / (m.flops * cal.mla_flops_over_peak)
+                                if cal.mla_flops_over_peak else 0.0)),
                "other": self.fixed_seconds}
         return out
 
@@ -62,7 +70,8 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     dense = s.layers * s.attn_params + dense_layers * 3 * h * s.intermediate + s.moe_layers * shared + s.vocab * h
     weights = dense * b + s.moe_layers * s.moe_block_bytes(touched)
     used = dense + s.moe_layers * (h * s.num_experts + s.experts_per_tok * expert)
-    flops = 2 * tokens * used + 2 * s.layers * s.heads * s.attn_pair_width * tokens * (ctx + tokens)
+    attn_flops = 2 * s.layers * s.heads * s.attn_pair_width * tokens * (ctx + tokens)
+    flops = 2 * tokens * used + attn_flops
     inter = (s.intermediate if not s.moe_layers
              else s.experts_per_tok * s.expert_intermediate + s.shared_intermediate)
     kv = (s.layers * s.kv_width * (ctx + tokens) * b                                 # cache read + new rows
@@ -79,8 +88,11 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
                                          s.expert_bytes)
     # INT4 experts are unpacked as they are read: the kernel bench's time beyond their bytes, per byte
     int4 = s.moe_layers * touched * expert_bytes(h, s.expert_intermediate, s.expert_bytes) if s.int4_experts else 0.0
+    # MLA: its kernel's time beyond the latent's bytes and the attention FLOPs (the MLA bench), each layer
+    mla = dict(mla_calls=s.layers, mla_bytes=s.layers * s.kv_width * (ctx + tokens) * b,
+               mla_flops=attn_flops) if s.kv_lora_rank else {}
     return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
-                 moe_reread=reread, int4_bytes=int4)
+                 moe_reread=reread, int4_bytes=int4, **mla)
 
 
 def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:

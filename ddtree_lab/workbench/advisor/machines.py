@@ -125,6 +125,11 @@ class Calibration:
     # INT4 experts' unpacking beyond reading them: bytes / (spec bandwidth × this) more (fused-MoE INT4 bench);
     # 0: not fitted, no such term
     moe_int4_unpack_over_bandwidth: float = 0.0
+    # MLA attention beyond its latent bytes and FLOPs (`bench mla`): a time per call, and its bytes and FLOPs again
+    # at these multiples of spec bandwidth and peak; 0: not fitted, no such term
+    mla_call_seconds: float = 0.0
+    mla_bytes_over_bandwidth: float = 0.0
+    mla_flops_over_peak: float = 0.0
     settings: dict = field(default_factory=dict)
 
 
