@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.moe_layout import declared_weights_reference, uniform_ids_reference
 from . import options
+from .kernels.moe_layout import declared_weights_reference, uniform_ids_reference
 from .names import ROUTING_MODELS
 from .tree import use_triton
 
@@ -59,13 +59,6 @@ def check_routing(model, experts: int, top_k: int) -> None:
         raise ValueError(f"routing={model!r} is not one of {', '.join(ROUTING_MODELS)} or a routing trace")
 
 
-def uniform_ids(keys: torch.Tensor, layer: int, experts: int, top_k: int) -> torch.Tensor:
-    """keys [T] int64 (one per token: its id and position) -> ids [T, top_k]: k distinct experts, uniform and
-    independent across distinct keys and layers (each expert scored by a hash of (key, layer, expert):
-    kernels/moe_layout.uniform_ids_reference)."""
-    return uniform_ids_reference(keys, layer, experts, top_k)
-
-
 class DeclaredRouting(torch.nn.Module):
     """One MoE layer's declared routing: `uniform` (from the forward's token keys) or a trace's ids for this layer,
     with a cursor [1] that each forward advances by its token count (in place: a captured graph advances it too)."""
@@ -81,8 +74,8 @@ class DeclaredRouting(torch.nn.Module):
 
     def ids(self, T: int, experts: int, top_k: int, device) -> torch.Tensor:
         """The forward's [T, top_k] expert ids."""
-        if self.model == "uniform":
-            return uniform_ids(self.keys, self.layer, experts, top_k)
+        if self.model == "uniform":  # a hash of (key, layer, expert): kernels/moe_layout.uniform_ids_reference
+            return uniform_ids_reference(self.keys, self.layer, experts, top_k)
         rows = (self.cursor + torch.arange(T, device=device)) % self.table.shape[0]              # [T]
         self.cursor.add_(T)
         return self.table[rows]

@@ -6,7 +6,8 @@ import torch
 
 import ddtree_lab as dl
 from ddtree_lab.attention import TreeMask
-from ddtree_lab.declared_routing import RoutingTrace, token_keys, uniform_ids
+from ddtree_lab.declared_routing import RoutingTrace, token_keys
+from ddtree_lab.kernels.moe_layout import uniform_ids_reference as uniform_ids
 from ddtree_lab.testing import make_tiny_pair
 
 
