@@ -25,7 +25,7 @@ from . import options
 from .attention import TreeMask
 from .auto_budget import AutoBudget, AutoState, measure_costs, resolve_budget, source_round
 from .checkpoint import Pair
-from .graphs import MAX_CAPTURED_PREFILL, GraphRunner, kept, padded_prefill, prefill_for, then
+from .graphs import GraphRunner, kept, padded_prefill, prefill_for, then
 from .names import MAX_BUDGET, METHODS, STAGES, topk_width
 from .prompts import encode_prompt
 from .trace import GenerationResult, RoundTrace, StageClock
@@ -412,12 +412,12 @@ def _auto_programs_for(pair: Pair, plan: Plan):
 
 def prefill_program(pair: Pair, plan: Plan, n: int, layers: list[int]):
     """On a GPU the prefill at the prompt's padded length (graphs.padded_prefill), captured now where the rounds
-    are graphs and that length is new and at most MAX_CAPTURED_PREFILL; -> (it, or None for an unpadded eager
-    prefill; the seconds its capture took, kept off the clock)."""
+    are graphs and that length is new and `Prefill.capturable`; -> (it, or None for an unpadded eager prefill; the
+    seconds its capture took, kept off the clock)."""
     if not padded_prefill(pair.device, pair.target):
         return None, 0.0
     prefill = prefill_for(pair, n, layers, plan.method != "ar")
-    if not plan.graphs or prefill.graph is not None or prefill.tokens.shape[0] > MAX_CAPTURED_PREFILL:
+    if not plan.graphs or prefill.graph is not None or not prefill.capturable:
         return prefill, 0.0
     start = time.perf_counter()
     prefill.capture()

@@ -120,6 +120,11 @@ class Prefill:
             self.mask.bits  # packed now, outside the capture
         self.graph = None
 
+    @property
+    def capturable(self) -> bool:
+        """Whether this length is captured where rounds are graphs (up to MAX_CAPTURED_PREFILL tokens)."""
+        return self.tokens.shape[0] <= MAX_CAPTURED_PREFILL
+
     def forward(self) -> torch.Tensor:
         logits, hidden = self.pair.target(self.tokens, self.positions, 0, self.mask, self.layers,
                                           logits_rows=self.last_row)
