@@ -48,7 +48,8 @@ class Chooser:
 
     def __init__(self, temperature: float, device: torch.device, rows: int = 0, vocab: int = 0):
         self.temperature = temperature
-        self.generator = torch.Generator(device=device)
+        # the meta device (bench/census.py) has no generator of its own; nothing is drawn there
+        self.generator = torch.Generator(device=device if torch.device(device).type != "meta" else "cpu")
         self.noise = torch.empty(rows, vocab, device=device) if temperature > 0 and rows else None
 
     def refill(self) -> None:

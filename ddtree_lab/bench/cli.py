@@ -139,6 +139,18 @@ def add_bench_args(p) -> None:
                    help="B: fixed B/2, B and 2B; auto over the three, over (B,), over (B, 2B) with 2B priced out")
     _add_runtime_args(a)
     a.add_argument("--out", default="outputs/bench/auto_rounds.json", help="JSON written here")
+    c = sub.add_parser("census", help="kernels and activation bytes one eager round launches, per stage and op, "
+                                      "counted on the CPU without a GPU (bench/census.py)")
+    c.add_argument("--model", default="random:qwen3-8b", help="a random shape, random:<shape>[@<layers>]")
+    c.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods counted")
+    c.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
+    c.add_argument("--prompt-len", type=positive_int, default=512, help="committed tokens before the round")
+    c.add_argument("--attention", choices=["triton", "sdpa"], default="triton", help="the attention backend")
+    c.add_argument("--declared-routing", choices=["auto", "torch", "triton"], default="auto",
+                   help="who computes a declared MoE routing (auto: Triton, as on a GPU)")
+    _add_routing_arg(c)
+    c.add_argument("--out", default="outputs/bench/census.json", help="JSON written here")
+    c.set_defaults(device="meta", dtype="bfloat16")  # shapes only: a GPU's kernels, counted on any machine
     m = sub.add_parser("moe-counting", help="what a traced round's read of the MoE expert counts costs, against the "
                                             "round (bench/overhead.py)")
     m.add_argument("--model", default="random:qwen3-30b-a3b", help="an MoE target: as for e2e")
@@ -304,6 +316,21 @@ def bench_profile(args) -> dict:
             "tree_kernels": args.tree_kernels, "routing": pair.describe().get("routing"), "rows": rows}
 
 
+def bench_census(args) -> dict:
+    from .census import census_rows
+
+    declared = None if args.declared_routing == "auto" else args.declared_routing
+    rows = census_rows(args.model, args.methods, args.budgets, args.prompt_len, args.attention, args.routing, declared)
+    for row in rows:
+        print(f"  {row['method']:6s} budget={row['budget']!s:5s} {row['kernels_per_round']:6d} kernels, verify "
+              f"{row['verify_kernels_per_layer']:.1f} a layer  " + " ".join(
+                  f"{s}={v['kernels'] + sum(v['priced_kernels'].values())}" for s, v in row["stages"].items()),
+              file=sys.stderr, flush=True)
+    from ..declared_routing import routing_name
+    return {"model": args.model, "attention": args.attention, "compile": False, "prompt_len": args.prompt_len,
+            "routing": None if args.routing is None else routing_name(args.routing), "rows": rows}
+
+
 def bench_e2e_cli(args) -> dict:
     start = time.perf_counter()
     result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
@@ -313,7 +340,7 @@ def bench_e2e_cli(args) -> dict:
 
 BENCHES = {"kernels": bench_kernels, "mla": bench_mla, "e2e": bench_e2e_cli, "prompts": bench_prompts_cli,
            "profile": bench_profile, "auto-overhead": bench_auto_overhead, "auto-rounds": bench_auto_rounds,
-           "moe-counting": bench_moe_counting}
+           "moe-counting": bench_moe_counting, "census": bench_census}
 
 
 def run_bench_cli(args) -> int:

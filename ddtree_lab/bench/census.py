@@ -1,0 +1,178 @@
+"""Kernel census: what one eager round launches on a GPU, counted on the CPU without one.
+
+The round's stages (decode.RoundProgram, the code a bench e2e times) run once as a warm-up and once counted on
+the meta device: tensors have shapes but no data, so a 61-layer Kimi rank costs nothing to hold. The CUDA code
+paths are taken (options.tree_kernels="triton", which every Triton-or-torch choice follows; the GPU's SM count
+for launch splits; Triton's interpreter off), Triton launches are recorded instead of run. On a GPU every aten op
+that computes is one kernel (views and empty allocations are none) and every Triton launch one, so the census is
+the kernels a round launches under eager layers. It also sums each op's activation bytes: its tensor inputs and
+outputs, except a matmul's weight operand (the weights' own term) and a gather's table (it moves the rows it
+outputs), so eager elementwise traffic is priced as bytes. Kernels that their own bench prices whole (the fused
+MoE block, MLA attention: PRICED) are counted apart. Compiled layers fuse the elementwise ops; their kernels come
+from `bench profile` on a GPU instead (the advisor's calibration).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .. import options
+
+CENSUS_SMS = 132  # the H200's SMs: launch splits (attention's, the fused MoE's) follow the calibration GPU's
+# The kernel modules whose launches their own bench prices (advisor: moe_block_seconds, mla_call_seconds)
+PRICED = {"fused_moe": "moe", "mla_attention": "attention"}
+# aten ops that launch nothing: views, metadata and allocations without a fill
+FREE_OPS = frozenset({
+    "view", "_unsafe_view", "t", "transpose", "expand", "slice", "select", "as_strided", "detach", "alias",
+    "unsqueeze", "squeeze", "permute", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+    "split", "split_with_sizes", "unbind", "narrow", "_reshape_alias", "reshape", "view_as_real",
+    "view_as_complex", "lift_fresh", "diagonal", "unfold", "chunk", "sym_size", "sym_stride", "is_same_size"})
+MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "_grouped_mm", "matmul", "linear"})  # operand 0: the activations
+GATHER_OPS = frozenset({"index", "gather", "index_select", "embedding"})
+
+
+@dataclass
+class StageCensus:
+    """One stage's launches: plain kernels (aten ops and Triton launches not in PRICED), the PRICED ones by part,
+    activation bytes, and the count of each op or kernel."""
+    kernels: int = 0
+    priced: dict = field(default_factory=dict)
+    activation_bytes: int = 0
+    by_op: collections.Counter = field(default_factory=collections.Counter)
+
+    def as_json(self) -> dict:
+        return {"kernels": self.kernels, "priced_kernels": dict(self.priced),
+                "activation_bytes": self.activation_bytes, "by_op": dict(self.by_op.most_common())}
+
+
+def _nbytes(leaves) -> int:
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, sink: list):
+        super().__init__()
+        self.sink = sink
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        stage = self.sink[-1] if self.sink else None
+        name = func.overloadpacket.__name__
+        if stage is None or name in FREE_OPS:
+            return out
+        ins, outs = tree_leaves((args, kwargs)), tree_leaves(out)
+        schema = func._schema.arguments
+        in_place = bool(schema) and schema[0].alias_info is not None and schema[0].alias_info.is_write
+        if name in MATMUL_OPS:
+            moved = _nbytes(ins[:1]) + _nbytes(outs)
+        elif name in GATHER_OPS:
+            moved = 2 * _nbytes(outs)
+        elif in_place:  # writes its other inputs' worth into the first (a cache row, a counter)
+            moved = 2 * _nbytes(ins[1:])
+        else:
+            moved = _nbytes(ins) + _nbytes(outs)
+        stage.kernels += 1
+        stage.activation_bytes += moved
+        stage.by_op["aten." + name] += 1
+        return out
+
+
+@contextlib.contextmanager
+def _cuda_paths(sink: list):
+    """Triton launches recorded (not run) into the stage on top of `sink`; each kernel module's SM count and
+    interpreter test answer as on the calibration GPU."""
+    from triton.runtime import autotuner, jit
+
+    def launch(self, *args, **kwargs):
+        fn = getattr(self, "fn", self)  # an autotuner wraps the jitted function
+        module = getattr(fn, "__module__", "").rsplit(".", 1)[-1]
+        stage = sink[-1] if sink else None
+        if stage is not None:
+            part = PRICED.get(module)
+            if part:
+                stage.priced[part] = stage.priced.get(part, 0) + 1
+            else:
+                stage.kernels += 1
+            stage.by_op[f"triton.{module}.{getattr(fn, '__name__', '?')}"] += 1
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(jit.JITFunction, "run", launch))
+        stack.enter_context(mock.patch.object(autotuner.Autotuner, "run", launch))
+        interpreted = getattr(importlib.import_module("triton.runtime.interpreter"), "InterpretedFunction", None)
+        if interpreted is not None:
+            stack.enter_context(mock.patch.object(interpreted, "run", launch))
+        package = importlib.import_module(__package__.rsplit(".", 1)[0] + ".kernels")
+        for info in pkgutil.iter_modules(package.__path__):  # every kernel module, imported now to be patched
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for attr, value in (("_sm_count", lambda device: CENSUS_SMS), ("_interpret", lambda: False)):
+                if hasattr(module, attr):
+                    stack.enter_context(mock.patch.object(module, attr, value))
+        stack.enter_context(options.using(tree_kernels="triton"))
+        yield
+
+
+_PAIRS: dict = {}
+
+
+def census_pair(model: str, attention: str = "triton", routing=None):
+    """A random shape's pair on the meta device (shapes only), kept for the next census of the same settings."""
+    from ..declared_routing import routing_name
+    from ..pairs.random import random_pair
+
+    if not model.startswith("random:"):
+        raise ValueError(f"census: model {model!r}; the census builds random shapes (random:<shape>[@<layers>])")
+    key = (model, attention, None if routing is None else routing_name(routing))
+    if key not in _PAIRS:
+        _PAIRS.clear()  # one at a time: a pair holds its caches' (meta) buffers
+        _PAIRS[key] = random_pair(model.split(":", 1)[1], device="meta", dtype="bfloat16", attention=attention,
+                                  routing=routing)
+    return _PAIRS[key]
+
+
+def round_census(model: str, method: str, budget: int | None, prompt_len: int, attention: str = "triton",
+                 routing: str | None = None, declared_routing: str | None = None) -> dict[str, StageCensus]:
+    """{stage: StageCensus} of one eager round of `method` (DDTree at `budget`) after `prompt_len` tokens."""
+    from ..decode import RoundProgram, plan_call
+
+    pair = census_pair(model, attention, routing)
+    sink: list = []
+    with _cuda_paths(sink), options.using(declared_routing=declared_routing), _CountOps(sink):
+        plan = plan_call(pair, prompt_len, method, budget, None, 64, 0.0, 0, False, None, None, False, False, 1,
+                         False)
+        pair.target.setup_cache(plan.cache_len, max_past=plan.context_room)
+        pair.drafter.setup_cache(plan.cache_len, max_past=plan.context_room)
+        program = RoundProgram(pair, plan.method, plan.budget, plan.topk, 0.0, plan.out_capacity, plan.max_rounds)
+        for _, run, _ in program.stages:  # the warm-up a graph capture runs first: one-time tables are built here
+            run()
+        out = {}
+        for stage, run, _ in program.stages:
+            sink.append(out.setdefault(stage, StageCensus()))
+            try:
+                run()
+            finally:
+                sink.pop()
+    return out
+
+
+def census_rows(model: str, methods, budgets, prompt_len: int, attention: str = "triton",
+                routing: str | None = None, declared_routing: str | None = None) -> list[dict]:
+    """bench census's rows: per method (and budget), each stage's census, and the verify's kernels per layer."""
+    rows = []
+    layers = census_pair(model, attention, routing).target.cfg.num_hidden_layers
+    for method in methods:
+        for budget in (budgets if method == "ddtree" else [None]):
+            stages = round_census(model, method, budget, prompt_len, attention, routing, declared_routing)
+            verify = stages["verify"]
+            rows.append({"method": method, "budget": budget,
+                         "kernels_per_round": sum(s.kernels + sum(s.priced.values()) for s in stages.values()),
+                         "verify_kernels_per_layer": (verify.kernels + sum(verify.priced.values())) / layers,
+                         "stages": {k: s.as_json() for k, s in stages.items()}})
+    return rows

@@ -1,0 +1,79 @@
+"""bench census: an eager round's kernels and activation bytes counted on the meta device. The counting rule
+against a direct count on small ops; the census's invariants on real shapes (a layer adds the same kernels,
+Triton's declared routing is one launch, trees move more bytes than AR steps); the CLI and its refusal."""
+import json
+
+import pytest
+import torch
+
+from ddtree_lab.bench import census as C
+from ddtree_lab.cli import main
+
+
+def _count(fn):
+    stage, sink = C.StageCensus(), []
+    with C._CountOps(sink):
+        sink.append(stage)
+        fn()
+    return stage
+
+
+def test_an_op_is_a_kernel_and_its_bytes_are_its_tensors():
+    x = torch.ones(4, 8, device="meta", dtype=torch.bfloat16)
+    w = torch.ones(16, 8, device="meta", dtype=torch.bfloat16)
+    s = _count(lambda: (x * 2 + 1).view(32))
+    assert s.kernels == 2 and s.by_op == {"aten.mul": 1, "aten.add": 1}  # the view launches nothing
+    assert s.activation_bytes == 2 * (64 + 64)                          # each reads x's size and writes it
+    s = _count(lambda: torch.nn.functional.linear(x, w))                # a matmul: activations and output
+    assert s.kernels == 1 and s.activation_bytes == 64 + 4 * 16 * 2
+    table, idx = torch.ones(1000, 8, device="meta"), torch.zeros(3, dtype=torch.long, device="meta")
+    assert _count(lambda: table[idx]).activation_bytes == 2 * 3 * 8 * 4  # a gather moves its rows, not the table
+    cache, rows = torch.ones(100, 8, device="meta"), torch.ones(2, 8, device="meta")
+    s = _count(lambda: cache.index_copy_(0, idx[:2], rows))               # an in-place write: what it writes
+    assert s.kernels == 1 and s.activation_bytes == 2 * (2 * 8 + 2 * 8 * 4)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8-rank"])
+def test_each_layer_adds_the_same_kernels(shape):
+    """Depths 2, 3 and 4 of one shape: an AR step's kernels grow by one layer's worth each time (a MoE or MLA
+    layer launches a fixed set, whatever its depth; a DDTree verify also gathers the drafter's layers, which
+    move with the depth), and nothing in the census depends on data."""
+    counts = [C.round_census(f"random:{shape}@{n}", "ar", None, 512)["verify"] for n in (2, 3, 4)]
+    total = [s.kernels + sum(s.priced.values()) for s in counts]
+    assert total[2] - total[1] == total[1] - total[0] > 10
+    assert counts[2].activation_bytes - counts[1].activation_bytes == counts[1].activation_bytes - counts[0].activation_bytes
+
+
+def test_moe_and_mla_kernels_are_counted_apart_and_declared_routing_in_triton_is_one_launch():
+    model = "random:kimi-k2.6-ep8-rank@3"  # one dense layer, two MoE layers
+    torch_, triton_ = (C.round_census(model, "ar", None, 4096, declared_routing=d)["verify"]
+                       for d in ("torch", "triton"))
+    assert triton_.by_op["triton.declared_route._declared_route_kernel"] == 2
+    assert "triton.declared_route._declared_route_kernel" not in torch_.by_op
+    assert torch_.kernels - triton_.kernels > 2 * 10                      # torch's routing: many small launches
+    assert triton_.priced == torch_.priced
+    assert triton_.priced["attention"] % 3 == 0 and triton_.priced["moe"] % 2 == 0  # per layer, per MoE layer
+
+
+def test_a_tree_moves_more_activation_bytes_than_an_ar_step():
+    ar = C.round_census("random:qwen3-8b@2", "ar", None, 512)["verify"]
+    small, big = (C.round_census("random:qwen3-8b@2", "ddtree", b, 512)["verify"] for b in (16, 256))
+    assert ar.activation_bytes < small.activation_bytes < big.activation_bytes
+    # the elementwise traffic is per token: 16 times the tokens moves about 16 times the bytes (the LM head's
+    # weight-free output and the fixed parts keep it from exact)
+    assert 8 < big.activation_bytes / small.activation_bytes < 17
+
+
+def test_bench_census_writes_rows_and_refuses_what_it_cannot_count(tmp_path, capsys):
+    out = tmp_path / "census.json"
+    assert main(["bench", "census", "--model", "random:qwen3-30b-a3b@2", "--methods", "ar", "ddtree",
+                 "--budgets", "16", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "census" and data["compile"] is False and data["declared_routing"] == "auto"
+    ar, tree = data["rows"]
+    assert set(tree["stages"]) == {"draft", "tree_build", "verify", "commit"} and set(ar["stages"]) == {"verify"}
+    assert tree["kernels_per_round"] == sum(s["kernels"] + sum(s["priced_kernels"].values())
+                                            for s in tree["stages"].values())
+    assert main(["bench", "census", "--model", "lab", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "census" in err and "random:" in err and "Traceback" not in err
