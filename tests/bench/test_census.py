@@ -77,3 +77,14 @@ def test_bench_census_writes_rows_and_refuses_what_it_cannot_count(tmp_path, cap
     assert main(["bench", "census", "--model", "lab", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "census" in err and "random:" in err and "Traceback" not in err
+
+
+def test_a_census_is_the_same_warmed_up_once_or_for_every_round():
+    """The census warms a pair up once per method (one-time tables); a fresh pair's count of the same round, or
+    of a budget counted after others, is the same."""
+    model = "random:qwen3-30b-a3b@2"
+    first = {b: C.round_census(model, "ddtree", b, 512) for b in (64, 16)}
+    C._PAIRS.clear()
+    again = {b: C.round_census(model, "ddtree", b, 512) for b in (16, 64)}
+    for b in first:
+        assert {k: v.as_json() for k, v in first[b].items()} == {k: v.as_json() for k, v in again[b].items()}

@@ -121,10 +121,11 @@ def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
 def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_only():
     data = A.machines_data()["calibration"]
     fit = A.calibrate_int4([REPO / p for p in data["int4_from"]], machine=data["machine"])
-    stored = data["fit"]["moe_int4_unpack_over_bandwidth"]
-    assert fit["moe_int4_unpack_over_bandwidth"] == pytest.approx(stored, rel=1e-6) and 0 < stored < 10
+    for k in ("moe_int4_unpack_over_bandwidth", "moe_int4_block_seconds"):
+        assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
+    assert fit["moe_int4_unpack_over_bandwidth"] < 10 and fit["moe_int4_block_seconds"] < 1e-5
     cal, m = A.load_calibration(), A.get_machine("h200")
-    without = dataclasses.replace(cal, moe_int4_unpack_over_bandwidth=0.0)
+    without = dataclasses.replace(cal, moe_int4_unpack_over_bandwidth=0.0, moe_int4_block_seconds=0.0)
     kimi, bf16 = A.model_shape("random:kimi-k2.6-ep8-rank"), A.model_shape("random:qwen3-30b-a3b")
     assert kimi.int4_experts and not bf16.int4_experts
     for b in (8, 64):  # the unpacking grows with the experts a tree touches
@@ -132,6 +133,55 @@ def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_on
         assert priced > bare
     assert (A.round_cost(bf16, m, "ddtree", 64, 512, cal).parts
             == A.round_cost(bf16, m, "ddtree", 64, 512, without).parts)
+    # a TP8 rank's narrow experts (256 wide) pay their row blocks' start on an eighth of the bytes: per byte
+    # their unpacking costs more than the full-width experts' of an EP8 rank
+    tp8 = A.model_shape("random:kimi-k2.6-tp8-rank")
+    extra = {s.name: (A.round_cost(s, m, "ddtree", 64, 4096, cal).parts["moe"]
+                      - A.round_cost(s, m, "ddtree", 64, 4096, without).parts["moe"])
+             / A.verify_terms(s, 65, 4096, cal).int4_bytes for s in (kimi, tp8)}
+    assert extra[tp8.name] > 1.5 * extra[kimi.name]
+
+
+def test_the_int4_fit_needs_two_expert_widths_and_todays_row_heights(tmp_path):
+    data = A.machines_data()["calibration"]
+    full = [REPO / p for p in data["int4_from"] if "tp8" not in p]
+    with pytest.raises(A.AdvisorError, match="two expert widths"):
+        A.calibrate_int4(full)
+    old = json.loads(full[0].read_text())
+    for r in old["rows"]:
+        r["launch"] = dict(r["launch"], BLOCK_M=64)  # rows run at a row height today's kernel does not use
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(old))
+    with pytest.raises(A.AdvisorError, match="0 rows at today's row heights"):
+        A.calibrate_int4([stale])
+
+
+def test_stored_eager_calibration_is_what_calibrate_eager_fits():
+    """Eager layers: every round's kernels and activation bytes counted by bench census; only the launch time is
+    fitted again, and one small eager kernel costs about what a compiled round's kernel does."""
+    data = A.machines_data()["eager_calibration"]
+    fit = A.calibrate_eager([REPO / p for p in data["fitted_on"]], data["machine"])
+    assert fit == pytest.approx(data["fit"], rel=1e-3)
+    compiled = A.load_calibration()
+    assert 0.5 < fit["launch_seconds"] / compiled.launch_seconds < 2
+    eager = A.load_calibration("eager")
+    assert eager.launches_from == "census" and eager.settings["compile"] is False
+    assert eager.eta_bw == compiled.eta_bw and eager.moe_block_seconds == compiled.moe_block_seconds
+
+
+def test_eager_moe_runs_are_checked_with_their_launch_census():
+    """Qwen3-30B-A3B under uniform routing and the Kimi EP8 rank, eager layers: each file picks the eager
+    calibration by its settings and its rounds' census prices the launches. Priced with the compiled rounds'
+    kernel counts instead, every round misses by a fifth or more."""
+    files = [BENCH / f for f in ("e2e_random_qwen3_30b_a3b_uniform.json", "e2e_kimi_ep8_rank_4k_a555c6e.json")]
+    chk = A.check_bench(files)
+    assert chk["passed"] and not chk["skipped"]
+    for c in chk["checked"]:
+        assert c["launches"] == "census" and c["max_error"] <= A.CHECK_TOLERANCE
+        assert [r["budget"] for r in c["rows"] if r["in_range"]] == [16, 32, 64, 128, 256]
+    profiled = dataclasses.replace(A.load_calibration(), settings={})
+    forced = A.check_bench(files, profiled)
+    assert all(r["error"] < -0.2 for c in forced["checked"] for r in c["rows"] if r["in_range"])
 
 
 def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only(tmp_path):
@@ -152,7 +202,8 @@ def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only
 
 def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):
     sh = {"hidden": 64, "width": 32, "top_k": 2, "experts": 8}
-    rows = [{"T": t, "experts_touched": 2, "row_blocks": 2, "touched_bytes": 1e6, "triton_us": 900.0} for t in (1, 3)]
+    rows = [{"T": t, "experts_touched": 2, "row_blocks": 2, "touched_bytes": 1e6, "triton_us": 900.0}
+            for t in (1, 3, 5)]
     dense, int4 = tmp_path / "dense.json", tmp_path / "int4.json"
     dense.write_text(json.dumps({"shape": sh, "rows": rows}))
     int4.write_text(json.dumps({"shape": sh, "int4_group": 32, "rows": rows}))
@@ -160,11 +211,12 @@ def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):
         A.calibrate_int4([dense])
     with pytest.raises(A.AdvisorError, match="int4.json: an INT4 bench .*calibrate_int4"):
         A.calibrate_moe([int4])
-    fast = tmp_path / "fast.json"  # faster than its bytes alone: nothing left to fit
-    fast.write_text(json.dumps({"shape": sh, "int4_group": 32,
-                                "rows": [dict(r, touched_bytes=1e12, triton_us=1.0) for r in rows]}))
+    fast, narrow = tmp_path / "fast.json", tmp_path / "narrow.json"  # faster than their bytes: nothing to fit
+    for path, width in ((fast, 32), (narrow, 8)):
+        path.write_text(json.dumps({"shape": dict(sh, width=width), "int4_group": 32,
+                                    "rows": [dict(r, touched_bytes=1e12, triton_us=1.0) for r in rows]}))
     with pytest.raises(A.AdvisorError, match="unpacking free"):
-        A.calibrate_int4([fast])
+        A.calibrate_int4([fast, narrow])
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '{"kind": "prompts", "rows": []}', "not json"])
@@ -519,8 +571,12 @@ def test_the_check_runs_from_an_installed_package(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(site)}, timeout=300)
     assert run.returncode == 0, run.stderr
     chk = json.loads((tmp_path / "a.json").read_text())["check"]
-    assert chk["passed"] and {"e2e_random_qwen3_8b_triton_compile.json", "e2e_lab_compile.json"} <= {
-        c["file"] for c in chk["checked"]}
+    checked = {c["file"]: c for c in chk["checked"]}
+    assert {"e2e_random_qwen3_8b_triton_compile.json", "e2e_lab_compile.json"} <= set(checked) and not chk["skipped"]
+    for name in ("e2e_random_qwen3_8b_triton_compile.json", "e2e_lab_compile.json",
+                 "e2e_random_qwen3_30b_a3b_uniform.json", "e2e_kimi_ep8_rank_4k_a555c6e.json"):
+        assert checked[name]["within_tolerance"], name
+    assert checked["e2e_kimi_ep8_rank_4k_a555c6e.json"]["launches"] == "census"
 
 
 def test_the_moe_random_shape_reads_its_experts_from_the_config():

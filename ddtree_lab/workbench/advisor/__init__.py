@@ -18,7 +18,7 @@ stage times from JSON.
 from __future__ import annotations
 
 from .auto_replay import auto_ceiling, best_grouped_choice, replay_auto, tau_at
-from .calibration import calibrate, calibrate_int4, calibrate_mla, calibrate_moe
+from .calibration import calibrate, calibrate_eager, calibrate_int4, calibrate_mla, calibrate_moe
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, check_bench, shipped_bench_files
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench

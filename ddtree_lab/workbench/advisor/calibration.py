@@ -4,13 +4,14 @@ block's terms on the fused-MoE kernel bench (`calibrate_moe`), INT4 experts' unp
 (`calibrate_int4`), MLA attention's kernel on the MLA bench (`calibrate_mla`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Sequence
 
-from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes
-from .check import modelled
+from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes, row_height
+from .check import bench_census, measured_load, modelled
 from .cost import Terms, draft_terms, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, get_machine, load_calibration
@@ -88,6 +89,46 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
             "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}
 
 
+def calibrate_eager(e2e_paths: Sequence[str | Path], machine: str = "h200", free: Sequence[str] = ("launch_seconds",)
+                    ) -> dict:
+    """The eager-layers calibration, on bench e2e JSONs of eager rounds: each row's kernels and activation bytes
+    counted by its launch census (check.bench_census), every other term the compiled calibration's (the same
+    GEMMs, attention and MoE kernels run either way), and `free` (by default only the launch time: what one of
+    the many small eager kernels costs in a graph) fitted by least squares on the log of every draft and verify
+    stage time. -> the `eager_calibration.fit` dict of machines.json."""
+    from scipy.optimize import least_squares
+
+
+    base = load_calibration("compiled")
+    base = Calibration(**{**dataclasses.asdict(base), "launches_from": "census"})
+    m = get_machine(machine)
+    obs = []  # (terms, measured seconds)
+    for path in e2e_paths:
+        b = read_bench(path)
+        if b.get("compile"):
+            raise AdvisorError(f"{path}: compiled layers (compile=True); the eager fit takes eager rounds")
+        s = model_shape(b["model"])
+        ctx, load, census = int(b.get("prompt_len") or 512), measured_load(b, s), bench_census(b, s)
+        for r in filter(modelled, b["rows"]):
+            st = r["stage_seconds_per_round"]
+            if r["method"] == "ar":
+                obs.append((verify_terms(s, 1, ctx, base, "ar", load, census), st["verify"]))
+                continue
+            nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
+            obs.append((verify_terms(s, nodes + 1, ctx, base, "verify", load, census), st["verify"]))
+            obs.append((draft_terms(s, ctx, base, census), st["draft"]))
+    start = {k: getattr(base, k) for k in free}
+
+    def resid(x):
+        cal = dataclasses.replace(base, **dict(zip(free, x)))
+        return [math.log(sum(t.seconds(m, cal).values()) / y) for t, y in obs]
+
+    bounds = ([0.0 if k == "launch_seconds" else 0.05 for k in free], [1e-4 if k == "launch_seconds" else 1.0
+                                                                        for k in free])
+    fit = least_squares(resid, x0=list(start.values()), bounds=bounds)
+    return {k: float(v) for k, v in zip(free, fit.x)}
+
+
 def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None = None,
                   machine: str = "h200") -> dict:
     """The MoE block's time beyond its bytes and FLOPs, from `bench fused_moe` JSONs (the block alone at
@@ -127,15 +168,17 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
 def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration | None = None,
                    machine: str = "h200") -> dict:
     """INT4 experts' unpacking, from `bench fused_moe --int4` JSONs (the block alone with INT4 experts, at several
-    T): the time beyond what the dense block's terms price for the same bytes (weights at eta_bw, FLOPs, and
-    calibrate_moe's fixed, per-pair, sort and re-read parts), per byte of INT4 experts touched, by least squares
-    through the origin. Kernel-level data, as calibrate_moe's. -> {"moe_int4_unpack_over_bandwidth": the
-    unpacking costs bytes / (spec bandwidth × this)}."""
+    T and expert widths): the time beyond what the dense block's terms price for the same bytes (weights at
+    eta_bw, FLOPs, and calibrate_moe's fixed, per-pair, sort and re-read parts) = INT4 bytes touched / (spec
+    bandwidth · x) + row blocks · y, by least squares relative to each row's time (a Kimi block's rows span
+    80 µs to 5 ms). A narrow expert (a TP8 rank's, 256 wide) is mostly its blocks' start; a full one its bytes.
+    Rows run at another row height than today's kernel (`moe_layout.row_height`) are left out. Kernel-level
+    data, as calibrate_moe's. -> {"moe_int4_unpack_over_bandwidth": x, "moe_int4_block_seconds": y}."""
     import numpy as np
 
     cal = cal or load_calibration()
     m = get_machine(machine)
-    xs, ys = [], []
+    xs, ys, ts, widths = [], [], [], set()
     for path in fused_moe_int4_paths:
         d = json.loads(Path(path).read_text())
         group = int(d.get("int4_group") or 0)
@@ -147,21 +190,34 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
             if "row_blocks" not in r:
                 raise AdvisorError(f"{path}: a row without row_blocks; re-run python -m ddtree_lab.bench.fused_moe")
             T = int(r["T"])
+            if (r.get("launch") or {}).get("BLOCK_M", row_height(T, int4=True)) != row_height(T, int4=True):
+                continue
             parts = Terms(weights=r["touched_bytes"], flops=2 * T * k * 3 * h * w).seconds(m, cal)
             sort = cal.moe_sort_seconds if T > ROUTE_IN_ALIGN_MAX_T else 0.0
             reread = reread_bytes(r["row_blocks"], r["experts_touched"], h, w, int4_weight_bytes(group))
             known = (parts["weights"] + parts["flops"] + cal.moe_block_seconds + cal.moe_pair_seconds * T * k + sort
                      + reread / (m.bandwidth * cal.moe_reread_over_bandwidth))
-            xs.append((r["touched_bytes"] - e * h * 2) / m.bandwidth)  # the experts' bytes, less the bf16 router
+            # the experts' bytes, less the bf16 router; the row blocks the kernel ran
+            xs.append([(r["touched_bytes"] - e * h * 2) / m.bandwidth, float(r["row_blocks"])])
             ys.append(r["triton_us"] * 1e-6 - known)
-    if not xs:
-        raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: no rows to fit the INT4 term on")
-    x, y = np.array(xs), np.array(ys)
-    per = float(x @ y / (x @ x))
-    if per <= 0:
+            ts.append(r["triton_us"] * 1e-6)
+            widths.add(w)
+    if len(xs) < 3:
+        raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: {len(xs)} rows at today's row heights; "
+                           "the INT4 fit needs at least 3")
+    if len(widths) < 2:  # bytes and row blocks grow together at one width: the fit cannot tell them apart
+        raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: experts {widths.pop()} wide only; the INT4 "
+                           "fit needs benches of two expert widths, e.g. --shape kimi-k2.6 and --shape "
+                           "kimi-k2.6-tp8-rank")
+    w = 1 / np.array(ts)
+    per_byte, per_block = np.linalg.lstsq(np.array(xs) * w[:, None], np.array(ys) * w, rcond=None)[0]
+    if per_byte <= 0:
         raise AdvisorError("the INT4 fit found unpacking free: the INT4 block ran as fast as the dense terms price "
                            "its bytes, so there is no term to fit")
-    return {"moe_int4_unpack_over_bandwidth": 1.0 / per}
+    if per_block < 0:
+        raise AdvisorError("the INT4 fit found row blocks free (a negative term): give rows over more T at each "
+                           "expert width")
+    return {"moe_int4_unpack_over_bandwidth": float(1.0 / per_byte), "moe_int4_block_seconds": float(per_block)}
 
 
 def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = None, machine: str = "h200") -> dict:

@@ -2,13 +2,15 @@
 and the bench files shipped for it."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from ...kernels.moe_layout import at_kernel_height
-from .cost import round_cost
+from .cost import LaunchCensus, round_cost
 from .fit import read_bench
-from .machines import AdvisorError, Calibration, get_machine, load_calibration, machine_for_device, profile_names
+from .machines import (CALIBRATIONS, AdvisorError, Calibration, get_machine, load_calibration, machine_for_device,
+                       profile_names)
 from .shapes import ExpertLoad, model_shape
 
 CHECK_TOLERANCE = 0.15
@@ -24,17 +26,30 @@ def _matches(bench: dict, settings: Mapping) -> list[str]:
     return [f"{k}={bench.get(k)!r} (calibrated: {v!r})" for k, v in settings.items() if bench.get(k) != v]
 
 
+def calibration_for(bench: dict) -> tuple[Calibration | None, list[str]]:
+    """The calibration whose settings a bench e2e JSON ran with (compiled or eager layers, …), else None and
+    why each one does not fit."""
+    why = []
+    for kind in CALIBRATIONS:
+        cal = load_calibration(kind)
+        differs = _matches(bench, cal.settings)
+        if not differs:
+            return cal, []
+        why.append(f"{kind}: {', '.join(differs)}")
+    return None, why
+
+
 def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
                 lo: int = CHECK_BUDGETS[0], hi: int = CHECK_BUDGETS[1]) -> dict:
-    """Predicted vs measured round times of bench e2e JSONs (machine from each file's device): which
-    shapes were checked, each row's error, and whether every budget in [lo, hi] is within 15 %."""
-    cal = cal or load_calibration()
+    """Predicted vs measured round times of bench e2e JSONs (machine from each file's device; calibration: the
+    one the file's settings ran with, unless given): which shapes were checked, each row's error, and whether
+    every budget in [lo, hi] is within 15 %."""
     checked, skipped = [], []
     for path in paths:
         b = read_bench(path)
         device = (b.get("environment") or {}).get("device")
         mname = machine_for_device(device)
-        why = _matches(b, cal.settings)
+        file_cal, why = (cal, _matches(b, cal.settings)) if cal else calibration_for(b)
         if mname is None:
             why.append(f"device {device!r} matches no machine of machines.json")
         elif mname not in profile_names():
@@ -43,6 +58,12 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             shape = model_shape(b.get("model") or "")
         except (AdvisorError, ValueError) as e:
             shape, why = None, why + [str(e)]
+        census = None
+        if not why and file_cal.launches_from == "census":
+            try:
+                census = bench_census(b, shape)
+            except (ImportError, ValueError) as e:  # no triton here, a routing trace not on this machine
+                why.append(f"its launch census: {e}")
         if why:
             skipped.append({"file": Path(path).name, "model": b.get("model"), "reason": "; ".join(why)})
             continue
@@ -50,7 +71,7 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
         load = measured_load(b, shape)  # an MoE bench's own expert counts, else None (uniform routing)
         rows = []
         for r in filter(modelled, b["rows"]):
-            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, cal, load)
+            pred = round_cost(shape, m, r["method"], r.get("budget"), ctx, file_cal, load, census)
             meas = float(r["round_seconds"])
             rows.append({"method": r["method"], "budget": r.get("budget"), "measured_seconds": meas,
                          "predicted_seconds": pred.seconds, "error": pred.seconds / meas - 1,
@@ -62,6 +83,7 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             continue
         ok = all(abs(x["error"]) <= CHECK_TOLERANCE for x in rows if x["in_range"])
         checked.append({"file": Path(path).name, "model": b.get("model"), "machine": mname, "device": device,
+                        "launches": file_cal.launches_from,
                         "expert_union": "measured" if load else ("uniform routing" if shape.num_experts else None),
                         "prompt_len": ctx, "rows": rows, "within_tolerance": ok,
                         "max_error": max((abs(x["error"]) for x in rows if x["in_range"]), default=None)})
@@ -82,6 +104,33 @@ def measured_load(bench: dict, shape) -> ExpertLoad | None:
         if at_height is not None:
             blocks[tokens] = float(at_height)
     return ExpertLoad(touched, blocks or None) if touched else None
+
+
+def bench_census(bench: dict, shape) -> LaunchCensus:
+    """The kernels and activation bytes of an eager bench's rounds, counted (bench/census.py) under the file's own
+    model, context, attention and routing: a file written before routing was declared ran the router's, one
+    written before declared routing had its kernel (no `declared_routing` field) computed it in torch."""
+    routing = bench.get("routing") or "router"
+    declared = bench.get("declared_routing") or "torch"
+    ctx, stages = int(bench.get("prompt_len") or 512), {}
+    for r in filter(modelled, bench["rows"]):
+        method, budget = r["method"], r.get("budget")
+        counted = _counted(bench.get("model") or "", method, budget if method == "ddtree" else None, ctx,
+                           bench.get("attention") or "triton", routing, None if declared == "auto" else declared)
+        tokens = {"ar": 1, "dflash": shape.block_size}.get(method, int(budget or 0) + 1)
+        for stage, kernels, moved in counted:
+            key = ("ar", 1) if method == "ar" else ("draft", shape.block_size) if stage == "draft" else (stage, tokens)
+            stages[key] = (kernels, moved)
+    return LaunchCensus(stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _counted(model: str, method: str, budget, ctx: int, attention: str, routing: str, declared) -> tuple:
+    from ...bench.census import round_census
+
+    # routing: "router" or "uniform" (a routing replayed from a trace file is refused by the census: ValueError)
+    stages = round_census(model, method, budget, ctx, attention, routing, declared)
+    return tuple((k, s.kernels, s.activation_bytes) for k, s in stages.items() if k in ("verify", "draft"))
 
 
 def shipped_bench_files() -> list[str]:

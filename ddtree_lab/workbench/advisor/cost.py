@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, expert_bytes, reread_bytes
 from .machines import AdvisorError, Calibration, Machine, load_calibration
@@ -25,6 +26,7 @@ class Terms:
     moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
     moe_reread: float = 0.0       # bytes: expert weights read again by an expert's second and later row blocks
     int4_bytes: float = 0.0       # bytes of INT4 experts read, which the kernel also unpacks
+    int4_blocks: float = 0.0      # row blocks of INT4 experts run (each pays its pipeline's start)
     mla_calls: float = 0.0        # MLA attention calls (one a layer), and their latent bytes and FLOPs
     mla_bytes: float = 0.0
     mla_flops: float = 0.0
@@ -42,7 +44,8 @@ class Terms:
                "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
                                           if self.moe_reread else 0.0)
                       + (self.int4_bytes / (m.bandwidth * cal.moe_int4_unpack_over_bandwidth)
-                         if self.int4_bytes and cal.moe_int4_unpack_over_bandwidth else 0.0),
+                         if self.int4_bytes and cal.moe_int4_unpack_over_bandwidth else 0.0)
+                      + self.int4_blocks * cal.moe_int4_block_seconds,
                "attention": (self.mla_calls * cal.mla_call_seconds
                              + (self.mla_bytes / (m.bandwidth * cal.mla_bytes_over_bandwidth)
                                 if cal.mla_bytes_over_bandwidth else 0.0)
@@ -55,14 +58,30 @@ class Terms:
 MLP_KERNELS = 3  # a dense MLP's kernels in a captured layer (gate-up GEMM, activation, down GEMM)
 
 
+@dataclass(frozen=True)
+class LaunchCensus:
+    """What eager rounds launch, counted (bench/census.py) rather than scaled from a compiled profile: per
+    (stage, tokens) — ("ar", 1), ("verify", T), ("draft", block size) — the kernels the launch time prices (the
+    fused MoE's and MLA's own are priced by their terms) and the activation bytes the eager ops move."""
+    stages: Mapping[tuple[str, int], tuple[float, float]]
+
+    def at(self, stage: str, tokens: int) -> tuple[float, float]:
+        try:
+            return self.stages[(stage, tokens)]
+        except KeyError:
+            raise AdvisorError(f"the launch census has no {stage} of {tokens} tokens "
+                               f"(it counted {sorted(self.stages)})") from None
+
+
 def _kernels(cal: Calibration, stage: str, layers: int) -> float:
     per_layer, fixed = cal.kernels.get(stage, (0.0, 0.0))
     return per_layer * layers + fixed
 
 
 def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: str = "verify",
-                 load: ExpertLoad | None = None) -> Terms:
-    """The target forward over `tokens` tokens after `ctx` cached ones (`load`: measured MoE routing)."""
+                 load: ExpertLoad | None = None, census: LaunchCensus | None = None) -> Terms:
+    """The target forward over `tokens` tokens after `ctx` cached ones (`load`: measured MoE routing; `census`:
+    eager layers' counted kernels and activation bytes, instead of the compiled profile's and the estimate)."""
     b, h = s.dtype_bytes, s.hidden
     dense_layers = s.layers - s.moe_layers
     touched = s.experts_touched(tokens, load)
@@ -74,39 +93,45 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     flops = 2 * tokens * used + attn_flops
     inter = (s.intermediate if not s.moe_layers
              else s.experts_per_tok * s.expert_intermediate + s.shared_intermediate)
-    kv = (s.layers * s.kv_width * (ctx + tokens) * b                                 # cache read + new rows
-          + tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b  # activations
-          + tokens * s.vocab * 4)                                                   # fp32 logits
+    cache = s.layers * s.kv_width * (ctx + tokens) * b                               # cache read + new rows
+    launches, activations = census.at(stage, tokens) if census else (
+        _kernels(cal, stage, s.layers),
+        tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b + tokens * s.vocab * 4)  # + logits
     # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
     # routed token-expert pair, the sort's own launches past ROUTE_IN_ALIGN_MAX_T tokens, and an expert's weights
     # read again (from L2) by each of its row blocks after the first; less the dense MLP's kernels the
-    # per-layer launch count already holds.
+    # per-layer launch count already holds (a census counts the block's kernels apart: nothing to take off).
     sort = cal.moe_sort_seconds if tokens > ROUTE_IN_ALIGN_MAX_T else 0.0
-    moe = s.moe_layers * max(0.0, cal.moe_block_seconds - MLP_KERNELS * cal.launch_seconds + sort
+    counted = 0.0 if census else MLP_KERNELS * cal.launch_seconds
+    moe = s.moe_layers * max(0.0, cal.moe_block_seconds - counted + sort
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
     reread = s.moe_layers * reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate,
                                          s.expert_bytes)
-    # INT4 experts are unpacked as they are read: the kernel bench's time beyond their bytes, per byte
+    # INT4 experts are unpacked as they are read: the kernel bench's time beyond their bytes, per byte and per row
+    # block
     int4 = s.moe_layers * touched * expert_bytes(h, s.expert_intermediate, s.expert_bytes) if s.int4_experts else 0.0
+    int4_blocks = s.moe_layers * s.expert_row_blocks(tokens, load) if s.int4_experts else 0.0
     # MLA: its kernel's time beyond the latent's bytes and the attention FLOPs (the MLA bench), each layer
     mla = dict(mla_calls=s.layers, mla_bytes=s.layers * s.kv_width * (ctx + tokens) * b,
                mla_flops=attn_flops) if s.kv_lora_rank else {}
-    return Terms(weights=weights, kv=kv, flops=flops, launches=_kernels(cal, stage, s.layers), moe_seconds=moe,
-                 moe_reread=reread, int4_bytes=int4, **mla)
+    return Terms(weights=weights, kv=cache + activations, flops=flops, launches=launches, moe_seconds=moe,
+                 moe_reread=reread, int4_bytes=int4, int4_blocks=int4_blocks, **mla)
 
 
-def draft_terms(s: ModelShape, ctx: int, cal: Calibration) -> Terms:
-    """The DFlash drafter over one block, then the target's LM head on its block_size − 1 positions."""
+def draft_terms(s: ModelShape, ctx: int, cal: Calibration, census: LaunchCensus | None = None) -> Terms:
+    """The DFlash drafter over one block, then the target's LM head on its block_size − 1 positions (`census`: as
+    for verify_terms)."""
     b, h, q = s.dtype_bytes, s.hidden, s.block_size
     heads, kv_heads, head_dim = s.draft_attention
     layer = s.draft_attn_params + 3 * h * s.draft_intermediate
     params = s.draft_layers * layer + s.draft_features * h * h
     flops = (2 * q * params + 2 * (q - 1) * s.vocab * h
              + 4 * s.draft_layers * heads * head_dim * q * (ctx + q))
-    kv = (s.draft_layers * 2 * kv_heads * head_dim * (ctx + q) * b
-          + q * s.draft_layers * (6 * h + 3 * s.draft_intermediate) * b + (q - 1) * s.vocab * 4)
-    return Terms(weights=(params + s.vocab * h) * b, kv=kv, flops=flops,
-                 launches=_kernels(cal, "draft", s.draft_layers))
+    cache = s.draft_layers * 2 * kv_heads * head_dim * (ctx + q) * b
+    launches, activations = census.at("draft", q) if census else (
+        _kernels(cal, "draft", s.draft_layers),
+        q * s.draft_layers * (6 * h + 3 * s.draft_intermediate) * b + (q - 1) * s.vocab * 4)
+    return Terms(weights=(params + s.vocab * h) * b, kv=cache + activations, flops=flops, launches=launches)
 
 
 @dataclass
@@ -126,20 +151,21 @@ class RoundCost:
 
 
 def round_cost(shape: ModelShape, machine: Machine, method: str, budget: int | None = None, ctx: int = 512,
-               cal: Calibration | None = None, load: ExpertLoad | None = None) -> RoundCost:
+               cal: Calibration | None = None, load: ExpertLoad | None = None,
+               census: LaunchCensus | None = None) -> RoundCost:
     """First-principles cost of one round (AR: one step). budget: DDTree nodes beyond the root."""
     cal = cal or load_calibration()
     if method == "ar":
-        terms = {"verify": verify_terms(shape, 1, ctx, cal, "ar", load)}
+        terms = {"verify": verify_terms(shape, 1, ctx, cal, "ar", load, census)}
     else:
         nodes = shape.block_size - 1 if method == "dflash" else int(budget or 0)
         if nodes < 1:
             raise AdvisorError(f"a {method} round needs a budget ≥ 1, got {budget!r}")
-        terms = {"draft": draft_terms(shape, ctx, cal),
+        terms = {"draft": draft_terms(shape, ctx, cal, census),
                  "tree_build": Terms(launches=_kernels(cal, "tree_build", 0),
                                      fixed_seconds=cal.tree_node_seconds * nodes
                                      + cal.tree_vocab_seconds * (shape.block_size - 1) * shape.vocab),
-                 "verify": verify_terms(shape, nodes + 1, ctx, cal, "verify", load),
+                 "verify": verify_terms(shape, nodes + 1, ctx, cal, "verify", load, census),
                  "commit": Terms(launches=_kernels(cal, "commit", 0),
                                  fixed_seconds=cal.commit_node_seconds * (nodes + 1))}
     split = {k: t.seconds(machine, cal) for k, t in terms.items()}

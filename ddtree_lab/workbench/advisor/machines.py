@@ -125,19 +125,38 @@ class Calibration:
     # INT4 experts' unpacking beyond reading them: bytes / (spec bandwidth × this) more (fused-MoE INT4 bench);
     # 0: not fitted, no such term
     moe_int4_unpack_over_bandwidth: float = 0.0
+    moe_int4_block_seconds: float = 0.0  # and per row block of INT4 experts (same bench; 0: not fitted)
     # MLA attention beyond its latent bytes and FLOPs (`bench mla`): a time per call, and its bytes and FLOPs again
     # at these multiples of spec bandwidth and peak; 0: not fitted, no such term
     mla_call_seconds: float = 0.0
     mla_bytes_over_bandwidth: float = 0.0
     mla_flops_over_peak: float = 0.0
     settings: dict = field(default_factory=dict)
+    # where a round's kernels come from: "profile" (the per-layer counts above, from compiled rounds' profiles) or
+    # "census" (eager layers: bench/census.py counts each round's kernels and activation bytes)
+    launches_from: str = "profile"
 
 
-def load_calibration() -> Calibration:
-    cal = machines_data()["calibration"]
+# machines.json's calibrations: compiled layers (the efficiency factors and kernel counts fitted on compiled
+# rounds, with the kernel-level terms), and eager layers (the launch time and efficiencies fitted again with each
+# round's census, over the same kernel-level terms)
+CALIBRATIONS = {"compiled": "calibration", "eager": "eager_calibration"}
+
+
+def load_calibration(kind: str = "compiled") -> Calibration:
+    data = machines_data()
+    cal = data["calibration"]
     if "fit" not in cal:
         raise AdvisorError(f"{MACHINES_FILE}: no calibration fit; run ddtree_lab.workbench.advisor.calibrate")
-    return Calibration(**cal["fit"], settings=cal.get("settings", {}))
+    if kind == "compiled":
+        return Calibration(**cal["fit"], settings=cal.get("settings", {}))
+    if kind not in CALIBRATIONS:
+        raise AdvisorError(f"calibration {kind!r}; known: {', '.join(CALIBRATIONS)}")
+    eager = data.get(CALIBRATIONS[kind]) or {}
+    if "fit" not in eager:
+        raise AdvisorError(f"{MACHINES_FILE}: no {kind} calibration fit; run "
+                           "ddtree_lab.workbench.advisor.calibrate_eager")
+    return Calibration(**{**cal["fit"], **eager["fit"]}, settings=eager.get("settings", {}), launches_from="census")
 
 
 # ----------------------------------------------------------------------------- interconnects and overrides

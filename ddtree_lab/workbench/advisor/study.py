@@ -164,7 +164,7 @@ def advise(study_dir: str | os.PathLike, machines: list[str] | None = None, mode
         out["machines"][name] = machine_advice(st, out["tau"], shape, A.get_machine(name, measured, cal), cal,
                                                own_load, n_boot, seed)
     out["measured_fit"] = measured_fit(st)
-    out["check"] = model_check(bench or A.shipped_bench_files(), cal)
+    out["check"] = model_check(bench or A.shipped_bench_files())
     return out
 
 
@@ -217,10 +217,11 @@ def measured_fit(st: dict) -> dict:
     return {"kind": fit.kind, "coeffs": fit.coeffs, "loo": fit.loo, "max_loo": fit.max_loo, "device": st["device"]}
 
 
-def model_check(files: list[str], cal) -> dict:
-    """The cost model against bench e2e round times; a note asking for --bench when there are none."""
+def model_check(files: list[str]) -> dict:
+    """The cost model against bench e2e round times, each file under the calibration its settings ran with
+    (compiled or eager layers); a note asking for --bench when there are none."""
     if files:
-        return A.check_bench(files, cal)
+        return A.check_bench(files)
     return {"checked": [], "skipped": [], "passed": False,
             "note": "this install ships no bench e2e JSON to check the model against; give --bench FILE"}
 
