@@ -41,15 +41,16 @@ GATHER_OPS = frozenset({"index", "gather", "index_select", "embedding"})
 
 @dataclass
 class StageCensus:
-    """One stage's launches: plain kernels (aten ops and Triton launches not in PRICED), the PRICED ones by part,
-    activation bytes, and the count of each op or kernel."""
+    """One stage's launches: plain kernels (aten ops and Triton launches not in PRICED; `matmuls` of them are
+    matmuls), the PRICED ones by part, activation bytes, and the count of each op or kernel."""
     kernels: int = 0
+    matmuls: int = 0
     priced: dict = field(default_factory=dict)
     activation_bytes: int = 0
     by_op: collections.Counter = field(default_factory=collections.Counter)
 
     def as_json(self) -> dict:
-        return {"kernels": self.kernels, "priced_kernels": dict(self.priced),
+        return {"kernels": self.kernels, "matmuls": self.matmuls, "priced_kernels": dict(self.priced),
                 "activation_bytes": self.activation_bytes, "by_op": dict(self.by_op.most_common())}
 
 
@@ -80,6 +81,7 @@ class _CountOps(TorchDispatchMode):
         else:
             moved = _nbytes(ins) + _nbytes(outs)
         stage.kernels += 1
+        stage.matmuls += name in MATMUL_OPS
         stage.activation_bytes += moved
         stage.by_op["aten." + name] += 1
         return out

@@ -157,31 +157,38 @@ def test_the_int4_fit_needs_two_expert_widths_and_todays_row_heights(tmp_path):
 
 
 def test_stored_eager_calibration_is_what_calibrate_eager_fits():
-    """Eager layers: every round's kernels and activation bytes counted by bench census; only the launch time is
-    fitted again, and one small eager kernel costs about what a compiled round's kernel does."""
+    """Eager layers: every round's kernels, matmuls and activation bytes counted by bench census; the launch time
+    and a matmul's are fitted again: a small eager kernel costs about what a compiled round's kernel does, a
+    matmul (a skinny GEMM's tiles and split) several times that."""
     data = A.machines_data()["eager_calibration"]
     fit = A.calibrate_eager([REPO / p for p in data["fitted_on"]], data["machine"])
     assert fit == pytest.approx(data["fit"], rel=1e-3)
     compiled = A.load_calibration()
     assert 0.5 < fit["launch_seconds"] / compiled.launch_seconds < 2
+    assert 2 * fit["launch_seconds"] < fit["eager_matmul_seconds"] < 1e-4
     eager = A.load_calibration("eager")
     assert eager.launches_from == "census" and eager.settings["compile"] is False
     assert eager.eta_bw == compiled.eta_bw and eager.moe_block_seconds == compiled.moe_block_seconds
 
 
 def test_eager_moe_runs_are_checked_with_their_launch_census():
-    """Qwen3-30B-A3B under uniform routing and the Kimi EP8 rank, eager layers: each file picks the eager
-    calibration by its settings and its rounds' census prices the launches. Priced with the compiled rounds'
-    kernel counts instead, every round misses by a fifth or more."""
-    files = [BENCH / f for f in ("e2e_random_qwen3_30b_a3b_uniform.json", "e2e_kimi_ep8_rank_4k_a555c6e.json")]
+    """Qwen3-30B-A3B under uniform routing and both Kimi rank shapes, eager layers: each file picks the eager
+    calibration by its settings and its rounds' census prices the launches; AR, DFlash and every budget are within
+    15 %. Priced with the compiled rounds' kernel counts instead, every AR step misses by half or more, and every
+    round of Qwen3-30B-A3B and the EP8 rank by a fifth or more."""
+    files = [BENCH / f for f in ("e2e_random_qwen3_30b_a3b_uniform.json", "e2e_kimi_ep8_rank_4k_a555c6e.json",
+                                 "e2e_kimi_tp8_rank_4k_a555c6e.json")]
     chk = A.check_bench(files)
     assert chk["passed"] and not chk["skipped"]
     for c in chk["checked"]:
         assert c["launches"] == "census" and c["max_error"] <= A.CHECK_TOLERANCE
         assert [r["budget"] for r in c["rows"] if r["in_range"]] == [16, 32, 64, 128, 256]
+        assert {r["method"] for r in c["rows"]} == {"ar", "dflash", "ddtree"}
+        assert all(abs(r["error"]) <= A.CHECK_TOLERANCE for r in c["rows"])
     profiled = dataclasses.replace(A.load_calibration(), settings={})
     forced = A.check_bench(files, profiled)
-    assert all(r["error"] < -0.2 for c in forced["checked"] for r in c["rows"] if r["in_range"])
+    assert all(r["error"] < -0.5 for c in forced["checked"] for r in c["rows"] if r["method"] == "ar")
+    assert all(r["error"] < -0.2 for c in forced["checked"][:2] for r in c["rows"])
 
 
 def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only(tmp_path):
@@ -573,9 +580,7 @@ def test_the_check_runs_from_an_installed_package(tmp_path):
     chk = json.loads((tmp_path / "a.json").read_text())["check"]
     checked = {c["file"]: c for c in chk["checked"]}
     assert {"e2e_random_qwen3_8b_triton_compile.json", "e2e_lab_compile.json"} <= set(checked) and not chk["skipped"]
-    for name in ("e2e_random_qwen3_8b_triton_compile.json", "e2e_lab_compile.json",
-                 "e2e_random_qwen3_30b_a3b_uniform.json", "e2e_kimi_ep8_rank_4k_a555c6e.json"):
-        assert checked[name]["within_tolerance"], name
+    assert chk["passed"] and checked["e2e_kimi_tp8_rank_4k_a555c6e.json"]["within_tolerance"]
     assert checked["e2e_kimi_ep8_rank_4k_a555c6e.json"]["launches"] == "census"
 
 

@@ -89,13 +89,16 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
             "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}
 
 
-def calibrate_eager(e2e_paths: Sequence[str | Path], machine: str = "h200", free: Sequence[str] = ("launch_seconds",)
-                    ) -> dict:
-    """The eager-layers calibration, on bench e2e JSONs of eager rounds: each row's kernels and activation bytes
-    counted by its launch census (check.bench_census), every other term the compiled calibration's (the same
-    GEMMs, attention and MoE kernels run either way), and `free` (by default only the launch time: what one of
-    the many small eager kernels costs in a graph) fitted by least squares on the log of every draft and verify
-    stage time. -> the `eager_calibration.fit` dict of machines.json."""
+EAGER_FREE = ("launch_seconds", "eager_matmul_seconds")
+
+
+def calibrate_eager(e2e_paths: Sequence[str | Path], machine: str = "h200", free: Sequence[str] = EAGER_FREE) -> dict:
+    """The eager-layers calibration, on bench e2e JSONs of eager rounds: each row's kernels, matmuls and activation
+    bytes counted by its launch census (check.bench_census), every other term the compiled calibration's (the
+    bytes, FLOPs, attention and MoE kernels are the same either way), and `free` fitted by least squares on the
+    log of every draft and verify stage time: by default what one of the many small eager kernels costs in a
+    graph, and what a matmul kernel costs beyond its bytes and FLOPs (the compiled fit prices both alike).
+    -> the `eager_calibration.fit` dict of machines.json."""
     from scipy.optimize import least_squares
 
 
@@ -117,14 +120,14 @@ def calibrate_eager(e2e_paths: Sequence[str | Path], machine: str = "h200", free
             nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
             obs.append((verify_terms(s, nodes + 1, ctx, base, "verify", load, census), st["verify"]))
             obs.append((draft_terms(s, ctx, base, census), st["draft"]))
-    start = {k: getattr(base, k) for k in free}
+    start = {k: getattr(base, k) or base.launch_seconds for k in free}
 
     def resid(x):
         cal = dataclasses.replace(base, **dict(zip(free, x)))
         return [math.log(sum(t.seconds(m, cal).values()) / y) for t, y in obs]
 
-    bounds = ([0.0 if k == "launch_seconds" else 0.05 for k in free], [1e-4 if k == "launch_seconds" else 1.0
-                                                                        for k in free])
+    seconds = [k.endswith("_seconds") for k in free]  # times, else efficiencies (fractions of the spec)
+    bounds = ([0.0 if t else 0.05 for t in seconds], [1e-4 if t else 1.0 for t in seconds])
     fit = least_squares(resid, x0=list(start.values()), bounds=bounds)
     return {k: float(v) for k, v in zip(free, fit.x)}
 
@@ -170,15 +173,15 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
     """INT4 experts' unpacking, from `bench fused_moe --int4` JSONs (the block alone with INT4 experts, at several
     T and expert widths): the time beyond what the dense block's terms price for the same bytes (weights at
     eta_bw, FLOPs, and calibrate_moe's fixed, per-pair, sort and re-read parts) = INT4 bytes touched / (spec
-    bandwidth · x) + row blocks · y, by least squares relative to each row's time (a Kimi block's rows span
-    80 µs to 5 ms). A narrow expert (a TP8 rank's, 256 wide) is mostly its blocks' start; a full one its bytes.
+    bandwidth · x) + row blocks · y, by least squares (as calibrate_moe's, on the same kernel). A narrow expert
+    (a TP8 rank's, 256 wide) is mostly its blocks' start; a full one its bytes.
     Rows run at another row height than today's kernel (`moe_layout.row_height`) are left out. Kernel-level
     data, as calibrate_moe's. -> {"moe_int4_unpack_over_bandwidth": x, "moe_int4_block_seconds": y}."""
     import numpy as np
 
     cal = cal or load_calibration()
     m = get_machine(machine)
-    xs, ys, ts, widths = [], [], [], set()
+    xs, ys, widths = [], [], set()
     for path in fused_moe_int4_paths:
         d = json.loads(Path(path).read_text())
         group = int(d.get("int4_group") or 0)
@@ -200,7 +203,6 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
             # the experts' bytes, less the bf16 router; the row blocks the kernel ran
             xs.append([(r["touched_bytes"] - e * h * 2) / m.bandwidth, float(r["row_blocks"])])
             ys.append(r["triton_us"] * 1e-6 - known)
-            ts.append(r["triton_us"] * 1e-6)
             widths.add(w)
     if len(xs) < 3:
         raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: {len(xs)} rows at today's row heights; "
@@ -209,8 +211,7 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
         raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: experts {widths.pop()} wide only; the INT4 "
                            "fit needs benches of two expert widths, e.g. --shape kimi-k2.6 and --shape "
                            "kimi-k2.6-tp8-rank")
-    w = 1 / np.array(ts)
-    per_byte, per_block = np.linalg.lstsq(np.array(xs) * w[:, None], np.array(ys) * w, rcond=None)[0]
+    per_byte, per_block = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]
     if per_byte <= 0:
         raise AdvisorError("the INT4 fit found unpacking free: the INT4 block ran as fast as the dense terms price "
                            "its bytes, so there is no term to fit")

@@ -118,9 +118,9 @@ def bench_census(bench: dict, shape) -> LaunchCensus:
         counted = _counted(bench.get("model") or "", method, budget if method == "ddtree" else None, ctx,
                            bench.get("attention") or "triton", routing, None if declared == "auto" else declared)
         tokens = {"ar": 1, "dflash": shape.block_size}.get(method, int(budget or 0) + 1)
-        for stage, kernels, moved in counted:
+        for stage, kernels, matmuls, moved in counted:
             key = ("ar", 1) if method == "ar" else ("draft", shape.block_size) if stage == "draft" else (stage, tokens)
-            stages[key] = (kernels, moved)
+            stages[key] = (kernels, matmuls, moved)
     return LaunchCensus(stages)
 
 
@@ -130,7 +130,7 @@ def _counted(model: str, method: str, budget, ctx: int, attention: str, routing:
 
     # routing: "router" or "uniform" (a routing replayed from a trace file is refused by the census: ValueError)
     stages = round_census(model, method, budget, ctx, attention, routing, declared)
-    return tuple((k, s.kernels, s.activation_bytes) for k, s in stages.items() if k in ("verify", "draft"))
+    return tuple((k, s.kernels, s.matmuls, s.activation_bytes) for k, s in stages.items() if k in ("verify", "draft"))
 
 
 def shipped_bench_files() -> list[str]:

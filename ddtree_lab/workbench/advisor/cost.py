@@ -22,6 +22,7 @@ class Terms:
     kv: float = 0.0
     flops: float = 0.0
     launches: float = 0.0
+    matmuls: float = 0.0          # eager rounds: their matmul kernels, priced apart from the other launches
     fixed_seconds: float = 0.0    # tree build / commit
     moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
     moe_reread: float = 0.0       # bytes: expert weights read again by an expert's second and later row blocks
@@ -40,7 +41,8 @@ class Terms:
         share_m = mem ** cal.p / (mem ** cal.p + tc ** cal.p) if mem or tc else 0.0
         out = {"weights": core * share_m * (tw / mem if mem else 0.0),
                "kv": core * share_m * (tk / mem if mem else 0.0),
-               "flops": core * (1 - share_m), "launches": self.launches * cal.launch_seconds,
+               "flops": core * (1 - share_m),
+               "launches": self.launches * cal.launch_seconds + self.matmuls * cal.eager_matmul_seconds,
                "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
                                           if self.moe_reread else 0.0)
                       + (self.int4_bytes / (m.bandwidth * cal.moe_int4_unpack_over_bandwidth)
@@ -62,10 +64,11 @@ MLP_KERNELS = 3  # a dense MLP's kernels in a captured layer (gate-up GEMM, acti
 class LaunchCensus:
     """What eager rounds launch, counted (bench/census.py) rather than scaled from a compiled profile: per
     (stage, tokens) — ("ar", 1), ("verify", T), ("draft", block size) — the kernels the launch time prices (the
-    fused MoE's and MLA's own are priced by their terms) and the activation bytes the eager ops move."""
-    stages: Mapping[tuple[str, int], tuple[float, float]]
+    fused MoE's and MLA's own are priced by their terms), how many of them are matmuls, and the activation bytes
+    the eager ops move."""
+    stages: Mapping[tuple[str, int], tuple[float, float, float]]
 
-    def at(self, stage: str, tokens: int) -> tuple[float, float]:
+    def at(self, stage: str, tokens: int) -> tuple[float, float, float]:
         try:
             return self.stages[(stage, tokens)]
         except KeyError:
@@ -94,8 +97,8 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     inter = (s.intermediate if not s.moe_layers
              else s.experts_per_tok * s.expert_intermediate + s.shared_intermediate)
     cache = s.layers * s.kv_width * (ctx + tokens) * b                               # cache read + new rows
-    launches, activations = census.at(stage, tokens) if census else (
-        _kernels(cal, stage, s.layers),
+    kernels, matmuls, activations = census.at(stage, tokens) if census else (
+        _kernels(cal, stage, s.layers), 0.0,
         tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b + tokens * s.vocab * 4)  # + logits
     # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
     # routed token-expert pair, the sort's own launches past ROUTE_IN_ALIGN_MAX_T tokens, and an expert's weights
@@ -114,7 +117,8 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     # MLA: its kernel's time beyond the latent's bytes and the attention FLOPs (the MLA bench), each layer
     mla = dict(mla_calls=s.layers, mla_bytes=s.layers * s.kv_width * (ctx + tokens) * b,
                mla_flops=attn_flops) if s.kv_lora_rank else {}
-    return Terms(weights=weights, kv=cache + activations, flops=flops, launches=launches, moe_seconds=moe,
+    return Terms(weights=weights, kv=cache + activations, flops=flops, launches=kernels - matmuls, matmuls=matmuls,
+                 moe_seconds=moe,
                  moe_reread=reread, int4_bytes=int4, int4_blocks=int4_blocks, **mla)
 
 
@@ -128,10 +132,11 @@ def draft_terms(s: ModelShape, ctx: int, cal: Calibration, census: LaunchCensus 
     flops = (2 * q * params + 2 * (q - 1) * s.vocab * h
              + 4 * s.draft_layers * heads * head_dim * q * (ctx + q))
     cache = s.draft_layers * 2 * kv_heads * head_dim * (ctx + q) * b
-    launches, activations = census.at("draft", q) if census else (
-        _kernels(cal, "draft", s.draft_layers),
+    kernels, matmuls, activations = census.at("draft", q) if census else (
+        _kernels(cal, "draft", s.draft_layers), 0.0,
         q * s.draft_layers * (6 * h + 3 * s.draft_intermediate) * b + (q - 1) * s.vocab * 4)
-    return Terms(weights=(params + s.vocab * h) * b, kv=cache + activations, flops=flops, launches=launches)
+    return Terms(weights=(params + s.vocab * h) * b, kv=cache + activations, flops=flops, launches=kernels - matmuls,
+                 matmuls=matmuls)
 
 
 @dataclass

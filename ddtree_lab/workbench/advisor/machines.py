@@ -132,6 +132,9 @@ class Calibration:
     mla_bytes_over_bandwidth: float = 0.0
     mla_flops_over_peak: float = 0.0
     settings: dict = field(default_factory=dict)
+    # eager rounds (census): a matmul kernel's time beyond its bytes and FLOPs, in place of launch_seconds (a
+    # skinny GEMM's tiles, split and reduction; 0: every kernel at launch_seconds)
+    eager_matmul_seconds: float = 0.0
     # where a round's kernels come from: "profile" (the per-layer counts above, from compiled rounds' profiles) or
     # "census" (eager layers: bench/census.py counts each round's kernels and activation bytes)
     launches_from: str = "profile"
