@@ -166,6 +166,31 @@ def round_census(model: str, method: str, budget: int | None, prompt_len: int, a
     return out
 
 
+CENSUS_STAGES = ("verify", "draft")  # the stages with layers, whose counts the advisor prices
+
+
+def e2e_census(bench: dict) -> list[dict | None]:
+    """Each row of a bench e2e JSON (eager layers) counted under the file's own model, context, attention and
+    routing: {stage: {"kernels", "matmuls", "activation_bytes"}} for the stages with layers, None for a
+    budget="auto" row (its rounds vary). A file written before routing was declared ran the router's; one
+    without a `declared_routing` field predates its kernel, so torch computed it."""
+    if bench.get("compile"):
+        raise ValueError("census: compiled layers (compile=True) fuse their kernels; a census counts eager rounds")
+    routing = bench.get("routing") or "router"
+    declared = bench.get("declared_routing") or "torch"
+    out = []
+    for row in bench.get("rows", []):
+        budget = row.get("budget") if row["method"] == "ddtree" else None
+        if row["method"] == "ddtree" and not isinstance(budget, int):
+            out.append(None)
+            continue
+        stages = round_census(bench.get("model") or "", row["method"], budget, int(bench.get("prompt_len") or 512),
+                              bench.get("attention") or "triton", routing, None if declared == "auto" else declared)
+        out.append({k: {"kernels": s.kernels, "matmuls": s.matmuls, "activation_bytes": s.activation_bytes}
+                    for k, s in stages.items() if k in CENSUS_STAGES})
+    return out
+
+
 def census_rows(model: str, methods, budgets, prompt_len: int, attention: str = "triton",
                 routing: str | None = None, declared_routing: str | None = None) -> list[dict]:
     """bench census's rows: per method (and budget), each stage's census, and the verify's kernels per layer."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -150,6 +151,9 @@ def add_bench_args(p) -> None:
                    help="who computes a declared MoE routing (auto: Triton, as on a GPU)")
     _add_routing_arg(c)
     c.add_argument("--out", default="outputs/bench/census.json", help="JSON written here")
+    c.add_argument("--annotate", nargs="+", default=None, metavar="E2E_JSON",
+                   help="instead: count each row of these bench e2e JSONs (eager layers) under the file's own "
+                        "settings and write the counts into its rows (`census`), which the advisor then prices")
     c.set_defaults(device="meta", dtype="bfloat16")  # shapes only: a GPU's kernels, counted on any machine
     m = sub.add_parser("moe-counting", help="what a traced round's read of the MoE expert counts costs, against the "
                                             "round (bench/overhead.py)")
@@ -317,7 +321,22 @@ def bench_profile(args) -> dict:
 
 
 def bench_census(args) -> dict:
-    from .census import census_rows
+    from .census import census_rows, e2e_census
+
+    if args.annotate:
+        for path in map(Path, args.annotate):
+            try:
+                bench = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--annotate {path}: not a readable JSON file ({e.__class__.__name__})") from None
+            if not isinstance(bench, dict) or bench.get("kind") != "e2e":
+                raise ValueError(f"--annotate {path}: not a 'bench e2e' JSON")
+            for row, census in zip(bench["rows"], e2e_census(bench)):
+                if census is not None:
+                    row["census"] = census
+            atomic_write_json(path, bench, indent=2)
+            print(f"  counted {sum('census' in r for r in bench['rows'])} rows of {path}", file=sys.stderr)
+        return {"annotated": [str(p) for p in args.annotate]}
 
     declared = None if args.declared_routing == "auto" else args.declared_routing
     rows = census_rows(args.model, args.methods, args.budgets, args.prompt_len, args.attention, args.routing, declared)

@@ -88,3 +88,26 @@ def test_a_census_is_the_same_warmed_up_once_or_for_every_round():
     again = {b: C.round_census(model, "ddtree", b, 512) for b in (16, 64)}
     for b in first:
         assert {k: v.as_json() for k, v in first[b].items()} == {k: v.as_json() for k, v in again[b].items()}
+
+
+def test_annotate_counts_each_row_of_an_e2e_file_under_its_own_settings(tmp_path, capsys):
+    """An eager bench e2e JSON gains each row's census, counted with the file's model, context and routing (a
+    file without `declared_routing` predates its kernel: torch); a budget="auto" row and a compiled file get none."""
+    e2e = {"kind": "e2e", "model": "random:qwen3-30b-a3b@2", "compile": False, "prompt_len": 256,
+           "attention": "triton", "routing": "uniform",
+           "rows": [{"method": "ar", "budget": None}, {"method": "ddtree", "budget": 16},
+                    {"method": "ddtree", "budget": "auto"}]}
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(e2e))
+    assert main(["bench", "census", "--annotate", str(path), "--out", str(tmp_path / "c.json")]) == 0
+    ar, tree, auto = json.loads(path.read_text())["rows"]
+    assert "census" not in auto and set(ar["census"]) == {"verify"} and set(tree["census"]) == {"verify", "draft"}
+    want = C.round_census("random:qwen3-30b-a3b@2", "ddtree", 16, 256, declared_routing="torch")
+    for stage in ("verify", "draft"):
+        got = tree["census"][stage]
+        assert (got["kernels"], got["matmuls"], got["activation_bytes"]) == (
+            want[stage].kernels, want[stage].matmuls, want[stage].activation_bytes)
+    assert ar["census"]["verify"]["matmuls"] >= 2 * 3  # two layers' projections at least
+    path.write_text(json.dumps({**e2e, "compile": True}))
+    assert main(["bench", "census", "--annotate", str(path), "--out", str(tmp_path / "c.json")]) == 2
+    assert "compile=True" in capsys.readouterr().err

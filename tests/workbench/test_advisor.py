@@ -207,6 +207,22 @@ def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only
         A.calibrate_mla([other])
 
 
+def test_the_check_prices_the_census_a_bench_file_carries(tmp_path):
+    """A shipped eager file carries each row's census (bench census --annotate); the check prices what it says:
+    ten more matmuls in the AR step cost ten of the eager calibration's matmul times."""
+    src = BENCH / "e2e_kimi_ep8_rank_4k_a555c6e.json"
+    bench = json.loads(src.read_text())
+    ar = next(r for r in bench["rows"] if r["method"] == "ar")
+    ar["census"]["verify"]["matmuls"] += 10
+    ar["census"]["verify"]["kernels"] += 10
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps(bench))
+    base, plus = (next(r for r in A.check_bench([p])["checked"][0]["rows"] if r["method"] == "ar")
+                  for p in (src, more))
+    eager = A.load_calibration("eager")
+    assert plus["predicted_seconds"] - base["predicted_seconds"] == pytest.approx(10 * eager.eager_matmul_seconds)
+
+
 def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):
     sh = {"hidden": 64, "width": 32, "top_k": 2, "experts": 8}
     rows = [{"T": t, "experts_touched": 2, "row_blocks": 2, "touched_bytes": 1e6, "triton_us": 900.0}

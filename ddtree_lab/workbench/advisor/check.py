@@ -2,7 +2,6 @@
 and the bench files shipped for it."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -107,30 +106,23 @@ def measured_load(bench: dict, shape) -> ExpertLoad | None:
 
 
 def bench_census(bench: dict, shape) -> LaunchCensus:
-    """The kernels and activation bytes of an eager bench's rounds, counted (bench/census.py) under the file's own
-    model, context, attention and routing: a file written before routing was declared ran the router's, one
-    written before declared routing had its kernel (no `declared_routing` field) computed it in torch."""
-    routing = bench.get("routing") or "router"
-    declared = bench.get("declared_routing") or "torch"
-    ctx, stages = int(bench.get("prompt_len") or 512), {}
-    for r in filter(modelled, bench["rows"]):
-        method, budget = r["method"], r.get("budget")
-        counted = _counted(bench.get("model") or "", method, budget if method == "ddtree" else None, ctx,
-                           bench.get("attention") or "triton", routing, None if declared == "auto" else declared)
-        tokens = {"ar": 1, "dflash": shape.block_size}.get(method, int(budget or 0) + 1)
-        for stage, kernels, matmuls, moved in counted:
-            key = ("ar", 1) if method == "ar" else ("draft", shape.block_size) if stage == "draft" else (stage, tokens)
-            stages[key] = (kernels, matmuls, moved)
+    """The kernels, matmuls and activation bytes of an eager bench's rounds: the rows' own `census` (bench e2e
+    writes it for eager layers; `bench census --annotate` adds it to older files), else counted now under the
+    file's settings (bench/census.py: e2e_census)."""
+    from ...bench.census import e2e_census
+
+    rows = [r for r in bench.get("rows", []) if modelled(r)]
+    counted = [r.get("census") for r in rows]
+    if not all(counted):
+        counted = [c for c in e2e_census(bench) if c is not None]
+    stages = {}
+    for r, census in zip(rows, counted):
+        tokens = {"ar": 1, "dflash": shape.block_size}.get(r["method"], int(r.get("budget") or 0) + 1)
+        for stage, c in census.items():
+            key = (("ar", 1) if r["method"] == "ar" else ("draft", shape.block_size) if stage == "draft"
+                   else (stage, tokens))
+            stages[key] = (c["kernels"], c["matmuls"], c["activation_bytes"])
     return LaunchCensus(stages)
-
-
-@functools.lru_cache(maxsize=256)
-def _counted(model: str, method: str, budget, ctx: int, attention: str, routing: str, declared) -> tuple:
-    from ...bench.census import round_census
-
-    # routing: "router" or "uniform" (a routing replayed from a trace file is refused by the census: ValueError)
-    stages = round_census(model, method, budget, ctx, attention, routing, declared)
-    return tuple((k, s.kernels, s.matmuls, s.activation_bytes) for k, s in stages.items() if k in ("verify", "draft"))
 
 
 def shipped_bench_files() -> list[str]:
