@@ -125,26 +125,84 @@ _PAIRS: dict = {}  # (model, attention, routing) -> [pair, the methods it has wa
 
 
 def census_pair(model: str, attention: str = "triton", routing=None):
-    """A random shape's pair on the meta device (shapes only), kept for the next census of the same settings."""
+    """A pair on the meta device (shapes only), kept for the next census of the same settings: a random shape
+    (`random:<shape>[@<layers>]`), a named pair or a directory holding target/ and drafter/ (their config.json
+    only: no weights are read)."""
     from ..declared_routing import routing_name
-    from ..pairs.random import random_pair
 
-    if not model.startswith("random:"):
-        raise ValueError(f"census: model {model!r}; the census builds random shapes (random:<shape>[@<layers>])")
     key = (model, attention, None if routing is None else routing_name(routing))
     if key not in _PAIRS:
         _PAIRS.clear()  # one at a time: a pair holds its caches' (meta) buffers
-        _PAIRS[key] = [random_pair(model.split(":", 1)[1], device="meta", dtype="bfloat16", attention=attention,
-                                   routing=routing), set()]
+        if model.startswith("random:"):
+            from ..pairs.random import random_pair
+
+            pair = random_pair(model.split(":", 1)[1], device="meta", dtype="bfloat16", attention=attention,
+                               routing=routing)
+        else:
+            pair = _pair_from_configs(model, attention, routing or "router")
+        _PAIRS[key] = [pair, set()]
     return _PAIRS[key]
+
+
+def _pair_from_configs(model: str, attention: str, routing):
+    """A checkpoint pair's models built from its config.json files on the meta device (INT4 experts as its
+    quantization_config declares them)."""
+    import dataclasses
+    from pathlib import Path
+
+    from ..checkpoint import Pair
+    from ..config import drafter_config_from_hf, read_json, target_config_from_hf
+    from ..drafter import Drafter
+    from ..model import Target
+    from ..moe import SparseMoE
+    from ..pairs import PAIRS, resolve
+    from ..quant import read_quantization
+
+    if (Path(model) / "target").is_dir():
+        tdir, ddir = Path(model) / "target", Path(model) / "drafter"
+    elif model in PAIRS:
+        tdir, ddir = resolve(model)
+    else:
+        raise ValueError(f"census: model {model!r} is no random shape (random:<shape>[@<layers>]), pair name or "
+                         "directory holding target/ and drafter/")
+    for d in (tdir, ddir):
+        if not (d / "config.json").is_file():
+            raise ValueError(f"census: no {d / 'config.json'}")
+    raw = read_json(tdir / "config.json")
+    tcfg = target_config_from_hf(raw, tdir / "config.json")
+    spec = read_quantization(raw, tdir / "config.json")
+    moe_layer = next((i for i in range(tcfg.num_hidden_layers) if tcfg.is_moe_layer(i)), None)
+    scheme = spec and moe_layer is not None and spec.scheme_for(f"model.layers.{moe_layer}.mlp.experts.0.gate_proj")
+    if scheme:  # INT4 routed experts, as the checkpoint loader reads them (checkpoint._int4_experts)
+        tcfg = dataclasses.replace(tcfg, expert_int4_group=scheme.group_size,
+                                   expert_int4_asymmetric=not scheme.symmetric)
+    dcfg = drafter_config_from_hf(read_json(ddir / "config.json"), ddir / "config.json")
+    with torch.device("meta"):
+        target, drafter = Target(tcfg).to(torch.bfloat16), Drafter(dcfg).to(torch.bfloat16)
+    for block in (b for b in target.modules() if isinstance(b, SparseMoE)):
+        block.fill_local_index()
+    for m in (target, drafter):
+        m.eval().requires_grad_(False)
+        m.set_attention(attention)
+    target.set_routing(routing)
+    return Pair(target=target, drafter=drafter, tokenizer=None, name=model, target_id={}, drafter_id={},
+                device=torch.device("meta"), dtype=torch.bfloat16, eos_token_ids=[])
 
 
 def round_census(model: str, method: str, budget: int | None, prompt_len: int, attention: str = "triton",
                  routing: str | None = None, declared_routing: str | None = None) -> dict[str, StageCensus]:
     """{stage: StageCensus} of one eager round of `method` (DDTree at `budget`) after `prompt_len` tokens."""
+    pair, warmed = census_pair(model, attention, routing)
+    return count_round(pair, method, budget, prompt_len, declared_routing, warmed)
+
+
+def count_round(pair, method: str, budget: int | None, prompt_len: int, declared_routing: str | None = None,
+                warmed: set | None = None) -> dict[str, StageCensus]:
+    """round_census of a pair on the meta device (census_pair's: nothing is read, no Triton kernel runs);
+    `warmed`: the (method, declared routing) the pair has already warmed up, updated."""
     from ..decode import RoundProgram, plan_call
 
-    pair, warmed = census_pair(model, attention, routing)
+    warmed = set() if warmed is None else warmed
     sink: list = []
     with _cuda_paths(sink), options.using(declared_routing=declared_routing), _CountOps(sink):
         plan = plan_call(pair, prompt_len, method, budget, None, 64, 0.0, 0, False, None, None, False, False, 1,

@@ -142,7 +142,9 @@ def add_bench_args(p) -> None:
     a.add_argument("--out", default="outputs/bench/auto_rounds.json", help="JSON written here")
     c = sub.add_parser("census", help="kernels and activation bytes one eager round launches, per stage and op, "
                                       "counted on the CPU without a GPU (bench/census.py)")
-    c.add_argument("--model", default="random:qwen3-8b", help="a random shape, random:<shape>[@<layers>]")
+    c.add_argument("--model", default="random:qwen3-8b",
+                   help="random:<shape>[@<layers>], a pair name or a dir holding target/ and drafter/ (config.json "
+                        "only: no weights are read)")
     c.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods counted")
     c.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
     c.add_argument("--prompt-len", type=positive_int, default=512, help="committed tokens before the round")

@@ -131,12 +131,12 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
         out["roofline"] = {"copy_bytes_per_second": bw, "weight_bytes_per_step": wb,
                            "ar_step_roofline_seconds": wb / bw}
     out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds))
-    if not compile and tp == 1 and model.startswith("random:"):  # eager layers: what each row launched, counted
+    if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
         from .census import e2e_census
 
         try:
             counted = e2e_census({**out, "declared_routing": options.current().declared_routing or "auto"})
-        except ValueError as e:  # a routing replayed from a trace: the census does not count it
+        except ValueError as e:  # e.g. a routing replayed from a trace, which the census does not count
             out["census_skipped"] = str(e)
         else:
             for row, census in zip(out["rows"], counted):

@@ -74,9 +74,11 @@ def test_bench_census_writes_rows_and_refuses_what_it_cannot_count(tmp_path, cap
     assert set(tree["stages"]) == {"draft", "tree_build", "verify", "commit"} and set(ar["stages"]) == {"verify"}
     assert tree["kernels_per_round"] == sum(s["kernels"] + sum(s["priced_kernels"].values())
                                             for s in tree["stages"].values())
-    assert main(["bench", "census", "--model", "lab", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(["bench", "census", "--model", "lab", "--methods", "ar", "--out", str(tmp_path / "lab.json")]) == 0
+    assert json.loads((tmp_path / "lab.json").read_text())["rows"][0]["stages"]["verify"]["kernels"] > 0
+    assert main(["bench", "census", "--model", "no-such-pair", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "census" in err and "random:" in err and "Traceback" not in err
+    assert "no-such-pair" in err and "random:" in err and "Traceback" not in err
 
 
 def test_a_census_is_the_same_warmed_up_once_or_for_every_round():
@@ -111,3 +113,28 @@ def test_annotate_counts_each_row_of_an_e2e_file_under_its_own_settings(tmp_path
     path.write_text(json.dumps({**e2e, "compile": True}))
     assert main(["bench", "census", "--annotate", str(path), "--out", str(tmp_path / "c.json")]) == 2
     assert "compile=True" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_a_checkpoint_is_counted_from_its_configs_as_the_loader_builds_it(tmp_path, arch):
+    """A checkpoint directory's census builds its models from config.json alone (INT4 experts from its
+    quantization_config), on the meta device: the same configs the loader builds from its tensors, and a round
+    whose MoE and MLA kernels are counted apart."""
+    from ddtree_lab.checkpoint import load_pair_dirs
+    from ddtree_lab.testing import make_tiny_pair
+
+    t, d = make_tiny_pair(tmp_path / arch, arch=arch, seed=1, tokenizer=False)
+    if arch == "deepseek_v3":  # its routed experts INT4, as a Kimi checkpoint ships them
+        from ddtree_lab import quant
+
+        quant.write_int4_checkpoint(t, [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"])
+    loaded = load_pair_dirs(t, d, device="cpu", dtype="float32")
+    built = C._pair_from_configs(str(tmp_path / arch), "triton", "router")
+    assert built.target.cfg == loaded.target.cfg and built.drafter.cfg == loaded.drafter.cfg
+    counted = C.round_census(str(tmp_path / arch), "ddtree", 8, 24)["verify"]
+    assert counted.kernels > 0 and counted.matmuls > 0
+    if arch == "deepseek_v3":
+        assert built.target.cfg.expert_int4_group == 32
+        assert counted.priced["moe"] > 0 and counted.priced["attention"] > 0
+    with pytest.raises(ValueError, match="no random shape"):
+        C.round_census(str(tmp_path / "nothing"), "ar", None, 24)
