@@ -95,13 +95,18 @@ def check_table(check: dict) -> str:
     for c in check["checked"]:
         for r in c["rows"]:
             cls = "ok" if abs(r["error"]) <= check["tolerance"] else ("bad" if r["in_range"] else "na")
-            body.append([esc(c["file"]), esc(c["model"]), esc(c["machine"]), esc(r["method"]),
+            body.append([esc(c["file"]), esc(c["model"]), esc(c["machine"]), esc(LAUNCHES_FROM[c["launches"]]),
+                         esc(r["method"]),
                          esc(r["budget"] or "–"), f'<td class="num">{r["measured_seconds"] * 1e3:.3f}</td>',
                          f'<td class="num">{r["predicted_seconds"] * 1e3:.3f}</td>',
                          f'<td class="num"><span class="{cls}">{100 * r["error"]:+.1f} %</span></td>',
                          esc(A.PART_TITLES[r["dominant"]])])
-    return html_table(["bench file", "model", "machine", "method", "budget", "measured ms", "model ms", "error",
-                       "dominates"], body)
+    return html_table(["bench file", "model", "machine", "layers: kernels from", "method", "budget", "measured ms",
+                       "model ms", "error", "dominates"], body)
+
+
+# how a checked file's kernels were known (check_bench's `launches`)
+LAUNCHES_FROM = {"profile": "compiled: profiled counts", "census": "eager: the file's census"}
 
 
 def _auto_cell(rep: dict | None) -> str:
