@@ -117,6 +117,22 @@ def bench_model(model: str, dtype, attention, device, compile=False, tp: int = 1
     return load_pair(target=Path(model) / "target", drafter=Path(model) / "drafter", **kw)
 
 
+def attach_census(out: dict) -> None:
+    """Each row of an eager bench e2e result gets its census (bench/census.py: the kernels, matmuls and activation
+    bytes its verify and draft launch), or the result says why not (`census_skipped`): counting annotates the
+    timed rows and never costs them."""
+    from .census import e2e_census
+
+    try:
+        counted = e2e_census({**out, "declared_routing": options.current().declared_routing or "auto"})
+    except (ValueError, RuntimeError) as e:  # e.g. a routing replayed from a trace, which the census does not count
+        out["census_skipped"] = f"{e.__class__.__name__}: {e}"
+        return
+    for row, census in zip(out["rows"], counted):
+        if census is not None:
+            row["census"] = census
+
+
 def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
             routing=None) -> dict:
     pair = bench_model(model, dtype, attention, device, compile, tp, routing)
@@ -132,16 +148,7 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
                            "ar_step_roofline_seconds": wb / bw}
     out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds))
     if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
-        from .census import e2e_census
-
-        try:
-            counted = e2e_census({**out, "declared_routing": options.current().declared_routing or "auto"})
-        except ValueError as e:  # e.g. a routing replayed from a trace, which the census does not count
-            out["census_skipped"] = str(e)
-        else:
-            for row, census in zip(out["rows"], counted):
-                if census is not None:
-                    row["census"] = census
+        attach_census(out)
     if "roofline" in out:
         ar = next((r for r in out["rows"] if r["method"] == "ar"), None)
         if ar:

@@ -138,3 +138,19 @@ def test_a_checkpoint_is_counted_from_its_configs_as_the_loader_builds_it(tmp_pa
         assert counted.priced["moe"] > 0 and counted.priced["attention"] > 0
     with pytest.raises(ValueError, match="no random shape"):
         C.round_census(str(tmp_path / "nothing"), "ar", None, 24)
+
+
+def test_an_eager_gpu_bench_result_gets_each_rows_census_or_says_why_not(use_options):
+    """bench e2e's annotation (run after the timing on a GPU): each fixed-budget row counted under the run's
+    declared-routing choice; a routing it cannot count leaves the rows as timed and says why."""
+    from ddtree_lab.bench.e2e import attach_census
+
+    use_options(declared_routing="torch")
+    out = {"model": "random:qwen3-30b-a3b@2", "compile": False, "prompt_len": 128, "attention": "triton",
+           "routing": "uniform", "rows": [{"method": "ar", "budget": None}, {"method": "ddtree", "budget": "auto"}]}
+    attach_census(out)
+    want = C.round_census("random:qwen3-30b-a3b@2", "ar", None, 128, declared_routing="torch")["verify"]
+    assert out["rows"][0]["census"]["verify"]["kernels"] == want.kernels and "census" not in out["rows"][1]
+    traced = {**out, "routing": "trace:dump.jsonl", "rows": [{"method": "ar", "budget": None}]}
+    attach_census(traced)
+    assert "census" not in traced["rows"][0] and "trace:dump.jsonl" in traced["census_skipped"]
