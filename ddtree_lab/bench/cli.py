@@ -21,7 +21,7 @@ from ..prompts import read_prompt_set
 from ..runtime import device_defaults
 from . import MLA_CONTEXTS, MLA_HEADS, MLA_TREES
 from .timing import device_copy_gbps
-from .e2e import bench_model, bench_prompts, profile_rounds, run_e2e
+from .e2e import attach_census, bench_model, bench_prompts, profile_rounds, run_e2e
 from .overhead import auto_overhead, auto_rounds, check_budget_span, moe_counting
 
 
@@ -318,8 +318,12 @@ def bench_profile(args) -> dict:
               f"{row['us_per_round']:9.1f} us/round  " + " ".join(
                   f"{s}={v['kernels_per_round']:.0f}k/{v['us_per_round']:.0f}us"
                   for s, v in row["stages"].items()), file=sys.stderr, flush=True)
-    return {"model": args.model, "dtype": args.dtype, "attention": args.attention, "compile": args.compile,
-            "tree_kernels": args.tree_kernels, "routing": pair.describe().get("routing"), "rows": rows}
+    out = {"model": args.model, "dtype": args.dtype, "attention": args.attention, "compile": args.compile,
+           "prompt_len": args.prompt_len, "tree_kernels": args.tree_kernels,
+           "routing": pair.describe().get("routing"), "rows": rows}
+    if not args.compile and pair.device.type == "cuda":  # the GPU's own counts beside the census's (bench census)
+        attach_census(out)
+    return out
 
 
 def bench_census(args) -> dict:
