@@ -258,8 +258,10 @@ def census_rows(model: str, methods, budgets, prompt_len: int, attention: str = 
         for budget in (budgets if method == "ddtree" else [None]):
             stages = round_census(model, method, budget, prompt_len, attention, routing, declared_routing)
             verify = stages["verify"]
+            in_verify = verify.kernels + sum(verify.priced.values())
             rows.append({"method": method, "budget": budget,
                          "kernels_per_round": sum(s.kernels + sum(s.priced.values()) for s in stages.values()),
-                         "verify_kernels_per_layer": (verify.kernels + sum(verify.priced.values())) / layers,
+                         "verify_kernels_per_round": in_verify,
+                         "verify_kernels_per_layer": in_verify / layers,  # embedding, final norm and LM head in
                          "stages": {k: s.as_json() for k, s in stages.items()}})
     return rows

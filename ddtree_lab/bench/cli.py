@@ -351,6 +351,11 @@ def bench_census(args) -> dict:
               f"{row['verify_kernels_per_layer']:.1f} a layer  " + " ".join(
                   f"{s}={v['kernels'] + sum(v['priced_kernels'].values())}" for s, v in row["stages"].items()),
               file=sys.stderr, flush=True)
+    first = rows[0]  # where its verify's kernels go, a layer at a time: the ops that launch most
+    layers = first["verify_kernels_per_round"] / first["verify_kernels_per_layer"]
+    ops = first["stages"]["verify"]["by_op"]
+    print(f"  {first['method']} verify, kernels ÷ {layers:.0f} layers by op: " + ", ".join(
+        f"{op} {n / layers:.1f}" for op, n in list(ops.items())[:12]), file=sys.stderr, flush=True)
     from ..declared_routing import routing_name
     return {"model": args.model, "attention": args.attention, "compile": False, "prompt_len": args.prompt_len,
             "routing": None if args.routing is None else routing_name(args.routing), "rows": rows}

@@ -71,6 +71,7 @@ def test_bench_census_writes_rows_and_refuses_what_it_cannot_count(tmp_path, cap
     data = json.loads(out.read_text())
     assert data["kind"] == "census" and data["compile"] is False and data["declared_routing"] == "auto"
     ar, tree = data["rows"]
+    assert "ar verify, kernels ÷ 2 layers by op: aten." in capsys.readouterr().err  # where the launches go
     assert set(tree["stages"]) == {"draft", "tree_build", "verify", "commit"} and set(ar["stages"]) == {"verify"}
     assert tree["kernels_per_round"] == sum(s["kernels"] + sum(s["priced_kernels"].values())
                                             for s in tree["stages"].values())
