@@ -49,6 +49,11 @@ class StageCensus:
     activation_bytes: int = 0
     by_op: collections.Counter = field(default_factory=collections.Counter)
 
+    @property
+    def launched(self) -> int:
+        """Every kernel the stage launches, the PRICED ones included."""
+        return self.kernels + sum(self.priced.values())
+
     def as_json(self) -> dict:
         return {"kernels": self.kernels, "matmuls": self.matmuls, "priced_kernels": dict(self.priced),
                 "activation_bytes": self.activation_bytes, "by_op": dict(self.by_op.most_common())}
@@ -249,19 +254,22 @@ def e2e_census(bench: dict) -> list[dict | None]:
     return out
 
 
+def census_layers(model: str, attention: str = "triton", routing=None) -> int:
+    """The target's layers, which census_rows divides by."""
+    return census_pair(model, attention, routing)[0].target.cfg.num_hidden_layers
+
+
 def census_rows(model: str, methods, budgets, prompt_len: int, attention: str = "triton",
                 routing: str | None = None, declared_routing: str | None = None) -> list[dict]:
     """bench census's rows: per method (and budget), each stage's census, and the verify's kernels per layer."""
     rows = []
-    layers = census_pair(model, attention, routing)[0].target.cfg.num_hidden_layers
+    layers = census_layers(model, attention, routing)
     for method in methods:
         for budget in (budgets if method == "ddtree" else [None]):
             stages = round_census(model, method, budget, prompt_len, attention, routing, declared_routing)
-            verify = stages["verify"]
-            in_verify = verify.kernels + sum(verify.priced.values())
             rows.append({"method": method, "budget": budget,
-                         "kernels_per_round": sum(s.kernels + sum(s.priced.values()) for s in stages.values()),
-                         "verify_kernels_per_round": in_verify,
-                         "verify_kernels_per_layer": in_verify / layers,  # embedding, final norm and LM head in
+                         "kernels_per_round": sum(s.launched for s in stages.values()),
+                         # the embedding, final norm and LM head included
+                         "verify_kernels_per_layer": stages["verify"].launched / layers,
                          "stages": {k: s.as_json() for k, s in stages.items()}})
     return rows

@@ -327,7 +327,7 @@ def bench_profile(args) -> dict:
 
 
 def bench_census(args) -> dict:
-    from .census import census_rows, e2e_census
+    from .census import census_layers, census_rows, e2e_census
 
     if args.annotate:
         for path in map(Path, args.annotate):
@@ -352,7 +352,7 @@ def bench_census(args) -> dict:
                   f"{s}={v['kernels'] + sum(v['priced_kernels'].values())}" for s, v in row["stages"].items()),
               file=sys.stderr, flush=True)
     first = rows[0]  # where its verify's kernels go, a layer at a time: the ops that launch most
-    layers = first["verify_kernels_per_round"] / first["verify_kernels_per_layer"]
+    layers = census_layers(args.model, args.attention, args.routing)
     ops = first["stages"]["verify"]["by_op"]
     print(f"  {first['method']} verify, kernels ÷ {layers:.0f} layers by op: " + ", ".join(
         f"{op} {n / layers:.1f}" for op, n in list(ops.items())[:12]), file=sys.stderr, flush=True)

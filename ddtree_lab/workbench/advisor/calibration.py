@@ -102,8 +102,7 @@ def calibrate_eager(e2e_paths: Sequence[str | Path], machine: str = "h200", free
     from scipy.optimize import least_squares
 
 
-    base = load_calibration("compiled")
-    base = Calibration(**{**dataclasses.asdict(base), "launches_from": "census"})
+    base = dataclasses.replace(load_calibration("compiled"), launches_from="census")
     m = get_machine(machine)
     obs = []  # (terms, measured seconds)
     for path in e2e_paths:
