@@ -88,37 +88,28 @@ def _bf16_pair(value: float) -> str:
     return f"0x{bits:04x}{bits:04x}"
 
 
-# _dequant_bf16x2's assembly: one symmetric word ($8) and its bf16 scale ($9) -> 8 bf16 values ($0 … $7, value j
-# from nibble j). A nibble q OR-ed into bf16 128's bits is 128 + q exactly (128's last mantissa bit is worth 1);
-# adding −(128 + NIBBLE_OFFSET) gives the value exactly, the scale multiplies it, rounded once.
-_PAIR_ASM = tl.constexpr(f"""
-{{
-.reg .b32 s2, t0, t1, t2, t3, u, one, off, nz;
-mov.b32 s2, {{$9, $9}};
-mov.b32 one, {_bf16_pair(1.0)};
-mov.b32 off, {_bf16_pair(-(128 + NIBBLE_OFFSET))};
-mov.b32 nz, {_bf16_pair(-0.0)};
-lop3.b32 t0, $8, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
-shr.u32 u, $8, 4;
-lop3.b32 t1, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
-shr.u32 u, $8, 8;
-lop3.b32 t2, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
-shr.u32 u, $8, 12;
-lop3.b32 t3, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;
-fma.rn.bf16x2 t0, t0, one, off;
-fma.rn.bf16x2 t1, t1, one, off;
-fma.rn.bf16x2 t2, t2, one, off;
-fma.rn.bf16x2 t3, t3, one, off;
-fma.rn.bf16x2 t0, t0, s2, nz;
-fma.rn.bf16x2 t1, t1, s2, nz;
-fma.rn.bf16x2 t2, t2, s2, nz;
-fma.rn.bf16x2 t3, t3, s2, nz;
-mov.b32 {{$0, $4}}, t0;
-mov.b32 {{$1, $5}}, t1;
-mov.b32 {{$2, $6}}, t2;
-mov.b32 {{$3, $7}}, t3;
-}}
-""")
+# _dequant_bf16x2's assembly, two words a call (pack=2: $8 and $9 are neighbouring elements of a thread's tile, $10
+# their two bf16 scales) -> for each nibble j the bf16 pair (word $8's value, word $9's value) in $j: the two values
+# the dot takes from one register, so nothing is re-paired after it. prmt puts the words' low halves side by side
+# (c), then their high halves (d); a nibble q OR-ed into bf16 128's bits is 128 + q exactly (128's last mantissa
+# bit is worth 1); adding −(128 + NIBBLE_OFFSET) gives the value exactly, the scale multiplies it, rounded once.
+def _pair_asm() -> str:
+    lines = [".reg .b32 c, d, u, one, off, nz;",
+             f"mov.b32 one, {_bf16_pair(1.0)};",
+             f"mov.b32 off, {_bf16_pair(-(128 + NIBBLE_OFFSET))};",
+             f"mov.b32 nz, {_bf16_pair(-0.0)};",
+             "prmt.b32 c, $8, $9, 0x5410;",      # bytes 0, 1 of $8, then of $9: nibbles 0-3 of each word
+             "prmt.b32 d, $8, $9, 0x7632;"]      # bytes 2, 3: nibbles 4-7
+    for half, first in (("c", 0), ("d", 4)):
+        for j in range(4):
+            lines.append(f"shr.u32 u, {half}, {4 * j};" if j else f"mov.b32 u, {half};")
+            lines.append(f"lop3.b32 ${first + j}, u, 0x000f000f, {_bf16_pair(128.0)}, 0xea;")  # (u & mask) | 128
+    for j in range(8):
+        lines += [f"fma.rn.bf16x2 ${j}, ${j}, one, off;", f"fma.rn.bf16x2 ${j}, ${j}, $10, nz;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PAIR_ASM = tl.constexpr(_pair_asm())
 
 
 def _interpret() -> bool:
@@ -326,15 +317,16 @@ def _nibble_f32(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr):
 @triton.jit
 def _dequant_bf16x2(packed, scale):
     """Symmetric INT4 words [BW, BN] and their bf16 scales -> the 8 nibble slices in bf16, two values an
-    instruction: (word >> 4j) & 0x000F000F | 0x43004300 is the bf16 pair (128 + q_j, 128 + q_j+4); one fma takes
-    136 off (exact), one more multiplies by the scale (rounded once: the value `dequantize` gives)."""
+    instruction, two words an assembly call: a thread's neighbouring elements (in the dot's operand layout, the
+    words w and w + 1 of a column) give the bf16 pair (q_j of w, q_j of w + 1) with 128 added (a mask and an OR);
+    one fma takes 136 off (exact), one more multiplies by the scale (rounded once: the value `dequantize` gives)."""
     return tl.inline_asm_elementwise(
         asm=_PAIR_ASM,
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
         args=[packed, scale],
         dtype=(tl.bfloat16,) * 8,
         is_pure=True,
-        pack=1,
+        pack=2,
     )
 
 
