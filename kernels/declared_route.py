@@ -13,8 +13,9 @@ the reference computes them; the sums run in another order, so they agree to rou
 
 Why: in torch a declared routing is about twenty launches in every MoE layer of every forward (the hash's
 elementwise steps and sort, then the scores, gather and normalisation), where a trained router's top-k is fused
-into the expert kernel's routing; here it is one after the router's matmul. Not yet timed on a GPU:
-docs/performance.md, Session 6, has the AR step it may explain.
+into the expert kernel's routing; here it is one after the router's matmul (docs/performance.md, Session 8, times
+both side by side). A token a program, in one warp: with 8–16 tokens a program, a tree's tokens ran one after
+another and the kernel was a large share of a verify (the rank profiles of Session 8).
 """
 from __future__ import annotations
 
@@ -30,7 +31,19 @@ except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): it
     from moe_layout import declared_weights_reference, uniform_ids_reference  # noqa: F401
 
 MAX_EXPERTS = 4096  # a token's row of logits sits in registers
+_INDEX_BITS = tl.constexpr(12)  # an expert index below MAX_EXPERTS, packed under its score (the top-k's one max)
+_INDEX_MASK = tl.constexpr(MAX_EXPERTS - 1)
+assert MAX_EXPERTS == 1 << 12
 SCORINGS = ("softmax", "sigmoid")
+
+
+@triton.jit
+def _mod_prime(x, PRIME: tl.constexpr):
+    """x mod 2^31 − 1 for 0 ≤ x < 2^62, exactly, without a 64-bit division: 2^31 ≡ 1, so x ≡ (x & P) + (x >> 31);
+    twice brings it below P + 2, one subtraction below P."""
+    x = (x & PRIME) + (x >> 31)
+    x = (x & PRIME) + (x >> 31)
+    return tl.where(x >= PRIME, x - PRIME, x)
 
 
 @triton.jit
@@ -54,16 +67,17 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, T, E, s_lt, layer_term, M
     picks = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     if HASH:
         key = tl.load(Keys + t, mask=live, other=0).to(tl.int64)
-        x = ((key % PRIME) * M0 + layer_term)[:, None] + e[None, :] * M2         # [BT, BE]
-        x = x % PRIME
-        x = ((x ^ (x >> 13)) * M3) % PRIME
-        x = ((x ^ (x >> 7)) * M0) % PRIME
-        x = tl.where(e[None, :] < E, x, -1)                                       # padding never wins
+        x = _mod_prime(((key % PRIME) * M0 + layer_term)[:, None] + e[None, :] * M2, PRIME)   # [BT, BE]
+        x = _mod_prime((x ^ (x >> 13)) * M3, PRIME)
+        x = _mod_prime((x ^ (x >> 7)) * M0, PRIME)
+        # score and index in one int64, so one max takes the best score and, among equals, the smallest index;
+        # padding never wins
+        x = tl.where(e[None, :] < E, (x << _INDEX_BITS) | (_INDEX_MASK - e[None, :]), -1)
         for k in tl.static_range(TOP_K):
             best = tl.max(x, axis=1)                                              # [BT]
-            pick = tl.min(tl.where(x == best[:, None], e[None, :], BLOCK_E), axis=1)  # smallest index of the max
+            pick = _INDEX_MASK - (best & _INDEX_MASK)
             picks = tl.where(j[None, :] == k, pick[:, None], picks)
-            x = tl.where(e[None, :] == pick[:, None], -1, x)
+            x = tl.where(x == best[:, None], -1, x)
         tl.store(Ids + t[:, None] * TOP_K + j[None, :], picks, mask=live[:, None] & (j[None, :] < TOP_K))
     else:
         picks = tl.load(Ids + t[:, None] * TOP_K + j[None, :], mask=live[:, None] & (j[None, :] < TOP_K),
@@ -102,10 +116,12 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     if T == 0:
         return weights, ids
     BLOCK_E = triton.next_power_of_2(E)
-    BLOCK_T = max(1, min(16, 4096 // BLOCK_E, triton.next_power_of_2(T)))  # an AR step: one row, not sixteen
+    # a token a program, in one warp up to 512 experts: the top-k's reductions stay inside a warp, and a tree's
+    # tokens run side by side
     M = UNIFORM_MIX
-    _declared_route_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _declared_route_kernel[(T,)](
         x, keys, ids, weights, T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling),
         PRIME=UNIFORM_PRIME, HASH=hashed, SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize),
-        TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+        TOP_K=top_k, BLOCK_T=1, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=min(8, max(1, BLOCK_E // 512)))
     return weights, ids

@@ -92,12 +92,12 @@ CASES = [
     ("declared_route", "_declared_route_kernel",  # a Kimi layer: 384 experts, top-8, sigmoid, a deep layer
      {"Logits": "*fp32", "Keys": "*i64", "Ids": "*i64", "Weights": "*fp32", "T": "i32", "E": "i32", "s_lt": "i32",
       "layer_term": "i64", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32"},
-     {"PRIME": 2_147_483_647, "HASH": True, "SIGMOID": True, "RENORM": True, "TOP_K": 8, "BLOCK_T": 8,
+     {"PRIME": 2_147_483_647, "HASH": True, "SIGMOID": True, "RENORM": True, "TOP_K": 8, "BLOCK_T": 1,
       "BLOCK_E": 512, "BLOCK_K": 8}),
     ("declared_route", "_declared_route_kernel",  # Qwen3-30B-A3B from a trace: given experts, softmax, bf16 logits
      {"Logits": "*bf16", "Keys": "*i64", "Ids": "*i64", "Weights": "*fp32", "T": "i32", "E": "i32", "s_lt": "i32",
       "layer_term": "i32", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32"},
-     {"PRIME": 2_147_483_647, "HASH": False, "SIGMOID": False, "RENORM": True, "TOP_K": 8, "BLOCK_T": 16,
+     {"PRIME": 2_147_483_647, "HASH": False, "SIGMOID": False, "RENORM": True, "TOP_K": 8, "BLOCK_T": 1,
       "BLOCK_E": 128, "BLOCK_K": 8}),
     ("fused_moe", "_route_align_kernel",  # routing and the sort in one program (AR's step)
      {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32",

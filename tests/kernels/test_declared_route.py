@@ -13,8 +13,12 @@ pytest.importorskip("triton")
 
 import ddtree_lab as dl  # noqa: E402
 from ddtree_lab.declared_routing import token_keys  # noqa: E402
-from ddtree_lab.kernels.declared_route import (declared_route, declared_weights_reference,  # noqa: E402
-                                               uniform_ids_reference)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from ddtree_lab.kernels.declared_route import (MAX_EXPERTS, _mod_prime, declared_route,  # noqa: E402
+                                               declared_weights_reference, uniform_ids_reference)
+from ddtree_lab.kernels.moe_layout import UNIFORM_PRIME  # noqa: E402
 from ddtree_lab.testing import make_tiny_pair  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,6 +43,32 @@ def test_uniform_experts_exactly_and_weights_to_rounding(T, E, k, layer):
     assert ids.dtype == want_ids.dtype == torch.int64 and torch.equal(ids, want_ids)
     want = declared_weights_reference(logits, want_ids, scoring, renorm, scaling)
     assert weights.dtype == torch.float32 and torch.allclose(weights, want, rtol=1e-5, atol=1e-7)
+
+
+@triton.jit
+def _mod_prime_kernel(X, Y, N, PRIME: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(Y + i, _mod_prime(tl.load(X + i, mask=i < N, other=0), PRIME), mask=i < N)
+
+
+def test_the_hash_modulo_without_a_division_equals_torchs():
+    P = UNIFORM_PRIME
+    edges = [0, 1, P - 1, P, P + 1, 2 * P - 1, 2 * P, 1 << 31, (1 << 31) + 1, P * (P - 1), P * P - 1, (1 << 62) - 1]
+    x = torch.cat([torch.tensor(edges), torch.randint(0, 1 << 62, (500,), generator=torch.Generator().manual_seed(0))])
+    y = torch.empty_like(x).to(DEVICE)
+    _mod_prime_kernel[(1,)](x.to(DEVICE), y, x.numel(), PRIME=P, BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(y.cpu(), x % P)
+
+
+def test_the_most_experts_and_ties_of_the_packed_top_k():
+    # MAX_EXPERTS: every index fits the bits packed under the score; top_k = E: the whole order, each index once
+    keys, logits = inputs(2, MAX_EXPERTS, 5)
+    weights, ids = declared_route(logits, 16, "softmax", False, keys=keys, layer=3)
+    assert torch.equal(ids, uniform_ids_reference(keys, 3, MAX_EXPERTS, 16))
+    keys, logits = inputs(3, 12, 6)
+    _, ids = declared_route(logits, 12, "sigmoid", True, keys=keys, layer=1)
+    assert torch.equal(ids, uniform_ids_reference(keys, 1, 12, 12))
+    assert torch.equal(ids.sort(-1).values, torch.arange(12, device=ids.device).expand(3, 12))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
