@@ -32,8 +32,9 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      gives each chunk its first place per expert; then `_place_kernel`, one program per chunk, puts each pair
      at its chunk's place plus its rank within the chunk. Up to ROUTE_IN_ALIGN_MAX_T tokens (AR's step)
      `_route_align_kernel` does 2 and 3 in one program: a launch or two fewer, where serial work is small;
-  4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N): one BLOCK_M block of a slot's tokens times its
-     expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
+  4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N, K splits): one BLOCK_M block of a slot's tokens times
+     its expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (an AR step on a long K
+     splits it: partial sums, then `_silu_mul_kernel` adds them in order and applies SiLU·mul) (`row_blocks` bounds the
      blocks any routing can need; each program finds its slot from the counts). Both expert kernels take
      their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time into the
      activations' dtype (bf16: two values an instruction) for the dot (accumulated in fp32 either way);
@@ -394,11 +395,13 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_xt, s_we, s_wn,
-                    s_se, s_sn, s_ze, s_zn, s_ht, TOP_K: tl.constexpr, IEEE: tl.constexpr, INT4: tl.constexpr,
-                    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_S: tl.constexpr,
+def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, K_CHUNK,
+                    s_xt, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_ht, s_pk, s_pp, TOP_K: tl.constexpr,
+                    IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr,
                     ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) and leaves the gate
+    # and up partial sums in Part [SPLIT_K, T·top_k, 2I] fp32 for `_silu_mul_kernel`'s ordered sum
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
         return
@@ -413,14 +416,40 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Counts, SlotExpert, SlotStart, Sort
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_rows = X + tok[:, None] * s_xt                                                       # [BM, 1]
-    for k0 in range(0, H, BLOCK_K):
+    k_first, k_end = 0, H
+    if SPLIT_K > 1:  # (unsplit, the loop keeps constant bounds: its code is the same as before splits existed)
+        k_first = tl.program_id(2) * K_CHUNK
+        k_end = tl.minimum(k_first + K_CHUNK, H)
+    for k0 in range(k_first, k_end, BLOCK_K):
         acc_g = _dot_tile(acc_g, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
                           s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # gate rows
         acc_u = _dot_tile(acc_u, a_rows, rmask, W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
                           s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # up rows
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # silu(gate) * up
-    tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    out_mask = rmask[:, None] & cmask[None, :]
+    if SPLIT_K == 1:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                      # silu(gate) * up
+        tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty), mask=out_mask)
+    else:
+        part = Part + tl.program_id(2) * s_pk + (start + rows)[:, None] * s_pp + cols[None, :]
+        tl.store(part, acc_g, mask=out_mask)
+        tl.store(part + I, acc_u, mask=out_mask)
+
+
+@triton.jit
+def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLOCK_I: tl.constexpr):
+    # row p of h = silu(Σ_ks gate partials) · Σ_ks up partials, the splits summed in order (deterministic); rows
+    # no expert here wrote hold garbage that nothing reads
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    cmask = cols < I
+    g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for ks in tl.static_range(SPLIT_K):
+        row = Part + ks * s_pk + p * s_pp
+        g += tl.load(row + cols, mask=cmask, other=0.0)
+        u += tl.load(row + I + cols, mask=cmask, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(Hbuf + p * s_ht + cols, h.to(Hbuf.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -448,6 +477,10 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
 
+SPLIT_K_MAX_PAIRS = 16  # (token, expert) pairs up to which the gate-up may split K: an AR step, two tokens at top-8
+SPLIT_K_STEPS = 8       # K steps a split walks
+
+
 def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
@@ -471,7 +504,10 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     most T); up to WIDE_ROWS_FROM_T tokens 32 or 64, more programs while the touched experts are few and
     crowded; from there 64, so a crowded expert's many tokens share its weight tiles in fewer programs.
     BLOCK_N shrinks until (slots × N-tiles) gives about two programs per SM, since a few programs cannot pull
-    the weights at full bandwidth. fp32 takes half the K depth and two stages, so its tiles fit shared memory.
+    the weights at full bandwidth. For the same reason SPLIT_K_UP splits the gate-up's K walk into pieces of
+    SPLIT_K_STEPS steps when a call has at most SPLIT_K_MAX_PAIRS pairs and K is long (a Kimi layer's 7,168: 56
+    steps one after another in each of a few programs; with expert parallelism most slots are another rank's).
+    fp32 takes half the K depth and two stages, so its tiles fit shared memory.
     Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
     if _interpret():
@@ -486,8 +522,12 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
         return bn
 
     depth = 128 if elsize <= 2 else 64
+    block_k_up = min(depth, _pow2(H, 16))
+    steps = triton.cdiv(H, max(block_k_up, 16 * VALUES_PER_WORD if int4 else 0))  # as _block_k deepens INT4
+    split = T * top_k <= SPLIT_K_MAX_PAIRS and steps > 2 * SPLIT_K_STEPS
     return dict(S=S, BLOCK_M=row_height(T, int4), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
-                BLOCK_K_UP=min(depth, _pow2(H, 16)), BLOCK_K_DOWN=min(depth, _pow2(I, 16)), num_warps=4,
+                BLOCK_K_UP=block_k_up, BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
+                SPLIT_K_UP=triton.cdiv(steps, SPLIT_K_STEPS) if split else 1, num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
 
 
@@ -635,6 +675,14 @@ def _block_k(depth: int, const: dict) -> int:
     return max(depth, 16 * VALUES_PER_WORD) if const["INT4"] and not _interpret() else depth
 
 
+def _k_splits(K: int, block_k: int, wanted: int) -> tuple[int, int]:
+    """(splits, K values a split): `wanted` splits of K in whole BLOCK_K steps, fewer where K has fewer steps
+    (every split gets at least one)."""
+    steps = triton.cdiv(K, block_k)
+    chunk = triton.cdiv(steps, max(1, min(wanted, steps)))
+    return triton.cdiv(steps, chunk), chunk * block_k
+
+
 def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict, elsewhere=None) -> torch.Tensor:
     """The expert stage after the sort (launches 4-6): x [T, H], weights [T, top_k] fp32 (pair order), routed =
     moe_align's (counts, slot_expert, slot_start, sorted_pairs), weights checked by _expert_shapes -> out [T, H]
@@ -654,10 +702,17 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     down_args, down_const = _weight_args(w_down, x.dtype, cfg.get("paired", True))
     up_k, down_k = _block_k(cfg["BLOCK_K_UP"], up_const), _block_k(cfg["BLOCK_K_DOWN"], down_const)
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
-    _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]))](
-        x, up_w, up_s, up_z, h, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, x.stride(0), s_we, s_wn,
-        *up_strides, h.stride(0), TOP_K=top_k, IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0,
-        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
+    splits, k_chunk = _k_splits(H, up_k, cfg.get("SPLIT_K_UP", 1))
+    part = torch.empty(splits, P, 2 * I, dtype=torch.float32, device=x.device) if splits > 1 else h  # (unread at 1)
+    _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)](
+        x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
+        s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
+        IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits, BLOCK_S=BLOCK_S,
+        ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
+    if splits > 1:
+        BLOCK_I = min(1024, _pow2(I, 16))
+        _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
+                                                       SPLIT_K=splits, BLOCK_I=BLOCK_I, num_warps=4)
     down_w, down_s, down_z, *down_strides = down_args
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),

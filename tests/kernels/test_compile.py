@@ -43,9 +43,10 @@ CHAIN_ATTN_SIGNATURE = {
     "qk_scale": "fp32"}
 # the expert kernels: dense weights pass themselves where the INT4 scales and zero points go (never read)
 GATE_UP_SIGNATURE = {
-    "X": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Hbuf": "*bf16", "Counts": "*i32",
+    "X": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Hbuf": "*bf16", "Part": "*fp32", "Counts": "*i32",
     "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32",
-    "E": "i32", **{s: "i32" for s in ("s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_ht")}}
+    "E": "i32", "K_CHUNK": "i32",
+    **{s: "i32" for s in ("s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_ht", "s_pk", "s_pp")}}
 DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
@@ -118,16 +119,23 @@ CASES = [
      {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yt": "i32", "s_ot": "i32"},
      {"TOP_K": 8, "ELSEWHERE": True, "BLOCK_H": 1024}),
     ("fused_moe", "_gate_up_kernel", GATE_UP_SIGNATURE,
-     {"TOP_K": 8, "IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64,
-      "BLOCK_K": 128}),
+     {"TOP_K": 8, "IEEE": False, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16,
+      "BLOCK_N": 64, "BLOCK_K": 128}),
     ("fused_moe", "_gate_up_kernel",  # fp32 weights: IEEE dot products
      {**GATE_UP_SIGNATURE, "X": "*fp32", "W": "*fp32", "Scale": "*fp32", "Zero": "*fp32", "Hbuf": "*fp32"},
-     {"TOP_K": 8, "IEEE": True, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32,
-      "BLOCK_K": 64}),
+     {"TOP_K": 8, "IEEE": True, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64,
+      "BLOCK_N": 32, "BLOCK_K": 64}),
     ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile; bf16 pairs (inline assembly)
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True, "BLOCK_S": 64,
-      "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
+      "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("fused_moe", "_gate_up_kernel",  # a Kimi AR step: INT4, its K walk split in seven
+     {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
+      "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}),
+    ("fused_moe", "_silu_mul_kernel",
+     {"Part": "*fp32", "Hbuf": "*bf16", "I": "i32", "s_pk": "i32", "s_pp": "i32", "s_ht": "i32"},
+     {"SPLIT_K": 7, "BLOCK_I": 1024}),
     ("fused_moe", "_down_kernel",  # INT4 with zero points, a group as wide as the tile
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "PAIRED": False, "EVEN_K": False, "BLOCK_S": 128, "ONE_BLOCK": False,

@@ -160,6 +160,38 @@ def test_crowded_experts_fill_every_row_block():
     assert torch.allclose(out, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits,H", [(2, 64), (3, 64), (5, 48), (8, 32)])  # 5 of 48 at K steps of 16: three
+def test_split_k_gate_up_sums_its_pieces(splits, H):
+    """The gate-up's K walk split (SPLIT_K_UP): partial sums added in order by `_silu_mul_kernel`, then SiLU·mul,
+    the same block as unsplit; experts held elsewhere still add nothing."""
+    x, router, w_gate_up, w_down = make_block(3, 8, H, 40, torch.float32, seed=splits + H)
+    cfg = dict(BLOCK_K_UP=16, SPLIT_K_UP=splits)
+    out, counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=cfg)
+    want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, 2, True)
+    assert torch.equal(counts, want_counts) and torch.allclose(out, want, atol=1e-5)
+    weights, ids = route_reference(F.linear(x, router), 2, True)
+    ids = torch.where(ids >= 4, 8, ids)  # experts 4-7 another rank's
+    out, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=cfg, elsewhere=True)
+    want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up[:4], w_down[:4], elsewhere=True)
+    assert torch.allclose(out, want, atol=1e-5)
+
+
+def test_launch_splits_k_for_an_ar_step_on_a_long_hidden_only(monkeypatch):
+    """An AR step of a Kimi layer (K 7,168: 56 steps of 128) splits into pieces of SPLIT_K_STEPS steps; a tree's
+    tokens, or a short K (Qwen3-30B-A3B's 2,048), keep one walk."""
+    import ddtree_lab.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "_interpret", lambda: False)
+    monkeypatch.setattr(fm, "_sm_count", lambda device: 132)
+    kimi = fm.launch_config(1, 8, 384, 7168, 2048, "cuda", 2, int4=True)
+    assert kimi["SPLIT_K_UP"] == 56 // fm.SPLIT_K_STEPS and fm._k_splits(7168, 128, kimi["SPLIT_K_UP"]) == (7, 1024)
+    assert fm.launch_config(2, 8, 384, 7168, 2048, "cuda", 2, int4=True)["SPLIT_K_UP"] == 7
+    assert fm.launch_config(3, 8, 384, 7168, 2048, "cuda", 2, int4=True)["SPLIT_K_UP"] == 1
+    assert fm.launch_config(1, 8, 128, 2048, 768, "cuda", 2)["SPLIT_K_UP"] == 1
+    assert fm._k_splits(100, 16, 3) == (3, 48)  # 7 steps: 3, 3 and 1
+    assert fm._k_splits(48, 16, 5) == (3, 16)   # no more splits than steps
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 @gpu

@@ -172,6 +172,21 @@ def test_int4_tiles_inside_and_across_groups(block_k, G):
     assert int(counts.max()) > 16 and ok, err
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_split_k_gate_up(symmetric):
+    """An AR step's gate-up with its K walk split (a Kimi layer's launch, SPLIT_K_UP): the pieces, added in order,
+    give the unsplit block."""
+    gen = torch.Generator().manual_seed(21 + symmetric)
+    T, E, k, H, I = 2, 8, 4, 256, 64
+    x = torch.randn(T, H, generator=gen).to(DEVICE)
+    w_gate_up, w_down = random_int4(E, 2 * I, H, 32, symmetric, gen), random_int4(E, H, I, 32, symmetric, gen)
+    weights, ids = routing(T, E, k, gen)
+    out, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config=dict(BLOCK_K_UP=32, SPLIT_K_UP=3))
+    want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)
+    ok, err = close(out, want, 1e-5)
+    assert ok, err
+
+
 def test_int4_equals_its_dense_dequantized_form():
     """The same weights, INT4 or dequantized to dense fp32: the kernels agree (and so do the grouped router's
     int64 ids, given as they come from torch)."""
