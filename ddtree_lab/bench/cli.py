@@ -363,8 +363,13 @@ def bench_census(args) -> dict:
 
 def bench_e2e_cli(args) -> dict:
     start = time.perf_counter()
+    header = {"kind": args.bench, "command": command_line(args), "environment": environment()}
+
+    def keep(partial: dict) -> None:  # each run's row on disk as it ends: a bench cut short keeps what it measured
+        write_result(args, {**header, **partial, "tree_kernels": args.tree_kernels, **run_settings(args)})
+
     result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
-                     args.compile, args.tp, routing=args.routing)
+                     args.compile, args.tp, routing=args.routing, on_partial=keep)
     return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
 
 
@@ -380,14 +385,24 @@ def run_bench_cli(args) -> int:
                 setattr(args, key, value)
     options.replace(**run_options(args))  # for this process: the CLI runs one bench and exits
     result = {"kind": args.bench, "command": command_line(args), "environment": environment(),
-              **BENCHES[args.bench](args)}
-    result["tree_build"] = getattr(args, "tree_build", "auto")
-    result["tree_topk"] = getattr(args, "tree_topk", "auto")
-    result["declared_routing"] = getattr(args, "declared_routing", "auto")
-    result["attn_config"] = dict(options.current().attention_launch)
-    result["compile_mode"] = getattr(args, "compile_mode", "default")
-    result["host_read_lag"] = host_read_lag(getattr(args, "device", "cuda"))
-    if getattr(args, "tp", 1) == 1 or torch.distributed.get_rank() == 0:  # tensor parallel: rank 0 writes
-        atomic_write_json(Path(args.out), result, indent=2)
+              **BENCHES[args.bench](args), **run_settings(args)}
+    if write_result(args, result):
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def run_settings(args) -> dict:
+    """The process-wide choices a bench ran under, as its JSON records them."""
+    return {"tree_build": getattr(args, "tree_build", "auto"), "tree_topk": getattr(args, "tree_topk", "auto"),
+            "declared_routing": getattr(args, "declared_routing", "auto"),
+            "attn_config": dict(options.current().attention_launch),
+            "compile_mode": getattr(args, "compile_mode", "default"),
+            "host_read_lag": host_read_lag(getattr(args, "device", "cuda"))}
+
+
+def write_result(args, result: dict) -> bool:
+    """The bench's JSON at --out, written whole (atomically); under tensor parallelism rank 0 writes. -> written"""
+    if getattr(args, "tp", 1) == 1 or torch.distributed.get_rank() == 0:
+        atomic_write_json(Path(args.out), result, indent=2)
+        return True
+    return False

@@ -69,8 +69,11 @@ def random_prompt(pair: Pair, length: int) -> list[int]:
 
 
 def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, rounds: int = 24,
-              methods=("ar", "dflash", "ddtree"), cuda_graphs: bool | None = None, progress=True) -> dict:
-    """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt)."""
+              methods=("ar", "dflash", "ddtree"), cuda_graphs: bool | None = None, progress=True,
+              on_row=None) -> dict:
+    """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt). `on_row(rows,
+    runs)` is called after each run with the rows so far and the number of runs in all (to keep what a cut bench
+    measured)."""
     prompt = random_prompt(pair, prompt_len)
     runs = [("ar", None)] if "ar" in methods else []
     runs += [("dflash", None)] if "dflash" in methods else []
@@ -102,6 +105,8 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
                 h: statistics.fmean(b for r in traced.rounds for b in r.expert_row_blocks[h])
                 for h in traced.rounds[0].expert_row_blocks}
         rows.append(row)
+        if on_row is not None:
+            on_row(rows, len(runs))
         if progress:
             print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "
                   + " ".join(f"{k}={v * 1e3:.3f}" for k, v in per_round.items()), file=sys.stderr, flush=True)
@@ -134,7 +139,9 @@ def attach_census(out: dict) -> None:
 
 
 def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
-            routing=None) -> dict:
+            routing=None, on_partial=None) -> dict:
+    """`bench e2e`'s result; `on_partial(result)` (if given) gets the result so far after each run but the last,
+    marked `incomplete` (rows only: the ratios to AR and the floors are added at the end)."""
     pair = bench_model(model, dtype, attention, device, compile, tp, routing)
     out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile,
            "tp": tp}
@@ -146,7 +153,12 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
         wb = weight_bytes_per_step(pair.target)
         out["roofline"] = {"copy_bytes_per_second": bw, "weight_bytes_per_step": wb,
                            "ar_step_roofline_seconds": wb / bw}
-    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds))
+    def partial(rows, runs):
+        if on_partial is not None and len(rows) < runs:
+            on_partial({**out, "rows": list(rows), "incomplete": f"{len(rows)} of {runs} runs: the bench stopped "
+                        "before the rest"})
+
+    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds, on_row=partial))
     if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
         attach_census(out)
     if "roofline" in out:

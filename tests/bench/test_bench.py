@@ -38,6 +38,36 @@ def test_e2e_rows_per_method_and_budget(tmp_path, tiny_dir):
     assert "roofline" not in res  # only on a GPU, where the copy bandwidth can be measured
 
 
+def test_e2e_cut_short_keeps_the_runs_it_finished(tmp_path, tiny_dir, monkeypatch, use_options):
+    """Each run's row is on disk when it ends: a bench stopped during its third run (a time limit, a device lost)
+    leaves a JSON of the first two, marked incomplete; a finished bench's file has no such mark."""
+    use_options()
+    import ddtree_lab.bench.e2e as e2e
+
+    real, calls = e2e.generate, []
+
+    def generate(pair, prompt, **kw):
+        calls.append(kw["method"])
+        if len(calls) > 4:  # a dense pair's run is two calls (warm-up, timed): the third run stops in its first
+            raise KeyboardInterrupt("stopped")
+        return real(pair, prompt, **kw)
+
+    monkeypatch.setattr(e2e, "generate", generate)
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    out = tmp_path / "cut.json"
+    args = p.parse_args(["e2e", "--model", str(tiny_dir), "--budgets", "4", "16", "--rounds", "2", "--prompt-len",
+                         "12", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--out", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        run_bench_cli(args)
+    res = json.loads(out.read_text())
+    assert [(r["method"], r["budget"]) for r in res["rows"]] == [("ar", None), ("dflash", None)]
+    assert res["incomplete"].startswith("2 of 4 runs") and res["kind"] == "e2e"
+    assert res["command"].startswith("ddtree-lab bench e2e") and len(res["environment"]["source_sha256"]) == 64
+    monkeypatch.setattr(e2e, "generate", real)
+    assert run_bench_cli(args) == 0 and "incomplete" not in json.loads(out.read_text())
+
+
 def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
     res = bench(tmp_path, "profile", "--model", str(tiny_dir), "--methods", "ar", "ddtree", "--budgets", "8",
                 "--rounds", "2", "--prompt-len", "10", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")

@@ -85,6 +85,18 @@ def test_first_principles_reproduces_the_h200_moe_bench_within_15_percent():
     assert not A.check_bench([path], free)["passed"]
 
 
+def test_a_bench_cut_short_is_checked_on_its_rows_and_says_so(tmp_path):
+    """A bench e2e stopped after some runs (its file marked `incomplete`): the rows it kept are checked as they
+    are, and the check carries the mark."""
+    full = json.loads(H200_8B.read_text())
+    cut = {**full, "rows": full["rows"][:4], "incomplete": "4 of 8 runs: the bench stopped before the rest"}
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(cut))
+    c = A.check_bench([path])["checked"][0]
+    assert c["incomplete"] == cut["incomplete"] and len(c["rows"]) == 4
+    assert "incomplete" not in A.check_bench([H200_8B])["checked"][0]
+
+
 def test_check_skips_other_configurations_with_the_reason():
     chk = A.check_bench([BENCH / "e2e_random_qwen3_8b_sdpa.json"])
     assert not chk["checked"] and "attention='sdpa'" in chk["skipped"][0]["reason"] and not chk["passed"]

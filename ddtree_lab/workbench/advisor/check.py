@@ -85,6 +85,7 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
                         "launches": file_cal.launches_from,
                         "expert_union": "measured" if load else ("uniform routing" if shape.num_experts else None),
                         "prompt_len": ctx, "rows": rows, "within_tolerance": ok,
+                        **({"incomplete": b["incomplete"]} if "incomplete" in b else {}),
                         "max_error": max((abs(x["error"]) for x in rows if x["in_range"]), default=None)})
     return {"tolerance": CHECK_TOLERANCE, "budgets": [lo, hi], "checked": checked, "skipped": skipped,
             "passed": bool(checked) and all(c["within_tolerance"] for c in checked)}
