@@ -104,6 +104,8 @@ def add_bench_args(p) -> None:
     e.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
     e.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
     e.add_argument("--rounds", type=positive_int, default=24, help="decoding rounds timed per method")
+    e.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="methods timed (a long-context run in pieces: the ratios to AR need ar among them)")
     _add_routing_arg(e)
     _add_runtime_args(e)
     e.add_argument("--out", default="outputs/bench/e2e.json", help="JSON written here")
@@ -369,7 +371,7 @@ def bench_e2e_cli(args) -> dict:
         write_result(args, {**header, **partial, "tree_kernels": args.tree_kernels, **run_settings(args)})
 
     result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
-                     args.compile, args.tp, routing=args.routing, on_partial=keep)
+                     args.compile, args.tp, routing=args.routing, on_partial=keep, methods=tuple(args.methods))
     return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
 
 

@@ -139,7 +139,7 @@ def attach_census(out: dict) -> None:
 
 
 def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
-            routing=None, on_partial=None) -> dict:
+            routing=None, on_partial=None, methods=("ar", "dflash", "ddtree")) -> dict:
     """`bench e2e`'s result; `on_partial(result)` (if given) gets the result so far after each run but the last,
     marked `incomplete` (rows only: the ratios to AR and the floors are added at the end)."""
     pair = bench_model(model, dtype, attention, device, compile, tp, routing)
@@ -158,7 +158,8 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
             on_partial({**out, "rows": list(rows), "incomplete": f"{len(rows)} of {runs} runs: the bench stopped "
                         "before the rest"})
 
-    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds, on_row=partial))
+    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds, methods=methods,
+                         on_row=partial))
     if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
         attach_census(out)
     if "roofline" in out:

@@ -38,6 +38,13 @@ def test_e2e_rows_per_method_and_budget(tmp_path, tiny_dir):
     assert "roofline" not in res  # only on a GPU, where the copy bandwidth can be measured
 
 
+def test_e2e_times_the_methods_asked_for(tmp_path, tiny_dir):
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--methods", "ddtree", "--budgets", "4", "--rounds", "2",
+                "--prompt-len", "12", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
+    assert [(r["method"], r["budget"]) for r in res["rows"]] == [("ddtree", 4)]
+    assert "--methods ddtree" in res["command"] and "round_over_ar_step" not in res["rows"][0]
+
+
 def test_e2e_cut_short_keeps_the_runs_it_finished(tmp_path, tiny_dir, monkeypatch, use_options):
     """Each run's row is on disk when it ends: a bench stopped during its third run (a time limit, a device lost)
     leaves a JSON of the first two, marked incomplete; a finished bench's file has no such mark."""
