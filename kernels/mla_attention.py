@@ -27,6 +27,7 @@ except ImportError:  # loaded as a lone file beside tree_attention.py (tests/ker
 
 SMEM_BUDGET = 216 * 1024   # bytes of shared memory a block may plan on (Hopper allows 227 KiB)
 ACC_REGS = 128             # fp32 accumulator registers a thread may hold before the tile rows shrink
+MERGE_UNROLL = tl.constexpr(8)  # splits the merge reads at once
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,17 +185,24 @@ def _mla_merge(OPart, LPart, Out, M, s_oh, s_ot, num_splits,
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     row_ok = rows < M
     ok = row_ok[:, None] & (offs_c < C)[None, :]
+    # MERGE_UNROLL splits a step, their loads issued together (one split after another, each waiting on its
+    # load, made an AR step's merge a chain of 2 x num_splits loads); a split past the last adds exact zeros
     mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        mx = tl.maximum(mx, tl.load(LPart + s * M + rows64, mask=row_ok, other=float("-inf")))
+    for s0 in range(0, num_splits, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):
+            live = row_ok & (rows * 0 + s0 + j < num_splits)  # [BR]
+            mx = tl.maximum(mx, tl.load(LPart + (s0 + j) * M + rows64, mask=live, other=float("-inf")))
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for s in range(0, num_splits):
-        prow = s * M + rows64  # [BR]
-        w = tl.math.exp2(tl.load(LPart + prow, mask=row_ok, other=float("-inf")) - mx)  # [BR], 0 if empty
-        den += w
-        acc += w[:, None] * tl.load(OPart + prow[:, None] * C + offs_c[None, :], mask=ok, other=0.0)
+    for s0 in range(0, num_splits, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):
+            live = row_ok & (rows * 0 + s0 + j < num_splits)
+            prow = (s0 + j) * M + rows64  # [BR]
+            w = tl.math.exp2(tl.load(LPart + prow, mask=live, other=float("-inf")) - mx)  # [BR], 0 if empty
+            den += w
+            acc += w[:, None] * tl.load(OPart + prow[:, None] * C + offs_c[None, :], mask=live[:, None] & ok,
+                                        other=0.0)
     out = acc / tl.where(den > 0, den, 1.0)[:, None]
     t = rows // H
     h = rows % H
