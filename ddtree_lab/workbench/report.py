@@ -258,6 +258,8 @@ def _bench_section(page: "Page", study_dir: Path) -> None:
         head = " · ".join(str(x) for x in (b.get("kind"), b.get("model"), b.get("attention"), env.get("device"),
                                            env.get("commit")) if x)
         page.add(f"<h3>{esc(f.name)}</h3><p class='sub'>{esc(head)}</p>")
+        if b.get("incomplete"):  # a bench cut short keeps the runs it finished (bench e2e)
+            page.add(f"<p class='sub'>incomplete: {esc(b['incomplete'])}</p>")
         roof = b.get("roofline") or {}
         if roof.get("copy_bytes_per_second"):
             page.add(f"<p class='sub'>measured copy bandwidth {roof['copy_bytes_per_second'] / 1e9:.0f} GB/s; AR step "

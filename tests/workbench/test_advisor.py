@@ -18,6 +18,7 @@ import pytest
 from ddtree_lab.cli import main
 from ddtree_lab.kernels.moe_layout import row_height
 from ddtree_lab.workbench import advisor as A
+from ddtree_lab.workbench.advisor.figures import check_table
 from ddtree_lab.workbench.advisor.study import advice_table, advise, best_budget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,8 +93,10 @@ def test_a_bench_cut_short_is_checked_on_its_rows_and_says_so(tmp_path):
     cut = {**full, "rows": full["rows"][:4], "incomplete": "4 of 8 runs: the bench stopped before the rest"}
     path = tmp_path / "cut.json"
     path.write_text(json.dumps(cut))
-    c = A.check_bench([path])["checked"][0]
+    chk = A.check_bench([path])
+    c = chk["checked"][0]
     assert c["incomplete"] == cut["incomplete"] and len(c["rows"]) == 4
+    assert "cut.json (incomplete)" in check_table(chk)
     assert "incomplete" not in A.check_bench([H200_8B])["checked"][0]
 
 

@@ -415,4 +415,9 @@ def test_bench_json_in_report(study_dir):
     page = report.build_report(study_dir).read_text()
     assert "Benchmarks (ddtree-lab bench)" in page and "random:qwen3-8b" in page and "4200 GB/s" in page
     assert "10.100" in page  # round seconds shown in ms
+    assert "incomplete: " not in page
+    cut = json.loads((bench / "e2e.json").read_text())
+    atomic_write_json(bench / "e2e.json", {**cut, "rows": cut["rows"][:1], "incomplete": "1 of 2 runs: stopped"})
+    page = report.build_report(study_dir).read_text()  # a bench cut short: its rows, and that it was cut
+    assert "incomplete: 1 of 2 runs: stopped" in page and "10.100" not in page
     shutil.rmtree(bench)

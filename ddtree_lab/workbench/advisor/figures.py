@@ -95,7 +95,8 @@ def check_table(check: dict) -> str:
     for c in check["checked"]:
         for r in c["rows"]:
             cls = "ok" if abs(r["error"]) <= check["tolerance"] else ("bad" if r["in_range"] else "na")
-            body.append([esc(c["file"]), esc(c["model"]), esc(c["machine"]), esc(LAUNCHES_FROM[c["launches"]]),
+            name = c["file"] + (" (incomplete)" if c.get("incomplete") else "")  # a bench cut short: its rows only
+            body.append([esc(name), esc(c["model"]), esc(c["machine"]), esc(LAUNCHES_FROM[c["launches"]]),
                          esc(r["method"]),
                          esc(r["budget"] or "–"), f'<td class="num">{r["measured_seconds"] * 1e3:.3f}</td>',
                          f'<td class="num">{r["predicted_seconds"] * 1e3:.3f}</td>',
