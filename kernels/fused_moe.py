@@ -33,11 +33,11 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      at its chunk's place plus its rank within the chunk. Up to ROUTE_IN_ALIGN_MAX_T tokens (AR's step)
      `_route_align_kernel` does 2 and 3 in one program: a launch or two fewer, where serial work is small;
   4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N, K splits): one BLOCK_M block of a slot's tokens times
-     its expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (an AR step on a long K
-     splits it: partial sums, then `_silu_mul_kernel` adds them in order and applies SiLU·mul) (`row_blocks` bounds the
-     blocks any routing can need; each program finds its slot from the counts). Both expert kernels take
-     their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time into the
-     activations' dtype (bf16: two values an instruction) for the dot (accumulated in fp32 either way);
+     its expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
+     blocks any routing can need; each program finds its slot from the counts). An AR step on a long K splits
+     it: each split leaves partial sums, and `_silu_mul_kernel` adds them in order, then SiLU·mul. Both expert
+     kernels take their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time into
+     the activations' dtype (bf16: two values an instruction) for the dot (accumulated in fp32 either way);
   5. `_down_kernel`, grid (row blocks, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
      y [T·top_k, H] fp32 in pair order;
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
