@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import options
 from .kernels.int4 import VALUES_PER_WORD, Int4Weights, check_group, dequantize
 from .kernels.moe_layout import (GATHER_LIMIT_BYTES, gather_bytes, route_grouped_reference, route_reference,
                                  routing_stats)
@@ -259,12 +260,14 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         if triton:
             from .kernels.fused_moe import fused_moe_routed
 
-            return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere)[0]
+            return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere,
+                                    config=dict(options.current().moe_launch) or None)[0]
         return moe_torch_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere)
     if triton:
         from .kernels.fused_moe import fused_moe
 
-        return fused_moe(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts)[0]
+        return fused_moe(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts,
+                         config=dict(options.current().moe_launch) or None)[0]
     return moe_torch(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 

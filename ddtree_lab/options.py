@@ -40,6 +40,8 @@ class Options:
     compile_options: tuple = ()
     # kernels/tree_attention.launch_config overrides for the verify kernel, as sorted (key, value) pairs.
     attention_launch: tuple = ()
+    # kernels/fused_moe.launch_config overrides for every MoE block (e.g. SPLIT_K_UP), as sorted (key, value) pairs.
+    moe_launch: tuple = ()
     # budget="auto"'s captured candidates: "each" keeps its graphs' memory in a pool of its own, "shared" puts all
     # of them in one (they never run at once); None: each.
     candidate_pools: str | None = None
@@ -71,7 +73,7 @@ def replace(**changes) -> Options:
     """Set some choices for the rest of the process; -> the previous Options (to restore)."""
     global _current
     previous = _current
-    for name in ("compile_options", "attention_launch"):
+    for name in ("compile_options", "attention_launch", "moe_launch"):
         if name in changes:
             changes[name] = _as_pairs(changes[name])
     _current = dataclasses.replace(_current, **changes)

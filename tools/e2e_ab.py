@@ -4,6 +4,8 @@ median round of each choice over the repeats with its ratio to the first choice'
 
     python -m tools.e2e_ab --model random:qwen3-30b-a3b --budgets 8 64 --prompt-len 512 --rounds 16 --repeats 2 \\
         --choice declared_routing=torch --choice declared_routing=triton --out ab.json
+    python -m tools.e2e_ab --model random:kimi-k2.6-ep8-rank --prompt-len 4096 --budgets 8 16 \\
+        --choice moe_launch=SPLIT_K_UP:1 --choice moe_launch=SPLIT_K_UP:7 --out split.json
 
 One process, one model: the weights, the GPU and its clocks are the same for every choice; graphs are keyed by
 the options (graphs.py), so each choice captures and replays its own.
@@ -16,19 +18,29 @@ import sys
 
 from ddtree_lab import options
 from ddtree_lab.bench import write_bench_json
-from ddtree_lab.runtime import device_defaults
+from ddtree_lab.bench.cli import parse_attn_config, parse_moe_config
 from ddtree_lab.bench.e2e import bench_e2e, bench_model, repeat_order
+from ddtree_lab.runtime import device_defaults
+
+
+# a launch table's choice, "KEY:VALUE[;KEY:VALUE…]", read by the bench flag's own parser
+LAUNCH_TABLES = {"attention_launch": parse_attn_config, "moe_launch": parse_moe_config}
 
 
 def parse_choice(text: str) -> dict:
-    """"name=value[,name=value…]" -> options.using keywords; ValueError naming the part that is not one."""
+    """"name=value[,name=value…]" -> options.using keywords (a launch table: moe_launch=SPLIT_K_UP:1;BLOCK_N_DOWN:128);
+    ValueError naming the part that is not one."""
     out = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
         if not value or not hasattr(options.current(), name):
             raise ValueError(f"--choice {text!r}: want NAME=VALUE with NAME an engine option (options.py)")
-        out[name] = None if value == "none" else value
-    options.Options(**out)  # refused here, before a model is built
+        if name in LAUNCH_TABLES:
+            out[name] = LAUNCH_TABLES[name]([item.replace(":", "=", 1) for item in value.split(";")])
+        else:
+            out[name] = None if value == "none" else value
+    with options.using(**out):  # refused here, before a model is built
+        pass
     return out
 
 

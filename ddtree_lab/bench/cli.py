@@ -74,6 +74,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--attn-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Triton attention launch choices for the whole run (kernels/tree_attention.py: "
                         "launch_config), e.g. min_chunk=128 waves=4 num_splits=8")
+    p.add_argument("--moe-config", nargs="*", default=[], metavar="KEY=INT",
+                   help="fused-MoE launch choices for every MoE block of the run (kernels/fused_moe.py: "
+                        "launch_config), e.g. SPLIT_K_UP=1 BLOCK_N_DOWN=128")
 
 
 def add_bench_args(p) -> None:
@@ -227,7 +230,20 @@ def run_options(args) -> dict:
     attn_config = parse_attn_config(getattr(args, "attn_config", []))
     if attn_config:
         chosen["attention_launch"] = attn_config
+    moe_config = parse_moe_config(getattr(args, "moe_config", []))
+    if moe_config:
+        chosen["moe_launch"] = moe_config
     return chosen
+
+
+def parse_moe_config(items: list[str]) -> dict:
+    """['SPLIT_K_UP=1', 'BLOCK_N_DOWN=128'] -> fused-MoE launch overrides (bench/fused_moe.py's --config keys)."""
+    from .fused_moe import parse_overrides
+
+    try:
+        return parse_overrides(items)
+    except ValueError as e:
+        raise ValueError(f"--moe-config {e}") from None
 
 
 def command_line(args) -> str:
@@ -398,6 +414,7 @@ def run_settings(args) -> dict:
     return {"tree_build": getattr(args, "tree_build", "auto"), "tree_topk": getattr(args, "tree_topk", "auto"),
             "declared_routing": getattr(args, "declared_routing", "auto"),
             "attn_config": dict(options.current().attention_launch),
+            "moe_config": dict(options.current().moe_launch),
             "compile_mode": getattr(args, "compile_mode", "default"),
             "host_read_lag": host_read_lag(getattr(args, "device", "cuda"))}
 

@@ -43,7 +43,7 @@ from .timing import time_cuda_graph
 TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
-CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired")  # --config keys besides the BLOCK_… tile sizes
+CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP")  # --config keys besides BLOCK_… tiles
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):

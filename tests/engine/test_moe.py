@@ -167,6 +167,23 @@ def test_triton_path_in_the_engine_gives_the_same_tokens(moe_dirs, use_options):
     assert all(r.experts_touched is not None and len(r.experts_touched) == 3 for r in got.rounds)
 
 
+def test_moe_launch_choices_reach_every_block(moe_dirs, use_options, monkeypatch):
+    """options.moe_launch (bench --moe-config, tools/e2e_ab.py) is each MoE block's fused-kernel launch override:
+    a split K walk forced on every block gives the same tokens, and every launch saw the override."""
+    import ddtree_lab.kernels.fused_moe as fm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pair = dl.load_pair(target=moe_dirs[0], drafter=moe_dirs[1], device=device)
+    prompt = [3, 1, 4, 1, 5, 9]
+    use_options(tree_kernels="triton")
+    want = dl.generate(pair, prompt, method="ar", max_new_tokens=6, stop=[])
+    seen, real = [], fm._config
+    monkeypatch.setattr(fm, "_config", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    use_options(tree_kernels="triton", moe_launch={"SPLIT_K_UP": 2})
+    got = dl.generate(pair, prompt, method="ar", max_new_tokens=6, stop=[])
+    assert got.tokens == want.tokens and seen and all(c == {"SPLIT_K_UP": 2} for c in seen)
+
+
 @pytest.mark.parametrize("prompt", [[7], [3, 9, 27, 81, 243]])
 def test_greedy_ddtree_and_dflash_equal_ar(moe_pair, prompt):
     ar = dl.generate(moe_pair, prompt, method="ar", max_new_tokens=32, stop=[])

@@ -20,8 +20,17 @@ def test_choices_alternate_in_one_process_and_ratios_are_to_the_first(tmp_path, 
     assert d["command"].startswith("python -m tools.e2e_ab") and d["choices"] == ["tree_build=sort", "tree_kernels=torch"]
 
 
+def test_a_launch_table_choice_reads_as_the_bench_flag_does(load_tool):
+    tool = load_tool("e2e_ab")
+    assert tool.parse_choice("moe_launch=SPLIT_K_UP:1;BLOCK_N_DOWN:128") == {
+        "moe_launch": {"SPLIT_K_UP": 1, "BLOCK_N_DOWN": 128}}
+    assert tool.parse_choice("attention_launch=min_chunk:128,declared_routing=torch") == {
+        "attention_launch": {"min_chunk": 128}, "declared_routing": "torch"}
+
+
 @pytest.mark.parametrize("choice,says", [("colour=red", "NAME an engine option"),
-                                         ("tree_build=fastest", "tree_build='fastest' is not one of")])
+                                         ("tree_build=fastest", "tree_build='fastest' is not one of"),
+                                         ("moe_launch=SPLIT:2", "--moe-config 'SPLIT=2'")])
 def test_a_choice_that_is_not_an_option_is_refused_in_one_line(load_tool, capsys, choice, says):
     tool = load_tool("e2e_ab")
     with pytest.raises(SystemExit):
