@@ -252,6 +252,7 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     triton = use_triton(x.device)
     if not triton:  # the torch path multiplies dense weights: INT4 experts dequantized (CPU-sized models)
         gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
+    config = dict(options.current().moe_launch) or None  # launch overrides for the run (bench --moe-config)
     if moe.routing is not None or moe.declared is not None or moe.held:
         weights, ids = moe.route(x)
         elsewhere = bool(moe.held)
@@ -261,13 +262,13 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
             from .kernels.fused_moe import fused_moe_routed
 
             return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere,
-                                    config=dict(options.current().moe_launch) or None)[0]
+                                    config=config)[0]
         return moe_torch_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere)
     if triton:
         from .kernels.fused_moe import fused_moe
 
         return fused_moe(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts,
-                         config=dict(options.current().moe_launch) or None)[0]
+                         config=config)[0]
     return moe_torch(x, moe.router.weight, gate_up, down, moe.top_k, moe.renormalize, counts=moe.counts)
 
 

@@ -395,6 +395,12 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) · up, in fp32: the gate-up's activation, unsplit or after its splits' sum."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, K_CHUNK,
                     s_xt, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_ht, s_pk, s_pp, TOP_K: tl.constexpr,
                     IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
@@ -427,7 +433,7 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
                           s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # up rows
     out_mask = rmask[:, None] & cmask[None, :]
     if SPLIT_K == 1:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                      # silu(gate) * up
+        h = _silu_mul(acc_g, acc_u)
         tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty), mask=out_mask)
     else:
         part = Part + tl.program_id(2) * s_pk + (start + rows)[:, None] * s_pp + cols[None, :]
@@ -448,7 +454,7 @@ def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLO
         row = Part + ks * s_pk + p * s_pp
         g += tl.load(row + cols, mask=cmask, other=0.0)
         u += tl.load(row + I + cols, mask=cmask, other=0.0)
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = _silu_mul(g, u)
     tl.store(Hbuf + p * s_ht + cols, h.to(Hbuf.dtype.element_ty), mask=cmask)
 
 
@@ -523,7 +529,7 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
 
     depth = 128 if elsize <= 2 else 64
     block_k_up = min(depth, _pow2(H, 16))
-    steps = triton.cdiv(H, max(block_k_up, 16 * VALUES_PER_WORD if int4 else 0))  # as _block_k deepens INT4
+    steps = triton.cdiv(H, _block_k(block_k_up, int4))  # the gate-up's K steps as it will launch
     split = T * top_k <= SPLIT_K_MAX_PAIRS and steps > 2 * SPLIT_K_STEPS
     return dict(S=S, BLOCK_M=row_height(T, int4), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
                 BLOCK_K_UP=block_k_up, BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
@@ -669,10 +675,10 @@ def _weight_args(w, activations: torch.dtype, paired: bool = True) -> tuple[list
     return [w, w, w, w.stride(0), w.stride(1), 0, 0, 0, 0], dict(INT4=False, HAS_ZERO=False, GROUP=1, PAIRED=False)
 
 
-def _block_k(depth: int, const: dict) -> int:
+def _block_k(depth: int, int4: bool) -> int:
     """A K step of `depth` values, deepened for INT4 on a GPU: its nibble slices are depth / 8 deep, and tl.dot
     takes 16 at least."""
-    return max(depth, 16 * VALUES_PER_WORD) if const["INT4"] and not _interpret() else depth
+    return max(depth, 16 * VALUES_PER_WORD) if int4 and not _interpret() else depth
 
 
 def _k_splits(K: int, block_k: int, wanted: int) -> tuple[int, int]:
@@ -700,7 +706,7 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     BLOCK_S = _pow2(S, 16)
     up_args, up_const = _weight_args(w_gate_up, x.dtype, cfg.get("paired", True))
     down_args, down_const = _weight_args(w_down, x.dtype, cfg.get("paired", True))
-    up_k, down_k = _block_k(cfg["BLOCK_K_UP"], up_const), _block_k(cfg["BLOCK_K_DOWN"], down_const)
+    up_k, down_k = _block_k(cfg["BLOCK_K_UP"], up_const["INT4"]), _block_k(cfg["BLOCK_K_DOWN"], down_const["INT4"])
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     splits, k_chunk = _k_splits(H, up_k, cfg.get("SPLIT_K_UP", 1))
     part = torch.empty(splits, P, 2 * I, dtype=torch.float32, device=x.device) if splits > 1 else h  # (unread at 1)

@@ -381,7 +381,7 @@ def bench_census(args) -> dict:
 
 def bench_e2e_cli(args) -> dict:
     start = time.perf_counter()
-    header = {"kind": args.bench, "command": command_line(args), "environment": environment()}
+    header = result_header(args)
 
     def keep(partial: dict) -> None:  # each run's row on disk as it ends: a bench cut short keeps what it measured
         write_result(args, {**header, **partial, "tree_kernels": args.tree_kernels, **run_settings(args)})
@@ -402,11 +402,15 @@ def run_bench_cli(args) -> int:
             if getattr(args, key) is None:
                 setattr(args, key, value)
     options.replace(**run_options(args))  # for this process: the CLI runs one bench and exits
-    result = {"kind": args.bench, "command": command_line(args), "environment": environment(),
-              **BENCHES[args.bench](args), **run_settings(args)}
+    result = {**result_header(args), **BENCHES[args.bench](args), **run_settings(args)}
     if write_result(args, result):
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def result_header(args) -> dict:
+    """What opens every bench JSON: the bench, the command that runs it again, the machine and code."""
+    return {"kind": args.bench, "command": command_line(args), "environment": environment()}
 
 
 def run_settings(args) -> dict:
