@@ -21,13 +21,14 @@ class TreeMask:
     """Who sees whom among the T new tokens. Derived forms are built once per forward, not per layer."""
 
     anc: torch.Tensor  # [T, T] bool
+    is_causal: bool = False  # anc is lower-triangular ones (a prompt): kernels that know causality skip the mask
     _bits: torch.Tensor | None = field(default=None, repr=False)
     _chain: tuple | None = field(default=None, repr=False)
     _dense: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def causal(cls, T: int, device) -> "TreeMask":
-        return cls(torch.ones(T, T, dtype=torch.bool, device=device).tril())
+        return cls(torch.ones(T, T, dtype=torch.bool, device=device).tril(), is_causal=True)
 
     @classmethod
     def full(cls, T: int, device) -> "TreeMask":
@@ -37,7 +38,7 @@ class TreeMask:
     def fresh(self) -> "TreeMask":
         """The same relation (and packed bits, if made) for another forward, without the dense masks
         cached for this one: those depend on past_len, which moves between rounds."""
-        return TreeMask(self.anc, self._bits, self._chain)
+        return TreeMask(self.anc, self.is_causal, self._bits, self._chain)
 
     @property
     def bits(self) -> torch.Tensor:

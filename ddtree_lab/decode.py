@@ -199,7 +199,7 @@ class RoundProgram:
     def verify(self) -> None:
         # one target forward over the tree at positions n + depth, ancestor-only attention
         self.logits, self.hidden = self.target(self.tokens, self.n + self.depths, self.n,
-                                               TreeMask(self.anc, self.mask_bits), self.layers)
+                                               TreeMask(self.anc, _bits=self.mask_bits), self.layers)
 
     def commit(self) -> None:
         # Walk: a node is accepted iff every node on its root path carries its parent's target choice.

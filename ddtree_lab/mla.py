@@ -7,7 +7,13 @@ small), and attention never expands it. A score q_nope_h · k_nope_h equals (W_U
 moves into latent space once (q_lat_h) and attends to the cached rows as to one key/value head shared by every
 query head, the latent part also the value; the output o_h = W_UV_h (Σ_j p_j c_j) then leaves latent space.
 This is exact in real arithmetic; in floating point it rounds otherwise than the expanded form, so tests compare
-logits at a tolerance and tokens exactly (greedy), not bits. Prefill, AR steps and tree verify all run this form.
+logits at a tolerance and tokens exactly (greedy), not bits. AR steps and tree verify run this form: a few rows
+over a long cache, bound by reading it, which the latents keep small.
+
+The prompt's forward (nothing cached before it: every key is one of its own rows) runs the expanded form
+instead: keys [W_UK c ; k_pe] and values W_UV c for its own T rows, then causal attention in the library's
+fused kernel. A (query, key) pair then costs 2 (nope + R) + 2 v FLOPs (640 on Kimi) against the absorbed form's
+2 (C + R) + 2 C (2,176), and prefill is compute-bound: T² pairs a head. Its cache rows are the same either way.
 
 Cache layout, [L, 1, 1, S, cache_width]: the slots sit where a GQA cache [L, 2, Hkv, S, D] has them, so cache
 writes, compaction and graphs treat both alike (docs/engine-interfaces.md).
@@ -56,9 +62,9 @@ class MlaAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
-    def queries_and_cache_rows(self, h: torch.Tensor, cos, sin):
-        """h [B, T, hidden] (normed) -> q [B, H, T, C + R] in latent space, RoPE applied, and the cache rows
-        [B, T, C + R] ([normed latent ; roped k_pe])."""
+    def queries_and_cache_rows(self, h: torch.Tensor, cos, sin, expanded: bool = False):
+        """h [B, T, hidden] (normed) -> q [B, H, T, C + R] in latent space, RoPE applied (expanded: q [B, H, T,
+        nope + R], not absorbed), and the cache rows [B, T, C + R] ([normed latent ; roped k_pe])."""
         B, T, _ = h.shape
         m = self.mla
         q = self.q_proj(h) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
@@ -67,17 +73,37 @@ class MlaAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         if m.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        w_uk, _ = self.absorbed()
-        q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)                       # [B, H, T, C]
-        q_out = torch.cat([q_lat, apply_rope(q_pe, cos, sin)], dim=-1)             # [B, H, T, C + R]
+        if expanded:
+            q_out = torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1)        # [B, H, T, nope + R]
+        else:
+            w_uk, _ = self.absorbed()
+            q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)                   # [B, H, T, C]
+            q_out = torch.cat([q_lat, apply_rope(q_pe, cos, sin)], dim=-1)         # [B, H, T, C + R]
         rows = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)
         return q_out, rows
 
-    def output(self, att: torch.Tensor) -> torch.Tensor:
-        """att [B, H, T, C] (attention over latents) -> [B, T, hidden]: through W_UV, then o_proj."""
+    def expanded_attention(self, q: torch.Tensor, rows: torch.Tensor, mask) -> torch.Tensor:
+        """The prompt's attention in the expanded form: q [H, T, nope + R] (not absorbed) over the same T tokens'
+        cache rows [T, C + R], visibility `mask` (a TreeMask) -> [H, T, v]."""
+        m, H, T = self.mla, self.n_heads, q.shape[1]
+        latent, k_pe = rows.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(T, H, m.qk_nope_head_dim + m.v_head_dim).transpose(0, 1)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)            # [H, T, nope], [H, T, v]
+        k = torch.cat([k_nope, k_pe[None].expand(H, T, -1)], dim=-1)                 # [H, T, nope + R]
+        v = F.pad(v, (0, max(k.shape[-1] - v.shape[-1], 0)))  # one head width: the fused kernel's condition
+        causal = dict(is_causal=True) if mask.is_causal else dict(attn_mask=mask.anc)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.scale, **causal)
+        return out[0, ..., :m.v_head_dim]
+
+    def output(self, att: torch.Tensor, expanded: bool = False) -> torch.Tensor:
+        """att [B, H, T, C] (attention over latents; expanded: [B, H, T, v], already values) -> [B, T, hidden]:
+        through W_UV (absorbed only), then o_proj."""
         B, H, T, _ = att.shape
-        _, w_uv = self.absorbed()
-        v = torch.einsum("bhtc,hvc->bthv", att, w_uv)                                # [B, T, H, v]
+        if expanded:
+            v = att.transpose(1, 2)                                                  # [B, T, H, v]
+        else:
+            _, w_uv = self.absorbed()
+            v = torch.einsum("bhtc,hvc->bthv", att, w_uv)                            # [B, T, H, v]
         return self.o_proj(v.reshape(B, T, H * self.mla.v_head_dim))
 
 
@@ -94,24 +120,28 @@ class MlaBlock(nn.Module):
         self.mlp = GatedMLP(hidden, intermediate) if mlp is None else mlp
         self.reduce = None  # tensor parallel: sums a block's partial output across processes (parallel.py)
 
-    def attention_inputs(self, x, delta, cos, sin):
+    def attention_inputs(self, x, delta, cos, sin, expanded: bool = False):
         """x, delta [B, T, H] -> (x + delta, q [B, Heads, T, C + R], rows [B, 1, 1, T, C + R]): the rows shaped
-        as one layer's cache [1, 1, S, C + R] takes them."""
+        as one layer's cache [1, 1, S, C + R] takes them. `expanded`: the prompt's form (module docstring)."""
         x = x + delta
-        q, rows = self.self_attn.queries_and_cache_rows(self.input_layernorm(x), cos, sin)
+        q, rows = self.self_attn.queries_and_cache_rows(self.input_layernorm(x), cos, sin, expanded)
         return x, q, rows[:, None, None]
 
-    def attention_output(self, x, att):
-        """x [B, T, H], att [B, Heads, T, C] -> (x after attention, the MLP's output), as DecoderLayer's."""
-        attn = self.self_attn.output(att)
+    def attention_output(self, x, att, expanded: bool = False):
+        """x [B, T, H], att [B, Heads, T, C] (expanded: [B, Heads, T, v]) -> (x after attention, the MLP's
+        output), as DecoderLayer's."""
+        attn = self.self_attn.output(att, expanded)
         if self.reduce is not None:
             attn = self.reduce(attn)
         x = x + attn
         mlp = self.mlp(self.post_attention_layernorm(x))
         return x, mlp if self.reduce is None else self.reduce(mlp)
 
-    def attend(self, q, cache, past_len, mask, backend: str, max_past=None) -> torch.Tensor:
-        """q [Heads, T, C + R] over this layer's cache [1, 1, S, C + R] -> [Heads, T, C]."""
+    def attend(self, q, cache, past_len, mask, backend: str, max_past=None, expanded: bool = False) -> torch.Tensor:
+        """q [Heads, T, C + R] over this layer's cache [1, 1, S, C + R] -> [Heads, T, C]. Expanded (the prompt,
+        past_len 0, whatever the backend): q [Heads, T, nope + R] over its own T rows -> [Heads, T, v]."""
+        if expanded:
+            return self.self_attn.expanded_attention(q, cache[0, 0, :q.shape[1]], mask)
         return mla_attention(q, cache[0, 0], past_len, mask, backend, self.self_attn.mla.kv_lora_rank,
                              self.self_attn.scale, max_past=max_past)
 

@@ -169,13 +169,16 @@ class Target(nn.Module):
         wanted = {layer: i for i, layer in enumerate(hidden_layers)}
         captured = [None] * len(hidden_layers)
         delta = torch.zeros_like(x)  # the last MLP output, added at the next layer's start (fused with its norm)
+        # MLA's prompt (nothing cached before it) runs the expanded form, compute-bound and cheaper (mla.py)
+        form = {"expanded": True} if self.cfg.mla is not None and not isinstance(past_len, torch.Tensor) \
+            and past_len == 0 else {}
         for li, blk in enumerate(self.layers):
-            x, q, kv = self._attention_inputs(blk, x, delta, cos, sin)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
+            x, q, kv = self._attention_inputs(blk, x, delta, cos, sin, **form)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
             if li - 1 in wanted:  # x is now layer li-1's output
                 captured[wanted[li - 1]] = x[0]
             write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D] (MLA [1, 1, S, C + R])
-            att = blk.attend(q[0], self.kv[li], past_len, mask, self.attention, self.max_past)  # [Hq, T, D or C]
-            x, delta = self._attention_output(blk, x, att[None])
+            att = blk.attend(q[0], self.kv[li], past_len, mask, self.attention, self.max_past, **form)  # [Hq, T, D or C]
+            x, delta = self._attention_output(blk, x, att[None], **form)
         x = x + delta
         if len(self.layers) - 1 in wanted:
             captured[wanted[len(self.layers) - 1]] = x[0]

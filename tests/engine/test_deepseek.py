@@ -92,6 +92,26 @@ def test_incremental_steps_match_one_prefill(hf_pair):
     assert torch.allclose(torch.cat([first, *rest]), full, atol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_prompts_expanded_attention_equals_the_absorbed_form(hf_pair, causal):
+    """A forward with nothing cached runs MLA expanded (keys and values per head from its own rows); the same
+    queries, rows and visibility give the absorbed form's layer output, for a causal prompt and a tree alike."""
+    _, tdir, _ = hf_pair
+    attn = load_target(tdir).layers[1].self_attn
+    T = 9
+    h = torch.randn(1, T, 64, generator=torch.Generator().manual_seed(3))
+    cos, sin = load_target(tdir).rotary(torch.arange(T), h.dtype)
+    mask = TreeMask.causal(T, "cpu") if causal else TreeMask(ancestor_matrix(torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 5])))
+    with torch.no_grad():
+        q_lat, rows = attn.queries_and_cache_rows(h, cos, sin)
+        q, rows_expanded = attn.queries_and_cache_rows(h, cos, sin, expanded=True)
+        absorbed = attn.output(dl.attention.mla_attention(q_lat[0], rows[0], 0, mask, "sdpa", 32, attn.scale)[None])
+        expanded = attn.output(attn.expanded_attention(q[0], rows[0], mask)[None], expanded=True)
+    assert torch.equal(rows, rows_expanded)  # the cache holds the same rows either way
+    assert q.shape[-1] == 16 + 16 and expanded.shape == absorbed.shape == (1, T, 64)
+    assert torch.allclose(expanded, absorbed, atol=1e-5)
+
+
 def test_tree_logits_match_transformers_on_the_same_4d_mask(hf_pair):
     model, tdir, _ = hf_pair
     ours = load_target(tdir)
