@@ -31,14 +31,13 @@ Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [-
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
 from ..kernels.moe_layout import GATHER_LIMIT_BYTES, blocks_at_height, gather_bytes, moe_weight_bytes, routing_stats
 from . import load_kernel_file, write_bench_json
-from .timing import time_cuda_graph
+from .timing import time_call_us
 
 TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
@@ -88,14 +87,6 @@ def touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize=None)
     return int(experts_bytes + experts * hidden * elsize) + 2 * T * hidden * elsize
 
 
-def _time(fn, device, reps):
-    if device == "cuda":
-        return time_cuda_graph(fn, n=reps) * 1000  # µs
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e6
-
-
 def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
                     dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True,
                     config: dict | None = None, baseline=None, int4_group: int = 0,
@@ -130,10 +121,10 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
                    max_abs_diff=float((out.float() - want.float()).abs().max()),
                    floor_us=None if copy_gbps is None else nbytes / (copy_gbps * 1e3))
-        row["triton_us"] = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts,
+        row["triton_us"] = time_call_us(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts,
                                                    config=config), device, reps)
         if dense is not None:
-            row["bf16_us"] = _time(lambda: fused_moe(x, router, *dense, top_k, True, config=config), device, reps)
+            row["bf16_us"] = time_call_us(lambda: fused_moe(x, router, *dense, top_k, True, config=config), device, reps)
             row["int4_speedup"] = row["bf16_us"] / row["triton_us"]
             dense_bytes = touched_bytes(counts, T, experts, hidden, width, elsize)
             row["bf16_floor_us"] = None if copy_gbps is None else dense_bytes / (copy_gbps * 1e3)
@@ -143,13 +134,13 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             for extra in sweep:
                 cfg = {**(config or {}), **extra}
                 got, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg)
-                us = _time(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg), device, reps)
+                us = time_call_us(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg), device, reps)
                 row["sweep"].append(dict(config=extra, us=us, equal=bool(torch.equal(got, out)),
                                          over_floor=None if not row["floor_us"] else us / row["floor_us"]))
         if baseline is not None:
             base_out, base_counts = baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True)
             row["equal_to_baseline"] = bool(torch.equal(base_out, out) and torch.equal(base_counts, counts))
-            row["baseline_us"] = _time(lambda: baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True),
+            row["baseline_us"] = time_call_us(lambda: baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True),
                                        device, reps)
             row["over_baseline"] = row["triton_us"] / row["baseline_us"]
         gather = gather_bytes(T, top_k, hidden, width, elsize)
@@ -159,7 +150,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
         else:
             try:
-                row["torch_us"] = _time(lambda: moe_torch(x, router, w_gate_up, w_down, top_k, True), device, reps)
+                row["torch_us"] = time_call_us(lambda: moe_torch(x, router, w_gate_up, w_down, top_k, True), device, reps)
                 row["torch_path"] = "grouped_mm" if _grouped_mm_fits(x, width) else "gather"
             except Exception as e:  # recorded, not fatal: the other rows still run
                 row["torch_us"], row["torch_error"] = None, f"{type(e).__name__}: {e}"[:300]

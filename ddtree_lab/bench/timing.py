@@ -5,6 +5,8 @@ import it on a CPU-only machine without the triton extra.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -53,3 +55,13 @@ def device_copy_gbps(nbytes=1 << 30):
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
     del a, b
     return 2 * nbytes / ms * 1e-6
+
+
+def time_call_us(fn, device, reps: int = 20) -> float:
+    """A micro-benchmark's µs per fn() call: time_cuda_graph's on a GPU; on the CPU one call's wall clock (the
+    interpreter's smoke runs: a check that the path runs, not a timing)."""
+    if str(device).startswith("cuda"):
+        return time_cuda_graph(fn, n=reps) * 1000
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6

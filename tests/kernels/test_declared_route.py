@@ -116,3 +116,36 @@ def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_op
     use_options(declared_routing="torch")  # the references instead, for a side-by-side timing: the same tokens
     assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
     assert len(calls) == seen
+
+
+def test_the_bench_times_kernel_and_torch_on_the_same_routing_and_a_baseline_side_by_side(tmp_path, capsys):
+    """`python -m ddtree_lab.bench.declared_route --smoke`: every row checked against torch's experts, a baseline
+    kernel file (here this checkout's own) timed on the same inputs and found equal; refusals in one line."""
+    import json
+    from pathlib import Path
+
+    from ddtree_lab.bench import declared_route as bench
+    from ddtree_lab.kernels import declared_route as kernel_file
+
+    out = tmp_path / "declared_route.json"
+    rows = bench.main(["--smoke", "--tokens", "1", "6", "--baseline", kernel_file.__file__, "--out", str(out)])
+    assert [r["T"] for r in rows] == [1, 6]
+    for r in rows:
+        assert r["triton_us"] > 0 and r["torch_us"] > 0 and r["baseline_us"] > 0
+        assert r["equal_to_baseline"] is True and r["max_abs_diff_weights"] < 1e-5
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["baseline"] == kernel_file.__file__ and saved["smoke"] is True
+    for argv, words in ((["--smoke", "--baseline", str(Path(tmp_path) / "none.py")], "no such file"),
+                        (["--smoke", "--tokens", "0"], "each at least 1")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert words in capsys.readouterr().err
+
+
+def test_the_bench_reads_a_rank_shapes_whole_router():
+    from ddtree_lab.bench.declared_route import router_shape
+
+    ep8 = router_shape("kimi-k2.6-ep8-rank")
+    assert (ep8["experts"], ep8["top_k"], ep8["scoring"], ep8["layers"]) == (384, 8, "sigmoid", 60)
+    with pytest.raises(ValueError, match="not an MoE shape"):
+        router_shape("qwen3-8b")

@@ -1,0 +1,116 @@
+"""Micro-benchmark of a declared routing (`declared_routing.DeclaredRouting.route`, uniform) on one MoE shape's
+router: the one-launch Triton kernel (kernels/declared_route.py) against torch's path (moe_layout's references,
+what the engine runs without it), each what one MoE layer of a forward pays, at several token counts; optionally
+against another version of the kernel file (`--baseline`), side by side in one run on the same logits.
+
+    python -m ddtree_lab.bench.declared_route --shape kimi-k2.6-ep8-rank --tokens 1 9 17 65 257 \\
+        [--baseline old_declared_route.py] --out declared_route_kimi.json
+    python -m ddtree_lab.bench.declared_route --smoke --out /tmp/declared_route_smoke.json   (CPU, the interpreter)
+
+Rows: T, triton_us, torch_us, torch_over_triton, per_forward_ms (the kernel's time × the shape's MoE layers), and
+with a baseline baseline_us, over_baseline, equal_to_baseline. Every row first checks the kernel's experts against
+torch's, exactly (a mismatch stops the bench: its time would describe another routing). Timing as
+bench/fused_moe.py's: calls in a CUDA graph on a GPU; on the CPU one call's wall clock, a check that it runs.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .. import options
+from ..declared_routing import DeclaredRouting, token_keys
+from . import load_kernel_file, write_bench_json
+from .timing import time_call_us
+
+TOKENS = (1, 9, 17, 33, 65, 129, 257)
+SMOKE = dict(experts=24, top_k=3, scoring="sigmoid", renormalize=True, scaling=2.5, layers=2)
+SMOKE_TOKENS = (1, 5)
+
+
+def router_shape(name: str) -> dict:
+    """The router of an MoE random shape: every expert of the model is scored, on a rank shape too."""
+    from ..pairs.random import shape_configs
+
+    cfg = shape_configs(name)[0]
+    if not cfg.is_moe:
+        raise ValueError(f"{name} is not an MoE shape")
+    return dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
+                renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+
+
+def bench_declared_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
+                         layers=1, device="cuda", reps=20, baseline=None, progress=True) -> list[dict]:
+    """Per T, the declared routing of one layer (the shape's last MoE layer's index) both ways; `baseline`:
+    another declared_route module (`load_kernel_file(PATH, …)`), timed on the same inputs."""
+    layer = DeclaredRouting("uniform", layers - 1, layers)
+    rows = []
+    for T in tokens:
+        g = torch.Generator().manual_seed(T)
+        layer.keys = token_keys(torch.randint(0, 163_840, (T,), generator=g),
+                                torch.arange(4096, 4096 + T)).to(device)
+        # the router's logits in fp32, as a sigmoid router computes them (softmax routers: in the weights' dtype)
+        logits = (torch.randn(T, experts, generator=g) * 2).to(device)
+
+        def run(choice):
+            with options.using(declared_routing=choice):
+                return layer.route(logits, top_k, scoring, renormalize, scaling)
+
+        (w_tri, ids_tri), (w_ref, ids_ref) = run("triton"), run("torch")
+        if not torch.equal(ids_tri, ids_ref):
+            raise RuntimeError(f"T={T}: the kernel's experts differ from torch's; no timing of another routing")
+        row = {"T": T, "max_abs_diff_weights": float((w_tri - w_ref).abs().max()),
+               "triton_us": time_call_us(lambda: run("triton"), device, reps),
+               "torch_us": time_call_us(lambda: run("torch"), device, reps)}
+        row["torch_over_triton"] = row["torch_us"] / row["triton_us"]
+        row["per_forward_ms"] = row["triton_us"] * layers / 1000
+        if baseline is not None:
+            def old():
+                return baseline.declared_route(logits, top_k, scoring, renormalize, scaling, keys=layer.keys,
+                                               layer=layer.layer)
+            w_old, ids_old = old()
+            row["equal_to_baseline"] = bool(torch.equal(ids_old, ids_tri) and torch.equal(w_old, w_tri))
+            row["baseline_us"] = time_call_us(old, device, reps)
+            row["over_baseline"] = row["triton_us"] / row["baseline_us"]
+        rows.append(row)
+        if progress:
+            print(row, flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="kimi-k2.6-ep8-rank", help="an MoE random shape (pairs/random.py)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None)
+    ap.add_argument("--baseline", default=None, metavar="FILE",
+                    help="another declared_route.py (e.g. an earlier commit's), timed side by side")
+    ap.add_argument("--smoke", action="store_true", help="a tiny router (the interpreter on a CPU): the path runs")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.baseline and not Path(a.baseline).is_file():
+        ap.error(f"--baseline {a.baseline}: no such file")
+    if a.smoke:
+        shape, tokens = SMOKE, a.tokens or SMOKE_TOKENS
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU (--smoke runs a tiny router on the CPU)")
+        try:
+            shape = router_shape(a.shape)
+        except ValueError as e:
+            ap.error(f"--shape: {e}")
+        tokens, device = a.tokens or TOKENS, "cuda"
+    if any(t < 1 for t in tokens):
+        ap.error(f"--tokens {tokens}: each at least 1")
+    baseline = load_kernel_file(a.baseline, "declared_route_baseline") if a.baseline else None
+    rows = bench_declared_route(tokens, **shape, device=device, baseline=baseline)
+    if a.out:
+        write_bench_json(a.out, rows, __name__, argv, shape=shape, shape_name=None if a.smoke else a.shape,
+                         baseline=a.baseline, smoke=a.smoke)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
