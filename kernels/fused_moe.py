@@ -43,7 +43,7 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
      atomics), cast to x's dtype.
 fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
-3-6 run as above. Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
+3-6 run as above; up to ROUTE_IN_ALIGN_MAX_T tokens `_align_kernel` counts and sorts in one program. Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
 the combine leaves them out.
 
 Why this shape: decode and verify are bound by the weights' bytes, and a tree's tokens route alike (related
@@ -240,6 +240,22 @@ def _route_align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, Sor
                                BLOCK_T, BLOCK_E, BLOCK_K)
     running = _slots(counts, Counts, SlotExpert, SlotStart, E, S, BLOCK_E, BLOCK_S)
     tl.debug_barrier()  # the ids written above are read by other threads of this program below
+    for p0 in range(0, P, BLOCK_P):
+        running += _place_chunk(Ids, SortedPairs, p0, P, running, BLOCK_P, BLOCK_E)
+
+
+@triton.jit
+def _align_kernel(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    # given ids (moe_align), few of them: the count, the slots and the placing in one program, serially: one
+    # launch instead of three (AR's step under a declared routing or expert parallelism)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(Ids + offs, mask=offs < P, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    running = _slots(counts, Counts, SlotExpert, SlotStart, E, S, BLOCK_E, BLOCK_S)
     for p0 in range(0, P, BLOCK_P):
         running += _place_chunk(Ids, SortedPairs, p0, P, running, BLOCK_P, BLOCK_E)
 
@@ -593,11 +609,18 @@ def _align_chunks(ids, E, counts, chunk_counts):
     return out
 
 
-def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None):
+def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None, fuse: bool | None = None):
     """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
-    slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k)."""
+    slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k).
+    With `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T, as moe_route_align's) one program does it, in one launch."""
     T, top_k = ids.shape
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
+    if T <= ROUTE_IN_ALIGN_MAX_T if fuse is None else fuse:
+        out = _align_outputs(ids, E, counts)
+        P, S = ids.numel(), out[1].numel()
+        _align_kernel[(1,)](ids, *out, P, E, S, BLOCK_P=max(16, min(_pow2(P), 8192 // BLOCK_E)), BLOCK_E=BLOCK_E,
+                            BLOCK_S=BLOCK_E, num_warps=4)
+        return out
     chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=ids.device)
     chunk = BLOCK_T * top_k
     _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),

@@ -110,6 +110,9 @@ CASES = [
     ("fused_moe", "_place_kernel",
      {"Ids": "*i32", "ChunkBase": "*i32", "SortedPairs": "*i32", "P": "i32", "CHUNK": "i32"},
      {"BLOCK_P": 128, "BLOCK_E": 128}),
+    ("fused_moe", "_align_kernel",  # given ids, few: counted and sorted in one program (AR's step)
+     {"Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32",
+      "P": "i32", "E": "i32", "S": "i32"}, {"BLOCK_P": 16, "BLOCK_E": 512, "BLOCK_S": 512}),
     ("fused_moe", "_count_kernel",
      {"Ids": "*i32", "ChunkCounts": "*i32", "P": "i32", "CHUNK": "i32"}, {"BLOCK_P": 128, "BLOCK_E": 128}),
     ("fused_moe", "_combine_kernel",

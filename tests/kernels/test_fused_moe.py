@@ -271,6 +271,22 @@ def test_bench_int4_runs_beside_the_dense_kernel_on_the_same_experts(tmp_path):
         bench_fused_moe.block_shape("qwen3-8b")
 
 
+@pytest.mark.parametrize("T,k,E", [(1, 8, 49), (2, 8, 385), (2, 3, 24), (17, 3, 24), (300, 2, 40)])
+def test_given_ids_sorted_in_one_program_equal_the_three_launches(T, k, E):
+    """moe_align's one-program path (given ids, AR's step) against its counted-scanned-placed path and the
+    reference, bit for bit. E = 49 and 385 are an expert-parallel share's sorts (48 or 384 experts here, plus
+    one that stands for the pairs held elsewhere)."""
+    from ddtree_lab.kernels.fused_moe import moe_align
+
+    g = torch.Generator().manual_seed(T * E + k)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int().to(DEVICE)
+    fused, apart = moe_align(ids, E, fuse=True), moe_align(ids, E, fuse=False)
+    valid = apart[1] >= 0
+    for i, (a, b) in enumerate(zip(fused, apart)):
+        assert torch.equal(a[valid] if i == 2 else a, b[valid] if i == 2 else b), i
+    check_align(ids, E)
+
+
 @pytest.mark.parametrize("T", [1, 2, 17, 65, 300])  # 300: several chunks of routing, counting and placing
 def test_routing_inside_the_align_program_equals_its_own_launch(T):
     from ddtree_lab.kernels.fused_moe import moe_route_align
