@@ -794,7 +794,7 @@ def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     sorted_experts = E + 1 if elsewhere else E  # pairs held elsewhere sort as one more expert, past the last
     cfg = _config(x, top_k, sorted_experts, I, config, w_gate_up)
     ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
-    routed = moe_align(ids, sorted_experts, counts)
+    routed = moe_align(ids, sorted_experts, counts, cfg.get("fuse_route"))
     out = _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg,
                    ids if elsewhere else None)
     return out, routed[0]
