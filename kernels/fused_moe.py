@@ -348,14 +348,20 @@ def _dequant_bf16x2(packed, scale):
 
 
 @triton.jit
-def _scale_tile(Scale, n, nmask, k0, K, s_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The scales of a [BK/8 words, BN rows] INT4 tile, one for each word: [BW, BN]. Loaded once per group, a
-    row's groups side by side ([BN, NG], contiguous), then widened to every word of its group in registers: a
-    load per word would read each scale GROUP/8 times, one scattered element a lane."""
+def _scale_groups(Scale, n, nmask, k0, K, s_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scales of a [BK/8 words, BN rows] INT4 tile's groups, a row's side by side: [BN, NG] (contiguous; a
+    load per word would read each scale GROUP/8 times, one scattered element a lane). `_scale_tile` widens them."""
     NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1          # groups a K step spans
     groups = k0 // GROUP + tl.arange(0, NG)
-    s = tl.load(Scale + n[:, None] * s_sn + groups[None, :],
-                mask=nmask[:, None] & (groups * GROUP < K)[None, :], other=0.0)                  # [BN, NG]
+    return tl.load(Scale + n[:, None] * s_sn + groups[None, :], mask=nmask[:, None] & (groups * GROUP < K)[None, :],
+                   other=0.0)                                                                     # [BN, NG]
+
+
+@triton.jit
+def _scale_tile(s, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's group scales [BN, NG] -> one for each word [BW, BN], widened in registers where the dequant uses
+    them (so the compiler lays them out as the unpacked words, not as the load that fetched them)."""
+    NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
     s = tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, BLOCK_K // _WORD // NG))
     return tl.trans(tl.reshape(s, (BLOCK_N, BLOCK_K // _WORD)))
 
@@ -368,12 +374,12 @@ def _a_tile(a_rows, rmask, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
-              INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr,
-              EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BM, BN] fp32 += A[:, k0 … k0 + BLOCK_K] @ expert e's rows n [BN] (as [BK, BN]); a_rows [BM, 1] points
-    at the rows of A (rmask: the live ones). Dense: the stored weights. INT4 (int4.py's layout): each packed word
-    loads once and A's [BM, BK] tile once (contiguous, so both stream ahead of the dots); nibble j of every word
+def _dot_tile(acc, a, scale, W, Zero, e, n, nmask, k0, K, s_we, s_wn, s_ze, s_zn, INT4: tl.constexpr,
+              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
+              IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BM, BN] fp32 += a [BM, BK] (A's tile at columns k0 …) @ expert e's rows n [BN] (as [BK, BN]). Dense:
+    the stored weights. INT4 (int4.py's layout; `scale` [BN, NG]: the tile's group scales, `_scale_groups`): each packed
+    word loads once (contiguous, so the pipeliner streams the words ahead of the dots); nibble j of every word
     makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so no
     weight tile is reshaped). PAIRED (bf16 activations, symmetric, compiled): two values an instruction
     (`_dequant_bf16x2`); else in fp32 (`_dequant_f32`). Both give `dequantize`'s values bit for bit. EVEN_K
@@ -385,8 +391,7 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
         tmask = wmask[:, None] & nmask[None, :]
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
-        scale = _scale_tile(Scale + e * s_se, n, nmask, k0, K, s_sn, GROUP, BLOCK_K, BLOCK_N)     # [BW, BN]
-        a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                                  # [BM, BK]
+        scale = _scale_tile(scale, GROUP, BLOCK_K, BLOCK_N)                                  # [BW, BN]
         a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
         if PAIRED:
             w0, w1, w2, w3, w4, w5, w6, w7 = _dequant_bf16x2(packed, scale)                    # [BW, BN] each
@@ -403,11 +408,20 @@ def _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn
         acc = _dot(a7, w7, acc, IEEE)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
-        a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                                  # [BM, BK]
         w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None], mask=(kk < K)[:, None] & nmask[None, :],
                     other=0.0)                                                                 # [BK, BN]
         acc = _dot(a, w, acc, IEEE)
     return acc
+
+
+@triton.jit
+def _next_step(k0, k_first, k_end, BLOCK_K: tl.constexpr):
+    """Where the K step after k0 starts; past the walk's end, its first step again (a valid address, whose load
+    nothing uses). The INT4 loops load each step's scales a step ahead, carried in registers: the pipeliner
+    streams the loads it sees feeding a dot (the packed words, A's tile), not the scales, which feed the
+    unpacking, so scales loaded and used in one step waited out a DRAM round trip every step."""
+    k_next = k0 + BLOCK_K
+    return tl.where(k_next < k_end, k_next, k_first)
 
 
 @triton.jit
@@ -442,11 +456,23 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
     if SPLIT_K > 1:  # (unsplit, the loop keeps constant bounds: its code is the same as before splits existed)
         k_first = tl.program_id(2) * K_CHUNK
         k_end = tl.minimum(k_first + K_CHUNK, H)
+    Scale_e = Scale + e.to(tl.int64) * s_se
+    s_g, s_u = 0.0, 0.0  # INT4: the gate's and the up rows' scales [BN, NG], a step ahead (`_next_step`)
+    if INT4:
+        s_g = _scale_groups(Scale_e, cols, cmask, k_first, H, s_sn, GROUP, BLOCK_K)
+        s_u = _scale_groups(Scale_e, I + cols, cmask, k_first, H, s_sn, GROUP, BLOCK_K)
     for k0 in range(k_first, k_end, BLOCK_K):
-        acc_g = _dot_tile(acc_g, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
-                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # gate rows
-        acc_u = _dot_tile(acc_u, a_rows, rmask, W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_se, s_sn,
-                          s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)     # up rows
+        a = _a_tile(a_rows, rmask, k0, H, EVEN_K, BLOCK_K)                                  # [BM, BK]
+        if INT4:
+            k_next = _next_step(k0, k_first, k_end, BLOCK_K)
+            s_g_next = _scale_groups(Scale_e, cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
+            s_u_next = _scale_groups(Scale_e, I + cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
+        acc_g = _dot_tile(acc_g, a, s_g, W, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_ze, s_zn, INT4, HAS_ZERO,
+                          GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)                       # gate rows
+        acc_u = _dot_tile(acc_u, a, s_u, W, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_ze, s_zn, INT4, HAS_ZERO,
+                          GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)                       # up rows
+        if INT4:
+            s_g, s_u = s_g_next, s_u_next
     out_mask = rmask[:, None] & cmask[None, :]
     if SPLIT_K == 1:
         h = _silu_mul(acc_g, acc_u)
@@ -492,9 +518,18 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_rows = Hbuf + (start + rows)[:, None] * s_ht                                         # [BM, 1]
+    Scale_e = Scale + e.to(tl.int64) * s_se
+    s = 0.0  # INT4: the scales [BN, NG], a step ahead as in the gate-up
+    if INT4:
+        s = _scale_groups(Scale_e, cols, cmask, 0, I, s_sn, GROUP, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
-        acc = _dot_tile(acc, a_rows, rmask, W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn, s_ze,
-                        s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
+        a = _a_tile(a_rows, rmask, k0, I, EVEN_K, BLOCK_K)                                  # [BM, BK]
+        if INT4:
+            s_next = _scale_groups(Scale_e, cols, cmask, _next_step(k0, 0, I, BLOCK_K), I, s_sn, GROUP, BLOCK_K)
+        acc = _dot_tile(acc, a, s, W, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_ze, s_zn, INT4, HAS_ZERO, GROUP,
+                        PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
+        if INT4:
+            s = s_next
     acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
