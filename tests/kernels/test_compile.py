@@ -250,3 +250,67 @@ def test_default_set_covers_every_kernel():
 def test_kernel_compiles_for_sm90(compiled, case):
     result = compiled[case]
     assert isinstance(result, int) and result > 1000, result  # the cubin's size, or the compiler's error
+
+
+# A K loop's loads, as compiled for a real launch (pointers 16-byte aligned, sizes and strides divisible by 16, as
+# Triton specialises them at launch): the pipeliner streams the loads it sees feeding a dot into shared memory ahead
+# of their step; any other load in the loop is a plain one, which its step waits out. In the INT4 expert loops those
+# are the scales (DRAM), so each step must use only scales loaded a step earlier: a plain load's value may leave the
+# step (through the loop's yield) but not be used in it.
+LOOP_LOADS = r"""
+import importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+kernels_dir, kernel, signature, constexprs, unaligned = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:6])
+sys.path.insert(0, kernels_dir)
+spec = importlib.util.spec_from_file_location("_loop_loads", f"{kernels_dir}/fused_moe.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+fn = getattr(mod, kernel)
+attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature if n not in unaligned}
+src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
+                attrs=attrs)
+print(json.dumps(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, num_stages=3)).asm["ttgir"]))
+"""
+
+
+def plain_loads_used_in_their_step(ttgir: str) -> list[str]:
+    """The `tt.load` results inside the outermost scf.for's body that the body uses other than in its yield."""
+    lines = ttgir.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "scf.for" in ln)
+    depth, body = 0, []
+    for ln in lines[start:]:
+        depth += ln.count("{") - ln.count("}")
+        body.append(ln)
+        if depth <= 0 and len(body) > 1:
+            break
+    used = []
+    for ln in body:
+        if " = tt.load " in ln:
+            name = ln.split("=")[0].strip()
+            uses = [u for u in body if u is not ln and (name + " " in u or name + "," in u or name + ")" in u
+                                                        or name + ":" in u)]
+            if any("scf.yield" not in u for u in uses):
+                used.append(name)
+    return used
+
+
+@pytest.mark.parametrize("kernel, signature, constexprs", [
+    ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
+      "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True, "BLOCK_S": 64,
+      "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+], ids=["gate_up", "down"])
+def test_an_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, constexprs):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", LOOP_LOADS, str(KERNELS), kernel, json.dumps(signature),
+                          json.dumps(constexprs), json.dumps(["S", "E"])], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ttgir = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "async_copy_global_to_local" in ttgir  # the packed words and A's tile stream ahead
+    assert plain_loads_used_in_their_step(ttgir) == []
