@@ -374,16 +374,19 @@ def _a_tile(a_rows, rmask, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_tile(acc, a, scale, W, Zero, e, n, nmask, k0, K, s_we, s_wn, s_ze, s_zn, INT4: tl.constexpr,
-              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
-              IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BM, BN] fp32 += a [BM, BK] (A's tile at columns k0 …) @ expert e's rows n [BN] (as [BK, BN]). Dense:
-    the stored weights. INT4 (int4.py's layout; `scale` [BN, NG]: the tile's group scales, `_scale_groups`): each packed
-    word loads once (contiguous, so the pipeliner streams the words ahead of the dots); nibble j of every word
-    makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so no
-    weight tile is reshaped). PAIRED (bf16 activations, symmetric, compiled): two values an instruction
-    (`_dequant_bf16x2`); else in fp32 (`_dequant_f32`). Both give `dequantize`'s values bit for bit. EVEN_K
-    (INT4 launches whose K is a multiple of BLOCK_K): no mask along K, so the words load 16 bytes at a time."""
+def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
+              INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr,
+              EVEN_K: tl.constexpr, IEEE: tl.constexpr, GIVEN: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """acc [BM, BN] fp32 += A[:, k0 … k0 + BLOCK_K] @ expert e's rows n [BN] (as [BK, BN]); a_rows [BM, 1] points
+    at the rows of A (rmask: the live ones). Dense: the stored weights. INT4 (int4.py's layout): each packed word
+    loads once and A's [BM, BK] tile once (contiguous, so the pipeliner streams both ahead of the dots); nibble j of
+    every word makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so
+    no weight tile is reshaped). The scales load here too, unless GIVEN: the loop passes A's tile `a` and the
+    scales `scale` [BN, NG] it loaded (the scales a step ahead: `_next_step`). PAIRED (bf16 activations, symmetric,
+    compiled): two values an instruction (`_dequant_bf16x2`); else in fp32 (`_dequant_f32`). Both give
+    `dequantize`'s values bit for bit. EVEN_K (INT4 launches whose K is a multiple of BLOCK_K): no mask along K, so
+    the words load 16 bytes at a time."""
     e = e.to(tl.int64)
     if INT4:
         words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)                                 # [BW]
@@ -391,6 +394,9 @@ def _dot_tile(acc, a, scale, W, Zero, e, n, nmask, k0, K, s_we, s_wn, s_ze, s_zn
         tmask = wmask[:, None] & nmask[None, :]
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
+        if not GIVEN:
+            scale = _scale_groups(Scale + e * s_se, n, nmask, k0, K, s_sn, GROUP, BLOCK_K)           # [BN, NG]
+            a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                              # [BM, BK]
         scale = _scale_tile(scale, GROUP, BLOCK_K, BLOCK_N)                                  # [BW, BN]
         a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
         if PAIRED:
@@ -408,6 +414,7 @@ def _dot_tile(acc, a, scale, W, Zero, e, n, nmask, k0, K, s_we, s_wn, s_ze, s_zn
         acc = _dot(a7, w7, acc, IEEE)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
+        a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                                  # [BM, BK]
         w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None], mask=(kk < K)[:, None] & nmask[None, :],
                     other=0.0)                                                                 # [BK, BN]
         acc = _dot(a, w, acc, IEEE)
@@ -417,9 +424,11 @@ def _dot_tile(acc, a, scale, W, Zero, e, n, nmask, k0, K, s_we, s_wn, s_ze, s_zn
 @triton.jit
 def _next_step(k0, k_first, k_end, BLOCK_K: tl.constexpr):
     """Where the K step after k0 starts; past the walk's end, its first step again (a valid address, whose load
-    nothing uses). The INT4 loops load each step's scales a step ahead, carried in registers: the pipeliner
-    streams the loads it sees feeding a dot (the packed words, A's tile), not the scales, which feed the
-    unpacking, so scales loaded and used in one step waited out a DRAM round trip every step."""
+    nothing uses). With SCALES_AHEAD the INT4 loops load each step's scales a step ahead, carried in registers: the
+    pipeliner streams the loads it sees feeding a dot (the packed words, A's tile), not the scales, which feed the
+    unpacking, so scales loaded in their own step wait out a DRAM round trip. That pays in a call of few pairs (an
+    AR step: short walks, few programs) and costs a few % in a tree's (docs/kernels.md), so launch_config asks
+    for it only there."""
     k_next = k0 + BLOCK_K
     return tl.where(k_next < k_end, k_next, k_first)
 
@@ -434,8 +443,9 @@ def _silu_mul(gate, up):
 def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, K_CHUNK,
                     s_xt, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_ht, s_pk, s_pp, TOP_K: tl.constexpr,
                     IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                    ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SCALES_AHEAD: tl.constexpr, SPLIT_K: tl.constexpr,
+                    BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) and leaves the gate
     # and up partial sums in Part [SPLIT_K, T·top_k, 2I] fp32 for `_silu_mul_kernel`'s ordered sum
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
@@ -456,22 +466,26 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
     if SPLIT_K > 1:  # (unsplit, the loop keeps constant bounds: its code is the same as before splits existed)
         k_first = tl.program_id(2) * K_CHUNK
         k_end = tl.minimum(k_first + K_CHUNK, H)
+    AHEAD: tl.constexpr = INT4 and SCALES_AHEAD
     Scale_e = Scale + e.to(tl.int64) * s_se
-    s_g, s_u = 0.0, 0.0  # INT4: the gate's and the up rows' scales [BN, NG], a step ahead (`_next_step`)
-    if INT4:
+    a, s_g, s_u = 0.0, 0.0, 0.0  # AHEAD: A's tile, the gate's and the up rows' scales [BN, NG] (`_next_step`)
+    if AHEAD:
         s_g = _scale_groups(Scale_e, cols, cmask, k_first, H, s_sn, GROUP, BLOCK_K)
         s_u = _scale_groups(Scale_e, I + cols, cmask, k_first, H, s_sn, GROUP, BLOCK_K)
     for k0 in range(k_first, k_end, BLOCK_K):
-        a = _a_tile(a_rows, rmask, k0, H, EVEN_K, BLOCK_K)                                  # [BM, BK]
-        if INT4:
+        a_step, s_g_next, s_u_next = a, s_g, s_u
+        if AHEAD:
+            a_step = _a_tile(a_rows, rmask, k0, H, EVEN_K, BLOCK_K)                         # [BM, BK]
             k_next = _next_step(k0, k_first, k_end, BLOCK_K)
             s_g_next = _scale_groups(Scale_e, cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
             s_u_next = _scale_groups(Scale_e, I + cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
-        acc_g = _dot_tile(acc_g, a, s_g, W, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_ze, s_zn, INT4, HAS_ZERO,
-                          GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)                       # gate rows
-        acc_u = _dot_tile(acc_u, a, s_u, W, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_ze, s_zn, INT4, HAS_ZERO,
-                          GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)                       # up rows
-        if INT4:
+        acc_g = _dot_tile(acc_g, a_rows, rmask, a_step, s_g, W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se,
+                          s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
+                          BLOCK_N)                                                             # gate rows
+        acc_u = _dot_tile(acc_u, a_rows, rmask, a_step, s_u, W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn,
+                          s_se, s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
+                          BLOCK_N)                                                             # up rows
+        if AHEAD:
             s_g, s_u = s_g_next, s_u_next
     out_mask = rmask[:, None] & cmask[None, :]
     if SPLIT_K == 1:
@@ -503,8 +517,8 @@ def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLO
 @triton.jit
 def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_ht, s_we,
                  s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SCALES_AHEAD: tl.constexpr,
+                 BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
@@ -518,17 +532,19 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_rows = Hbuf + (start + rows)[:, None] * s_ht                                         # [BM, 1]
+    AHEAD: tl.constexpr = INT4 and SCALES_AHEAD
     Scale_e = Scale + e.to(tl.int64) * s_se
-    s = 0.0  # INT4: the scales [BN, NG], a step ahead as in the gate-up
-    if INT4:
+    a, s = 0.0, 0.0  # AHEAD: A's tile and the scales [BN, NG], as in the gate-up
+    if AHEAD:
         s = _scale_groups(Scale_e, cols, cmask, 0, I, s_sn, GROUP, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
-        a = _a_tile(a_rows, rmask, k0, I, EVEN_K, BLOCK_K)                                  # [BM, BK]
-        if INT4:
+        a_step, s_next = a, s
+        if AHEAD:
+            a_step = _a_tile(a_rows, rmask, k0, I, EVEN_K, BLOCK_K)                         # [BM, BK]
             s_next = _scale_groups(Scale_e, cols, cmask, _next_step(k0, 0, I, BLOCK_K), I, s_sn, GROUP, BLOCK_K)
-        acc = _dot_tile(acc, a, s, W, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_ze, s_zn, INT4, HAS_ZERO, GROUP,
-                        PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
-        if INT4:
+        acc = _dot_tile(acc, a_rows, rmask, a_step, s, W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn,
+                        s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K, BLOCK_N)
+        if AHEAD:
             s = s_next
     acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
@@ -564,12 +580,14 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     the weights at full bandwidth. For the same reason SPLIT_K_UP splits the gate-up's K walk into pieces of
     SPLIT_K_STEPS steps when a call has at most SPLIT_K_MAX_PAIRS pairs and K is long (a Kimi layer's 7,168: 56
     steps one after another in each of a few programs; with expert parallelism most slots are another rank's).
+    Calls of that size also load the INT4 scales a step ahead (`scales_ahead`, `_next_step`).
     fp32 takes half the K depth and two stages, so its tiles fit shared memory.
     Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
     if _interpret():
-        return dict(S=S, BLOCK_M=_pow2(T, 16, 64), BLOCK_N_UP=_pow2(I, 16, 128), BLOCK_N_DOWN=_pow2(H, 16, 128),
-                    BLOCK_K_UP=_pow2(H, 16, 128), BLOCK_K_DOWN=_pow2(I, 16, 128), num_warps=4, num_stages=1)
+        return dict(S=S, scales_ahead=T * top_k <= SPLIT_K_MAX_PAIRS, BLOCK_M=_pow2(T, 16, 64),
+                    BLOCK_N_UP=_pow2(I, 16, 128), BLOCK_N_DOWN=_pow2(H, 16, 128), BLOCK_K_UP=_pow2(H, 16, 128),
+                    BLOCK_K_DOWN=_pow2(I, 16, 128), num_warps=4, num_stages=1)
     sms = _sm_count(device)
 
     def block_n(N):
@@ -581,8 +599,9 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     depth = 128 if elsize <= 2 else 64
     block_k_up = min(depth, _pow2(H, 16))
     steps = triton.cdiv(H, _block_k(block_k_up, int4))  # the gate-up's K steps as it will launch
-    split = T * top_k <= SPLIT_K_MAX_PAIRS and steps > 2 * SPLIT_K_STEPS
-    return dict(S=S, BLOCK_M=row_height(T, int4), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
+    few = T * top_k <= SPLIT_K_MAX_PAIRS
+    split = few and steps > 2 * SPLIT_K_STEPS
+    return dict(S=S, scales_ahead=few, BLOCK_M=row_height(T, int4), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
                 BLOCK_K_UP=block_k_up, BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
                 SPLIT_K_UP=triton.cdiv(steps, SPLIT_K_STEPS) if split else 1, num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
@@ -767,12 +786,13 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     up_k, down_k = _block_k(cfg["BLOCK_K_UP"], up_const["INT4"]), _block_k(cfg["BLOCK_K_DOWN"], down_const["INT4"])
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     splits, k_chunk = _k_splits(H, up_k, cfg.get("SPLIT_K_UP", 1))
+    ahead = up_const["INT4"] and bool(cfg.get("scales_ahead", False))  # (dense experts have no scales)
     part = torch.empty(splits, P, 2 * I, dtype=torch.float32, device=x.device) if splits > 1 else h  # (unread at 1)
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)](
         x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
         s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
-        IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits, BLOCK_S=BLOCK_S,
-        ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
+        IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SCALES_AHEAD=ahead, SPLIT_K=splits,
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
     if splits > 1:
         BLOCK_I = min(1024, _pow2(I, 16))
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
@@ -781,8 +801,8 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
         *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=down_const["INT4"] and I % down_k == 0,
-        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k,
-        **common)
+        SCALES_AHEAD=ahead, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
+        BLOCK_K=down_k, **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)

@@ -42,7 +42,9 @@ from .timing import time_call_us
 TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
-CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP")  # --config keys besides BLOCK_… tiles
+# --config keys besides the BLOCK_… tiles
+CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "scales_ahead", "SPLIT_K_UP")
+FLAG_KEYS = ("fuse_route", "paired", "scales_ahead")  # those that are on or off
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):
@@ -68,14 +70,14 @@ def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, i
 
 
 def parse_overrides(items) -> dict:
-    """["KEY=INT", …] -> fused_moe launch overrides (KEY a BLOCK_… tile size or one of CONFIG_KEYS; fuse_route and
-    paired as booleans); ValueError naming the item that is not one."""
+    """["KEY=INT", …] -> fused_moe launch overrides (KEY a BLOCK_… tile size or one of CONFIG_KEYS; FLAG_KEYS as
+    booleans); ValueError naming the item that is not one."""
     out = {}
     for item in items:
         key, _, value = item.partition("=")
         if not (key.startswith("BLOCK_") or key in CONFIG_KEYS) or not value.isdigit():
             raise ValueError(f"{item!r}: want KEY=INT, KEY a tile size BLOCK_… or one of {', '.join(CONFIG_KEYS)}")
-        out[key] = bool(int(value)) if key in ("fuse_route", "paired") else int(value)
+        out[key] = bool(int(value)) if key in FLAG_KEYS else int(value)
     return out
 
 
@@ -202,7 +204,8 @@ def main(argv=None):
     ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
                     help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32, num_warps=8, "
-                         "fuse_route=0 (route in its own launch), paired=0 (INT4 unpacked in fp32)")
+                         "fuse_route=0 (route in its own launch), paired=0 (INT4 unpacked in fp32), "
+                         "scales_ahead=1 (INT4 scales a K step ahead)")
     ap.add_argument("--sweep", nargs="+", default=[], metavar="KEY=INT[,KEY=INT…]",
                     help="more launch overrides, each timed on the same inputs as the row, e.g. "
                          "BLOCK_N_UP=32,BLOCK_N_DOWN=32 num_warps=8 num_stages=2")
