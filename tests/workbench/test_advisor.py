@@ -723,3 +723,22 @@ def _lagged_bins(rows, lag, edges):
         conf = sum(math.exp(s) for s in prev["tree"]["scores"][:4])
         out.append(1 + sum(conf >= e for e in edges))
     return out
+
+
+def test_int4_unpacking_moves_to_another_machine_by_its_fp32_rate():
+    """Unpacking INT4 experts is ALU work: priced on another machine by its SMs' FP32 rate, not its bandwidth
+    (where both machines have the figure; by bandwidth where not), and a user's fp32_tflops overrides the table's."""
+    cal = A.load_calibration()
+    h200, h100, b300 = (A.get_machine(n) for n in ("h200", "h100", "b300"))
+    unpack = {m.name: A.Terms(int4_bytes=1e9).seconds(m, cal)["moe"] for m in (h200, h100, b300)}
+    assert h100.bandwidth < 0.75 * h200.bandwidth and unpack["h100"] == pytest.approx(unpack["h200"])
+    assert unpack["b300"] == pytest.approx(unpack["h200"] * h200.fp32_flops / b300.fp32_flops)
+    bare = dataclasses.replace(h100, fp32_flops=None)  # no figure: by bandwidth, as before the figure existed
+    assert A.Terms(int4_bytes=1e9).seconds(bare, cal)["moe"] == pytest.approx(
+        unpack["h200"] * h200.bandwidth / h100.bandwidth)
+    machine, _, used = A.machine_profile("rtx-pro-6000-server", {"fp32_tflops": 100})
+    assert machine.fp32_flops == 1e14 and used["fp32_tflops"]["origin"] == "--set"
+    # the H200-fitted terms on the H100's own Kimi blocks (full width, and an EP8 rank's 48 experts)
+    for name in ("fused_moe_kimi_int4_scales_ahead_vs_31f5db4_h100.json", "fused_moe_kimi_ep8_rank_int4_h100.json"):
+        rows = A.price_int4_bench(REPO / "docs" / "bench" / name)
+        assert len(rows) >= 3 and all(abs(r["error"]) <= 0.15 for r in rows), (name, rows)

@@ -14,7 +14,7 @@ from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes, row_height
 from .check import bench_census, measured_load, modelled
 from .cost import Terms, draft_terms, verify_terms
 from .fit import read_bench
-from .machines import AdvisorError, Calibration, get_machine, load_calibration
+from .machines import AdvisorError, Calibration, get_machine, load_calibration, machine_for_device
 from .shapes import int4_weight_bytes, model_shape
 
 
@@ -167,6 +167,55 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
             "moe_sort_seconds": max(0.0, float(sort)), "moe_reread_over_bandwidth": _positive_inverse(reread)}
 
 
+def _int4_bench(path) -> dict:
+    d = json.loads(Path(path).read_text())
+    if not int(d.get("int4_group") or 0):
+        raise AdvisorError(f"{path}: not an INT4 bench (no int4_group); a dense block's terms are calibrate_moe's")
+    if any("row_blocks" not in r for r in d["rows"]):
+        raise AdvisorError(f"{path}: a row without row_blocks; re-run python -m ddtree_lab.bench.fused_moe")
+    return d
+
+
+def _todays_rows(d: dict) -> list[dict]:
+    """The rows run at today's row height (`moe_layout.row_height`)."""
+    return [r for r in d["rows"] if (r.get("launch") or {}).get("BLOCK_M", row_height(int(r["T"]), int4=True))
+            == row_height(int(r["T"]), int4=True)]
+
+
+def _int4_row_parts(d: dict, r: dict, m, cal: Calibration) -> tuple[float, float, float]:
+    """An INT4 block bench row on machine m: (what the dense block's terms price for its bytes: weights at
+    eta_bw, FLOPs, and calibrate_moe's fixed, per-pair, sort and re-read parts; the experts' INT4 bytes, less the
+    bf16 router; the row blocks the kernel ran)."""
+    sh = d["shape"]
+    h, w, k, e = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"]), int(sh["experts"])
+    T = int(r["T"])
+    parts = Terms(weights=r["touched_bytes"], flops=2 * T * k * 3 * h * w).seconds(m, cal)
+    sort = cal.moe_sort_seconds if T > ROUTE_IN_ALIGN_MAX_T else 0.0
+    reread = reread_bytes(r["row_blocks"], r["experts_touched"], h, w, int4_weight_bytes(int(d["int4_group"])))
+    known = (parts["weights"] + parts["flops"] + cal.moe_block_seconds + cal.moe_pair_seconds * T * k + sort
+             + reread / (m.bandwidth * cal.moe_reread_over_bandwidth))
+    return known, float(r["touched_bytes"] - e * h * 2), float(r["row_blocks"])
+
+
+def price_int4_bench(path, cal: Calibration | None = None) -> list[dict]:
+    """A fused-MoE INT4 bench's rows (today's row heights) priced on the machine it ran on (its `device`): T,
+    measured and predicted seconds, the error. The check of the INT4 terms on a machine other than the one they
+    were fitted on (the unpacking moves by the SMs' FP32 rate: cost.int4_unpack_rate)."""
+    cal = cal or load_calibration()
+    d = _int4_bench(path)
+    name = machine_for_device(d.get("device"))
+    if name is None:
+        raise AdvisorError(f"{path}: device {d.get('device')!r} matches no machine of machines.json")
+    m = get_machine(name)
+    out = []
+    for r in _todays_rows(d):
+        known, int4_bytes, blocks = _int4_row_parts(d, r, m, cal)
+        pred = known + Terms(int4_bytes=int4_bytes, int4_blocks=blocks).seconds(m, cal)["moe"]
+        meas = r["triton_us"] * 1e-6
+        out.append({"T": int(r["T"]), "measured_seconds": meas, "predicted_seconds": pred, "error": pred / meas - 1})
+    return out
+
+
 def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration | None = None,
                    machine: str = "h200") -> dict:
     """INT4 experts' unpacking, from `bench fused_moe --int4` JSONs (the block alone with INT4 experts, at several
@@ -182,27 +231,12 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
     m = get_machine(machine)
     xs, ys, widths = [], [], set()
     for path in fused_moe_int4_paths:
-        d = json.loads(Path(path).read_text())
-        group = int(d.get("int4_group") or 0)
-        if not group:
-            raise AdvisorError(f"{path}: not an INT4 bench (no int4_group); a dense block's terms are calibrate_moe's")
-        sh = d["shape"]
-        h, w, k, e = int(sh["hidden"]), int(sh["width"]), int(sh["top_k"]), int(sh["experts"])
-        for r in d["rows"]:
-            if "row_blocks" not in r:
-                raise AdvisorError(f"{path}: a row without row_blocks; re-run python -m ddtree_lab.bench.fused_moe")
-            T = int(r["T"])
-            if (r.get("launch") or {}).get("BLOCK_M", row_height(T, int4=True)) != row_height(T, int4=True):
-                continue
-            parts = Terms(weights=r["touched_bytes"], flops=2 * T * k * 3 * h * w).seconds(m, cal)
-            sort = cal.moe_sort_seconds if T > ROUTE_IN_ALIGN_MAX_T else 0.0
-            reread = reread_bytes(r["row_blocks"], r["experts_touched"], h, w, int4_weight_bytes(group))
-            known = (parts["weights"] + parts["flops"] + cal.moe_block_seconds + cal.moe_pair_seconds * T * k + sort
-                     + reread / (m.bandwidth * cal.moe_reread_over_bandwidth))
-            # the experts' bytes, less the bf16 router; the row blocks the kernel ran
-            xs.append([(r["touched_bytes"] - e * h * 2) / m.bandwidth, float(r["row_blocks"])])
+        d = _int4_bench(path)
+        for r in _todays_rows(d):
+            known, int4_bytes, blocks = _int4_row_parts(d, r, m, cal)
+            xs.append([int4_bytes / m.bandwidth, blocks])
             ys.append(r["triton_us"] * 1e-6 - known)
-            widths.add(w)
+            widths.add(int(d["shape"]["width"]))
     if len(xs) < 3:
         raise AdvisorError(f"{', '.join(map(str, fused_moe_int4_paths))}: {len(xs)} rows at today's row heights; "
                            "the INT4 fit needs at least 3")

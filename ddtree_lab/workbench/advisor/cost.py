@@ -1,11 +1,12 @@
 """First-principles cost of a round per stage: weights, KV and activations, FLOPs, launches."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
 from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, expert_bytes, reread_bytes
-from .machines import AdvisorError, Calibration, Machine, load_calibration
+from .machines import AdvisorError, Calibration, Machine, get_machine, load_calibration
 from .shapes import ExpertLoad, ModelShape
 
 PARTS = ("weights", "kv", "flops", "launches", "moe", "attention", "other")
@@ -45,7 +46,7 @@ class Terms:
                "launches": self.launches * cal.launch_seconds + self.matmuls * cal.eager_matmul_seconds,
                "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
                                           if self.moe_reread else 0.0)
-                      + (self.int4_bytes / (m.bandwidth * cal.moe_int4_unpack_over_bandwidth)
+                      + (self.int4_bytes / int4_unpack_rate(m, cal)
                          if self.int4_bytes and cal.moe_int4_unpack_over_bandwidth else 0.0)
                       + self.int4_blocks * cal.moe_int4_block_seconds,
                "attention": (self.mla_calls * cal.mla_call_seconds
@@ -55,6 +56,23 @@ class Terms:
                                 if cal.mla_flops_over_peak else 0.0)),
                "other": self.fixed_seconds}
         return out
+
+
+def int4_unpack_rate(m: Machine, cal: Calibration) -> float:
+    """Bytes a second of INT4 experts that the kernel unpacks beyond reading them on machine m. Fitted on the
+    calibration's machine as a multiple of its bandwidth; elsewhere scaled by the SMs' FP32 rate, since unpacking
+    is ALU work (an H100 unpacks a Kimi block about as fast as an H200 with 0.70 × its bandwidth:
+    docs/performance.md, "Session 12"); by bandwidth where either machine lacks that figure."""
+    ref = _machine(cal.machine)
+    rate = ref.bandwidth * cal.moe_int4_unpack_over_bandwidth
+    if m.fp32_flops and ref.fp32_flops:
+        return rate * m.fp32_flops / ref.fp32_flops
+    return rate * m.bandwidth / ref.bandwidth
+
+
+@functools.cache
+def _machine(name: str) -> Machine:
+    return get_machine(name)
 
 
 MLP_KERNELS = 3  # a dense MLP's kernels in a captured layer (gate-up GEMM, activation, down GEMM)

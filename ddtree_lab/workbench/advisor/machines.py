@@ -27,6 +27,9 @@ class Machine:
     flops: float          # dense bf16 FLOP/s
     source: str
     url: str = ""
+    # FP32 FLOP/s of the SMs' own lanes (not the tensor cores): their issue rate, which prices ALU work such as
+    # unpacking INT4 experts; None where the table has no figure
+    fp32_flops: float | None = None
 
 
 def machines_data() -> dict:
@@ -88,7 +91,7 @@ def get_machine(name: str, bench: dict | None = None, cal: "Calibration | None" 
     if name != MEASURED:
         m = data[name]
         return Machine(name, m["title"], float(m["bandwidth_bytes_per_second"]), float(m["bf16_dense_flops"]),
-                       m["source"], m.get("url", ""))
+                       m["source"], m.get("url", ""), _float_or_none(m.get("fp32_flops")))
     roof = (bench or {}).get("roofline") or {}
     if not roof.get("copy_bytes_per_second"):
         raise AdvisorError("machine 'measured' needs a bench e2e JSON with roofline.copy_bytes_per_second "
@@ -102,8 +105,14 @@ def get_machine(name: str, bench: dict | None = None, cal: "Calibration | None" 
             raise AdvisorError(f"machine 'measured': the bench JSON has no gemm_flops_per_second and its "
                                f"device {device!r} is no profile with FLOP/s ({', '.join(profile_names())})")
         flops = data[spec]["bf16_dense_flops"] * 1.0
+    spec = machine_for_device(device)
     return Machine(MEASURED, f"measured ({device})", float(roof["copy_bytes_per_second"]) / cal.copy_over_spec,
-                   float(flops), "copy bandwidth and GEMM throughput of the bench JSON")
+                   float(flops), "copy bandwidth and GEMM throughput of the bench JSON",
+                   fp32_flops=_float_or_none(data[spec].get("fp32_flops")) if spec else None)
+
+
+def _float_or_none(v) -> float | None:
+    return None if v is None else float(v)
 
 
 @dataclass
@@ -126,6 +135,7 @@ class Calibration:
     # 0: not fitted, no such term
     moe_int4_unpack_over_bandwidth: float = 0.0
     moe_int4_block_seconds: float = 0.0  # and per row block of INT4 experts (same bench; 0: not fitted)
+    machine: str = "h200"         # where the kernel-level terms were fitted (machines.json `calibration.machine`)
     # MLA attention beyond its latent bytes and FLOPs (`bench mla`): a time per call, and its bytes and FLOPs again
     # at these multiples of spec bandwidth and peak; 0: not fitted, no such term
     mla_call_seconds: float = 0.0
@@ -152,14 +162,15 @@ def load_calibration(kind: str = "compiled") -> Calibration:
     if "fit" not in cal:
         raise AdvisorError(f"{MACHINES_FILE}: no calibration fit; run ddtree_lab.workbench.advisor.calibrate")
     if kind == "compiled":
-        return Calibration(**cal["fit"], settings=cal.get("settings", {}))
+        return Calibration(**cal["fit"], settings=cal.get("settings", {}), machine=cal.get("machine", "h200"))
     if kind not in CALIBRATIONS:
         raise AdvisorError(f"calibration {kind!r}; known: {', '.join(CALIBRATIONS)}")
     eager = data.get(CALIBRATIONS[kind]) or {}
     if "fit" not in eager:
         raise AdvisorError(f"{MACHINES_FILE}: no {kind} calibration fit; run "
                            "ddtree_lab.workbench.advisor.calibrate_eager")
-    return Calibration(**{**cal["fit"], **eager["fit"]}, settings=eager.get("settings", {}), launches_from="census")
+    return Calibration(**{**cal["fit"], **eager["fit"]}, settings=eager.get("settings", {}), launches_from="census",
+                       machine=cal.get("machine", "h200"))
 
 
 # ----------------------------------------------------------------------------- interconnects and overrides
@@ -181,6 +192,7 @@ class Interconnect:
 OVERRIDES = {
     "bandwidth_gbps": ("bandwidth", 1e9, "GB/s memory bandwidth (spec-equivalent)"),
     "flops_tflops": ("flops", 1e12, "TFLOP/s dense bf16"),
+    "fp32_tflops": ("fp32_flops", 1e12, "TFLOP/s FP32 on the SMs' own lanes (prices INT4 unpacking)"),
     "link_gbps": ("link_bandwidth", 1e9, "GB/s per GPU each way over the interconnect"),
     "all_reduce_latency_us": ("all_reduce_latency", 1e-6, "µs, a small all-reduce over the 8 GPUs"),
     "all_to_all_latency_us": ("all_to_all_latency", 1e-6, "µs, a small all-to-all, reduce-scatter or all-gather"),
@@ -188,6 +200,7 @@ OVERRIDES = {
     "nvls_latency_us": ("nvls_latency", 1e-6, "µs, a small NVLS all-reduce"),
 }
 _LINK_KEYS = ("link_gbps", "all_reduce_latency_us", "all_to_all_latency_us")  # enough to price a layout
+_CHIP_KEYS = ("bandwidth_gbps", "flops_tflops", "fp32_tflops")  # the GPU's own figures, not its interconnect's
 
 
 def override_value(key: str, value) -> float | bool:
@@ -254,13 +267,13 @@ def machine_profile(name: str, overrides: dict | None = None, origins: dict | No
     if name == MEASURED:
         raise AdvisorError("machine 'measured' has no interconnect or table figures to override; name a profile")
     m, link = get_machine(name), get_interconnect(name)
-    table_si = {"bandwidth_gbps": m.bandwidth, "flops_tflops": m.flops}
+    table_si = {"bandwidth_gbps": m.bandwidth, "flops_tflops": m.flops, "fp32_tflops": m.fp32_flops}
     if link:
         table_si.update(link_gbps=link.bandwidth, all_reduce_latency_us=link.all_reduce_latency,
                         all_to_all_latency_us=link.all_to_all_latency, nvls=link.nvls, nvls_latency_us=link.nvls_latency)
     si = {k: overrides[k] * OVERRIDES[k][1] if k in overrides and k != "nvls" else overrides.get(k, table_si.get(k))
           for k in OVERRIDES}
-    if link is None and any(k in overrides for k in OVERRIDES if k not in ("bandwidth_gbps", "flops_tflops")):
+    if link is None and any(k in overrides for k in OVERRIDES if k not in _CHIP_KEYS):
         missing = [k for k in _LINK_KEYS if k not in overrides]
         if missing:
             raise AdvisorError(f"machine {name!r} has no interconnect figures in machines.json; give "
@@ -271,7 +284,7 @@ def machine_profile(name: str, overrides: dict | None = None, origins: dict | No
                            f"{', '.join(n for n in profile_names() if get_interconnect(n))}")
     if si["nvls"] and si["nvls_latency_us"] is None:
         raise AdvisorError(f"machine {name!r}: nvls is on without an NVLS latency; give nvls_latency_us")
-    machine = Machine(m.name, m.title, si["bandwidth_gbps"], si["flops_tflops"], m.source, m.url)
+    machine = Machine(m.name, m.title, si["bandwidth_gbps"], si["flops_tflops"], m.source, m.url, si["fp32_tflops"])
     if si["link_gbps"] is not None:
         link = Interconnect(link.kind if link else "user", link.title if link else "the user's interconnect",
                             si["link_gbps"], si["all_reduce_latency_us"], si["all_to_all_latency_us"],
