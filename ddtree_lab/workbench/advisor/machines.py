@@ -98,14 +98,12 @@ def get_machine(name: str, bench: dict | None = None, cal: "Calibration | None" 
                            "(ddtree-lab bench e2e on the GPU)")
     cal = cal or load_calibration()
     device = ((bench or {}).get("environment") or {}).get("device")
-    flops = roof.get("gemm_flops_per_second")
+    flops, spec = roof.get("gemm_flops_per_second"), machine_for_device(device)
     if not flops:
-        spec = machine_for_device(device)
         if spec not in profile_names():
             raise AdvisorError(f"machine 'measured': the bench JSON has no gemm_flops_per_second and its "
                                f"device {device!r} is no profile with FLOP/s ({', '.join(profile_names())})")
         flops = data[spec]["bf16_dense_flops"] * 1.0
-    spec = machine_for_device(device)
     return Machine(MEASURED, f"measured ({device})", float(roof["copy_bytes_per_second"]) / cal.copy_over_spec,
                    float(flops), "copy bandwidth and GEMM throughput of the bench JSON",
                    fp32_flops=_float_or_none(data[spec].get("fp32_flops")) if spec else None)
