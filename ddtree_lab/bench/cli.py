@@ -379,6 +379,19 @@ def bench_census(args) -> dict:
             "routing": None if args.routing is None else routing_name(args.routing), "rows": rows}
 
 
+def resumable_rows(path: Path, header: dict) -> list[dict]:
+    """The rows of a bench e2e cut short at `path` by the same command, on the same code and device: what this run
+    takes over and does not time again (a long run resumes where it stopped). [] for anything else."""
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    env, old_env = header["environment"], old.get("environment") or {}
+    same = (old.get("incomplete") and old.get("command") == header["command"]
+            and all(old_env.get(k) == env.get(k) for k in ("source_sha256", "device")))
+    return list(old.get("rows") or []) if same else []
+
+
 def bench_e2e_cli(args) -> dict:
     start = time.perf_counter()
     header = result_header(args)
@@ -386,8 +399,12 @@ def bench_e2e_cli(args) -> dict:
     def keep(partial: dict) -> None:  # each run's row on disk as it ends: a bench cut short keeps what it measured
         write_result(args, {**header, **partial, "tree_kernels": args.tree_kernels, **run_settings(args)})
 
+    done = resumable_rows(args.out, header)
+    if done:
+        print(f"  resuming {args.out}: {len(done)} runs already measured by this command", file=sys.stderr)
     result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
-                     args.compile, args.tp, routing=args.routing, on_partial=keep, methods=tuple(args.methods))
+                     args.compile, args.tp, routing=args.routing, on_partial=keep, methods=tuple(args.methods),
+                     done_rows=done)
     return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
 
 

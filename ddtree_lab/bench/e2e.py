@@ -70,16 +70,20 @@ def random_prompt(pair: Pair, length: int) -> list[int]:
 
 def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, rounds: int = 24,
               methods=("ar", "dflash", "ddtree"), cuda_graphs: bool | None = None, progress=True,
-              on_row=None) -> dict:
+              on_row=None, done_rows=()) -> dict:
     """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt). `on_row(rows,
     runs)` is called after each run with the rows so far and the number of runs in all (to keep what a cut bench
-    measured)."""
+    measured). `done_rows`: rows a cut run of the same bench already measured, taken as they are (not run again)."""
     prompt = random_prompt(pair, prompt_len)
     runs = [("ar", None)] if "ar" in methods else []
     runs += [("dflash", None)] if "dflash" in methods else []
     runs += [("ddtree", b) for b in budgets] if "ddtree" in methods else []
     rows = []
+    done = {(r["method"], r["budget"]): r for r in done_rows}
     for method, budget in runs:
+        if (method, budget) in done:
+            rows.append(done[(method, budget)])
+            continue
         kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[],
                   cuda_graphs=cuda_graphs)
         generate(pair, prompt, **kw)  # warm-up: compiles kernels and captures graphs
@@ -139,9 +143,10 @@ def attach_census(out: dict) -> None:
 
 
 def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
-            routing=None, on_partial=None, methods=("ar", "dflash", "ddtree")) -> dict:
+            routing=None, on_partial=None, methods=("ar", "dflash", "ddtree"), done_rows=()) -> dict:
     """`bench e2e`'s result; `on_partial(result)` (if given) gets the result so far after each run but the last,
-    marked `incomplete` (rows only: the ratios to AR and the floors are added at the end)."""
+    marked `incomplete` (rows only: the ratios to AR and the floors are added at the end). `done_rows`: the rows
+    of a cut run of the same bench, kept (bench_e2e); the result counts them in `resumed_rows`."""
     pair = bench_model(model, dtype, attention, device, compile, tp, routing)
     out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile,
            "tp": tp}
@@ -158,8 +163,10 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
             on_partial({**out, "rows": list(rows), "incomplete": f"{len(rows)} of {runs} runs: the bench stopped "
                         "before the rest"})
 
+    if done_rows:
+        out["resumed_rows"] = len(done_rows)
     out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds, methods=methods,
-                         on_row=partial))
+                         on_row=partial, done_rows=done_rows))
     if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
         attach_census(out)
     if "roofline" in out:

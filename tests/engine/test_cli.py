@@ -64,3 +64,28 @@ def test_runtime_the_machine_lacks_is_one_line(tiny_dirs, tmp_path):
     trace = run_cli("generate", "x", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "2",
                     "--trace", str(tmp_path / "missing" / "dir" / "t.jsonl"))
     assert trace.returncode == 2 and "No such file or directory" in trace.stderr and "Traceback" not in trace.stderr
+
+
+def test_a_cut_bench_e2e_resumes_where_it_stopped(tmp_path):
+    """The same command on the same code and device takes over the runs a cut bench e2e left on disk and times the
+    rest; another command starts afresh."""
+    out = tmp_path / "e2e.json"
+    cmd = ("bench", "e2e", "--model", "lab", "--device", "cpu", "--budgets", "4", "8", "--rounds", "2",
+           "--prompt-len", "8", "--methods", "ar", "ddtree", "--out", str(out))
+    first = run_cli(*cmd)
+    assert first.returncode == 0, first.stderr
+    whole = json.loads(out.read_text())
+    assert [(r["method"], r["budget"]) for r in whole["rows"]] == [("ar", None), ("ddtree", 4), ("ddtree", 8)]
+    cut = dict(whole, rows=whole["rows"][:2], incomplete="2 of 3 runs: the bench stopped before the rest")
+    cut["rows"][1] = dict(cut["rows"][1], round_seconds=123.0)  # a mark: a run taken over is not timed again
+    out.write_text(json.dumps(cut))
+    again = run_cli(*cmd)
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads(out.read_text())
+    assert "incomplete" not in resumed and resumed["resumed_rows"] == 2
+    assert [r["round_seconds"] for r in resumed["rows"]][1] == 123.0 and len(resumed["rows"]) == 3
+    out.write_text(json.dumps(cut))
+    other = run_cli(*[a if a != "2" else "3" for a in cmd])  # --rounds 3: another bench, timed whole
+    assert other.returncode == 0, other.stderr
+    fresh = json.loads(out.read_text())
+    assert "resumed_rows" not in fresh and all(r["round_seconds"] != 123.0 for r in fresh["rows"])
