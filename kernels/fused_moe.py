@@ -374,7 +374,7 @@ def _a_tile(a_rows, rmask, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale, Zero, e, n, nmask, k0, K, s_we, s_wn, s_se, s_sn, s_ze, s_zn,
+def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale_e, Zero, e, n, nmask, k0, K, s_we, s_wn, s_sn, s_ze, s_zn,
               INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr,
               EVEN_K: tl.constexpr, IEEE: tl.constexpr, GIVEN: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr):
@@ -382,11 +382,11 @@ def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale, Zero, e, n, nmask, k0, K, 
     at the rows of A (rmask: the live ones). Dense: the stored weights. INT4 (int4.py's layout): each packed word
     loads once and A's [BM, BK] tile once (contiguous, so the pipeliner streams both ahead of the dots); nibble j of
     every word makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so
-    no weight tile is reshaped). The scales load here too, unless GIVEN: the loop passes A's tile `a` and the
-    scales `scale` [BN, NG] it loaded (the scales a step ahead: `_next_step`). PAIRED (bf16 activations, symmetric,
-    compiled): two values an instruction (`_dequant_bf16x2`); else in fp32 (`_dequant_f32`). Both give
-    `dequantize`'s values bit for bit. EVEN_K (INT4 launches whose K is a multiple of BLOCK_K): no mask along K, so
-    the words load 16 bytes at a time."""
+    no weight tile is reshaped). The scales load here too (Scale_e: expert e's), unless GIVEN: the loop passes A's
+    tile `a` and the scales `scale` [BN, NG] it loaded (the scales a step ahead: `_next_step`). PAIRED (bf16
+    activations, symmetric, compiled): two values an instruction (`_dequant_bf16x2`); else in fp32
+    (`_dequant_f32`). Both give `dequantize`'s values bit for bit. EVEN_K (INT4 launches whose K is a multiple of
+    BLOCK_K): no mask along K, so the words load 16 bytes at a time."""
     e = e.to(tl.int64)
     if INT4:
         words = k0 // _WORD + tl.arange(0, BLOCK_K // _WORD)                                 # [BW]
@@ -395,7 +395,7 @@ def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale, Zero, e, n, nmask, k0, K, 
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
         if not GIVEN:
-            scale = _scale_groups(Scale + e * s_se, n, nmask, k0, K, s_sn, GROUP, BLOCK_K)           # [BN, NG]
+            scale = _scale_groups(Scale_e, n, nmask, k0, K, s_sn, GROUP, BLOCK_K)                     # [BN, NG]
             a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                              # [BM, BK]
         scale = _scale_tile(scale, GROUP, BLOCK_K, BLOCK_N)                                  # [BW, BN]
         a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
@@ -479,11 +479,11 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
             k_next = _next_step(k0, k_first, k_end, BLOCK_K)
             s_g_next = _scale_groups(Scale_e, cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
             s_u_next = _scale_groups(Scale_e, I + cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
-        acc_g = _dot_tile(acc_g, a_rows, rmask, a_step, s_g, W, Scale, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_se,
+        acc_g = _dot_tile(acc_g, a_rows, rmask, a_step, s_g, W, Scale_e, Zero, e, cols, cmask, k0, H, s_we, s_wn,
                           s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
                           BLOCK_N)                                                             # gate rows
-        acc_u = _dot_tile(acc_u, a_rows, rmask, a_step, s_u, W, Scale, Zero, e, I + cols, cmask, k0, H, s_we, s_wn,
-                          s_se, s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
+        acc_u = _dot_tile(acc_u, a_rows, rmask, a_step, s_u, W, Scale_e, Zero, e, I + cols, cmask, k0, H, s_we, s_wn,
+                          s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
                           BLOCK_N)                                                             # up rows
         if AHEAD:
             s_g, s_u = s_g_next, s_u_next
@@ -542,7 +542,7 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
         if AHEAD:
             a_step = _a_tile(a_rows, rmask, k0, I, EVEN_K, BLOCK_K)                         # [BM, BK]
             s_next = _scale_groups(Scale_e, cols, cmask, _next_step(k0, 0, I, BLOCK_K), I, s_sn, GROUP, BLOCK_K)
-        acc = _dot_tile(acc, a_rows, rmask, a_step, s, W, Scale, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_se, s_sn,
+        acc = _dot_tile(acc, a_rows, rmask, a_step, s, W, Scale_e, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_sn,
                         s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K, BLOCK_N)
         if AHEAD:
             s = s_next
