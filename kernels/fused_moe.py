@@ -552,6 +552,7 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
 
 SPLIT_K_MAX_PAIRS = 16  # (token, expert) pairs up to which the gate-up may split K: an AR step, two tokens at top-8
 SPLIT_K_STEPS = 8       # K steps a split walks
+INT4_BLOCK_N_UP = 32    # an INT4 gate-up's columns: sm_90 registers 93 a thread, not 127 at 64, so 5 programs an SM, not 4
 
 
 def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
@@ -580,7 +581,9 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     the weights at full bandwidth. For the same reason SPLIT_K_UP splits the gate-up's K walk into pieces of
     SPLIT_K_STEPS steps when a call has at most SPLIT_K_MAX_PAIRS pairs and K is long (a Kimi layer's 7,168: 56
     steps one after another in each of a few programs; with expert parallelism most slots are another rank's).
-    Calls of that size also load the INT4 scales a step ahead (`scales_ahead`, `_next_step`).
+    Calls of that size also load the INT4 scales a step ahead (`scales_ahead`, `_next_step`). An INT4 gate-up
+    takes INT4_BLOCK_N_UP columns at every T: its unpacked tiles, not a lack of programs, set its pace
+    (docs/kernels.md).
     fp32 takes half the K depth and two stages, so its tiles fit shared memory.
     Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
@@ -601,8 +604,8 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     steps = triton.cdiv(H, _block_k(block_k_up, int4))  # the gate-up's K steps as it will launch
     few = T * top_k <= SPLIT_K_MAX_PAIRS
     split = few and steps > 2 * SPLIT_K_STEPS
-    return dict(S=S, scales_ahead=few, BLOCK_M=row_height(T, int4), BLOCK_N_UP=block_n(I), BLOCK_N_DOWN=block_n(H),
-                BLOCK_K_UP=block_k_up, BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
+    return dict(S=S, scales_ahead=few, BLOCK_M=row_height(T, int4),
+                BLOCK_N_UP=INT4_BLOCK_N_UP if int4 else block_n(I), BLOCK_N_DOWN=block_n(H), BLOCK_K_UP=block_k_up, BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
                 SPLIT_K_UP=triton.cdiv(steps, SPLIT_K_STEPS) if split else 1, num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
 

@@ -192,6 +192,23 @@ def test_launch_splits_k_for_an_ar_step_on_a_long_hidden_only(monkeypatch):
     assert fm._k_splits(48, 16, 5) == (3, 16)   # no more splits than steps
 
 
+def test_launch_gives_an_int4_gate_up_its_narrow_tile_at_every_size(monkeypatch):
+    """INT4 gate-up tiles are INT4_BLOCK_N_UP columns wide for an AR step and a tree alike, on a full layer and a
+    TP8 rank's narrow one; bf16 keeps the width that gives two programs an SM, and the down projection too."""
+    import ddtree_lab.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "_interpret", lambda: False)
+    monkeypatch.setattr(fm, "_sm_count", lambda device: 132)
+    for T in (1, 9, 129, 1025):
+        for I in (2048, 256):
+            int4 = fm.launch_config(T, 8, 384, 7168, I, "cuda", 2, int4=True)
+            bf16 = fm.launch_config(T, 8, 384, 7168, I, "cuda", 2)
+            assert int4["BLOCK_N_UP"] == fm.INT4_BLOCK_N_UP
+            assert int4["BLOCK_N_DOWN"] == bf16["BLOCK_N_DOWN"]
+    assert fm.launch_config(1, 8, 384, 7168, 256, "cuda", 2)["BLOCK_N_UP"] == 16  # 8 slots: narrow bf16 tiles
+    assert fm.launch_config(129, 8, 384, 7168, 2048, "cuda", 2)["BLOCK_N_UP"] == 64
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 @gpu
