@@ -348,13 +348,15 @@ def _dequant_bf16x2(packed, scale):
 
 
 @triton.jit
-def _scale_groups(Scale, n, nmask, k0, K, s_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _scale_groups(Scale, n, nmask, k0, K, s_sn, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """The scales of a [BK/8 words, BN rows] INT4 tile's groups, a row's side by side: [BN, NG] (contiguous; a
-    load per word would read each scale GROUP/8 times, one scattered element a lane). `_scale_tile` widens them."""
+    load per word would read each scale GROUP/8 times, one scattered element a lane). `_scale_tile` widens them.
+    k0 is a multiple of BLOCK_K, and saying so (with no mask along K when EVEN_K) lets a row's NG scales load as one
+    aligned vector, which the pipeliner then streams ahead of the step like the words: a 2-byte load it does not."""
     NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1          # groups a K step spans
-    groups = k0 // GROUP + tl.arange(0, NG)
-    return tl.load(Scale + n[:, None] * s_sn + groups[None, :], mask=nmask[:, None] & (groups * GROUP < K)[None, :],
-                   other=0.0)                                                                     # [BN, NG]
+    groups = tl.multiple_of(k0 // GROUP + tl.arange(0, NG), NG)
+    return tl.load(Scale + n[:, None] * s_sn + groups[None, :],
+                   mask=nmask[:, None] & ((groups * GROUP < K) | EVEN_K)[None, :], other=0.0)     # [BN, NG]
 
 
 @triton.jit
@@ -395,7 +397,7 @@ def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale_e, Zero, e, n, nmask, k0, K
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
         if not GIVEN:
-            scale = _scale_groups(Scale_e, n, nmask, k0, K, s_sn, GROUP, BLOCK_K)                     # [BN, NG]
+            scale = _scale_groups(Scale_e, n, nmask, k0, K, s_sn, GROUP, EVEN_K, BLOCK_K)             # [BN, NG]
             a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                              # [BM, BK]
         scale = _scale_tile(scale, GROUP, BLOCK_K, BLOCK_N)                                  # [BW, BN]
         a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
@@ -425,10 +427,10 @@ def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale_e, Zero, e, n, nmask, k0, K
 def _next_step(k0, k_first, k_end, BLOCK_K: tl.constexpr):
     """Where the K step after k0 starts; past the walk's end, its first step again (a valid address, whose load
     nothing uses). With SCALES_AHEAD the INT4 loops load each step's scales a step ahead, carried in registers: the
-    pipeliner streams the loads it sees feeding a dot (the packed words, A's tile), not the scales, which feed the
-    unpacking, so scales loaded in their own step wait out a DRAM round trip. That pays in a call of few pairs (an
-    AR step: short walks, few programs) and costs a few % in a tree's (docs/kernels.md), so launch_config asks
-    for it only there."""
+    pipeliner streams only loads it can copy 4 bytes a lane or more, and a 32-column tile's scales are one 2-byte
+    value a lane, so loaded in their own step they wait out a DRAM round trip. That pays in a call of few pairs (an
+    AR step: short walks, few programs) and cost a few % in a tree's (docs/kernels.md), so launch_config asks for
+    it only there."""
     k_next = k0 + BLOCK_K
     return tl.where(k_next < k_end, k_next, k_first)
 
@@ -470,15 +472,15 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
     Scale_e = Scale + e.to(tl.int64) * s_se
     a, s_g, s_u = 0.0, 0.0, 0.0  # AHEAD: A's tile, the gate's and the up rows' scales [BN, NG] (`_next_step`)
     if AHEAD:
-        s_g = _scale_groups(Scale_e, cols, cmask, k_first, H, s_sn, GROUP, BLOCK_K)
-        s_u = _scale_groups(Scale_e, I + cols, cmask, k_first, H, s_sn, GROUP, BLOCK_K)
+        s_g = _scale_groups(Scale_e, cols, cmask, k_first, H, s_sn, GROUP, EVEN_K, BLOCK_K)
+        s_u = _scale_groups(Scale_e, I + cols, cmask, k_first, H, s_sn, GROUP, EVEN_K, BLOCK_K)
     for k0 in range(k_first, k_end, BLOCK_K):
         a_step, s_g_next, s_u_next = a, s_g, s_u
         if AHEAD:
             a_step = _a_tile(a_rows, rmask, k0, H, EVEN_K, BLOCK_K)                         # [BM, BK]
             k_next = _next_step(k0, k_first, k_end, BLOCK_K)
-            s_g_next = _scale_groups(Scale_e, cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
-            s_u_next = _scale_groups(Scale_e, I + cols, cmask, k_next, H, s_sn, GROUP, BLOCK_K)
+            s_g_next = _scale_groups(Scale_e, cols, cmask, k_next, H, s_sn, GROUP, EVEN_K, BLOCK_K)
+            s_u_next = _scale_groups(Scale_e, I + cols, cmask, k_next, H, s_sn, GROUP, EVEN_K, BLOCK_K)
         acc_g = _dot_tile(acc_g, a_rows, rmask, a_step, s_g, W, Scale_e, Zero, e, cols, cmask, k0, H, s_we, s_wn,
                           s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
                           BLOCK_N)                                                             # gate rows
@@ -536,12 +538,13 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     Scale_e = Scale + e.to(tl.int64) * s_se
     a, s = 0.0, 0.0  # AHEAD: A's tile and the scales [BN, NG], as in the gate-up
     if AHEAD:
-        s = _scale_groups(Scale_e, cols, cmask, 0, I, s_sn, GROUP, BLOCK_K)
+        s = _scale_groups(Scale_e, cols, cmask, 0, I, s_sn, GROUP, EVEN_K, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
         a_step, s_next = a, s
         if AHEAD:
             a_step = _a_tile(a_rows, rmask, k0, I, EVEN_K, BLOCK_K)                         # [BM, BK]
-            s_next = _scale_groups(Scale_e, cols, cmask, _next_step(k0, 0, I, BLOCK_K), I, s_sn, GROUP, BLOCK_K)
+            k_next = _next_step(k0, 0, I, BLOCK_K)
+            s_next = _scale_groups(Scale_e, cols, cmask, k_next, I, s_sn, GROUP, EVEN_K, BLOCK_K)
         acc = _dot_tile(acc, a_rows, rmask, a_step, s, W, Scale_e, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_sn,
                         s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K, BLOCK_N)
         if AHEAD:
@@ -552,7 +555,7 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
 
 SPLIT_K_MAX_PAIRS = 16  # (token, expert) pairs up to which the gate-up may split K: an AR step, two tokens at top-8
 SPLIT_K_STEPS = 8       # K steps a split walks
-INT4_BLOCK_N_UP = 32    # an INT4 gate-up's columns: sm_90 registers 93 a thread, not 127 at 64, so 5 programs an SM, not 4
+INT4_BLOCK_N_UP = 32    # an INT4 gate-up's columns at every T (launch_config; why: docs/kernels.md)
 
 
 def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
@@ -605,7 +608,8 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     few = T * top_k <= SPLIT_K_MAX_PAIRS
     split = few and steps > 2 * SPLIT_K_STEPS
     return dict(S=S, scales_ahead=few, BLOCK_M=row_height(T, int4),
-                BLOCK_N_UP=INT4_BLOCK_N_UP if int4 else block_n(I), BLOCK_N_DOWN=block_n(H), BLOCK_K_UP=block_k_up, BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
+                BLOCK_N_UP=INT4_BLOCK_N_UP if int4 else block_n(I), BLOCK_N_DOWN=block_n(H), BLOCK_K_UP=block_k_up,
+                BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
                 SPLIT_K_UP=triton.cdiv(steps, SPLIT_K_STEPS) if split else 1, num_warps=4,
                 num_stages=3 if elsize <= 2 else 2)
 

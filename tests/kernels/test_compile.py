@@ -256,11 +256,12 @@ def test_kernel_compiles_for_sm90(compiled, case):
 
 
 # A K loop's loads, as compiled for a real launch (pointers 16-byte aligned, sizes and strides divisible by 16, as
-# Triton specialises them at launch): the pipeliner streams the loads it sees feeding a dot into shared memory ahead
-# of their step; any other load in the loop is a plain one, which its step waits out. In the INT4 expert loops those
-# are the scales (DRAM); with SCALES_AHEAD (launch_config's choice for a call of few pairs, an AR step) each step
-# uses only scales loaded a step earlier: a plain load's value may leave the step (the loop's yield), not be used in
-# it. (Without it, a tree's launch, the scales load in their step: that measured a few % faster there.)
+# Triton specialises them at launch): the pipeliner streams into shared memory, ahead of their step, the loads it can
+# copy asynchronously (4 bytes a lane at least); any other load in the loop is a plain one, which its step waits out.
+# In the INT4 expert loops the scales are the candidates. A tile of scales aligned as `_scale_groups` declares them
+# streams when a lane holds two or more (64 columns and 4 groups a step); with SCALES_AHEAD (launch_config's choice
+# for a call of few pairs, an AR step) a step uses only scales loaded a step earlier: a plain load's value may leave
+# the step (the loop's yield), not be used in it.
 LOOP_LOADS = r"""
 import importlib.util, json, sys
 import triton
@@ -301,16 +302,21 @@ def plain_loads_used_in_their_step(ttgir: str) -> list[str]:
     return used
 
 
+INT4_LOOP = {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
+             "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_K": 128}
+
+
 @pytest.mark.parametrize("kernel, signature, constexprs", [
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SCALES_AHEAD": True, "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 32,
-      "BLOCK_K": 128}),
+     {**INT4_LOOP, "TOP_K": 8, "SCALES_AHEAD": True, "SPLIT_K": 7, "BLOCK_S": 16, "BLOCK_N": 32}),
     ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SCALES_AHEAD": True, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
-], ids=["gate_up", "down"])
-def test_an_ar_steps_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, constexprs):
+     {**INT4_LOOP, "SCALES_AHEAD": True, "BLOCK_S": 16, "BLOCK_N": 64}),
+    ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {**INT4_LOOP, "TOP_K": 8, "SCALES_AHEAD": False, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
+    ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {**INT4_LOOP, "SCALES_AHEAD": False, "BLOCK_S": 128, "BLOCK_N": 64}),
+], ids=["ar_gate_up", "ar_down", "tree_gate_up_64", "tree_down"])
+def test_an_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, constexprs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", LOOP_LOADS, str(KERNELS), kernel, json.dumps(signature),
                           json.dumps(constexprs), json.dumps(["S", "E"])], env=env, capture_output=True, text=True,
