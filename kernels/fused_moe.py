@@ -376,16 +376,15 @@ def _a_tile(a_rows, rmask, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale_e, Zero, e, n, nmask, k0, K, s_we, s_wn, s_sn, s_ze, s_zn,
+def _dot_tile(acc, a_rows, rmask, W, Scale_e, Zero, e, n, nmask, k0, K, s_we, s_wn, s_sn, s_ze, s_zn,
               INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr,
-              EVEN_K: tl.constexpr, IEEE: tl.constexpr, GIVEN: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BM, BN] fp32 += A[:, k0 … k0 + BLOCK_K] @ expert e's rows n [BN] (as [BK, BN]); a_rows [BM, 1] points
     at the rows of A (rmask: the live ones). Dense: the stored weights. INT4 (int4.py's layout): each packed word
     loads once and A's [BM, BK] tile once (contiguous, so the pipeliner streams both ahead of the dots); nibble j of
     every word makes one [BK/8, BN] slice, dotted with A's columns 8w + j (the sum over K taken in another order, so
-    no weight tile is reshaped). The scales load here too (Scale_e: expert e's), unless GIVEN: the loop passes A's
-    tile `a` and the scales `scale` [BN, NG] it loaded (the scales a step ahead: `_next_step`). PAIRED (bf16
+    no weight tile is reshaped). The scales (Scale_e: expert e's) stream ahead too where a lane holds two or more
+    (`_scale_groups`). PAIRED (bf16
     activations, symmetric, compiled): two values an instruction (`_dequant_bf16x2`); else in fp32
     (`_dequant_f32`). Both give `dequantize`'s values bit for bit. EVEN_K (INT4 launches whose K is a multiple of
     BLOCK_K): no mask along K, so the words load 16 bytes at a time."""
@@ -396,9 +395,8 @@ def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale_e, Zero, e, n, nmask, k0, K
         tmask = wmask[:, None] & nmask[None, :]
         packed = tl.load(W + e * s_we + n[None, :] * s_wn + words[:, None], mask=tmask, other=0)   # [BW, BN] int32
         g = words * _WORD // GROUP                              # a word's group (a group holds whole words)
-        if not GIVEN:
-            scale = _scale_groups(Scale_e, n, nmask, k0, K, s_sn, GROUP, EVEN_K, BLOCK_K)             # [BN, NG]
-            a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                              # [BM, BK]
+        scale = _scale_groups(Scale_e, n, nmask, k0, K, s_sn, GROUP, EVEN_K, BLOCK_K)                 # [BN, NG]
+        a = _a_tile(a_rows, rmask, k0, K, EVEN_K, BLOCK_K)                                  # [BM, BK]
         scale = _scale_tile(scale, GROUP, BLOCK_K, BLOCK_N)                                  # [BW, BN]
         a0, a1, a2, a3, a4, a5, a6, a7 = _nibble_columns(a, BLOCK_K)                       # [BM, BW] each
         if PAIRED:
@@ -424,18 +422,6 @@ def _dot_tile(acc, a_rows, rmask, a, scale, W, Scale_e, Zero, e, n, nmask, k0, K
 
 
 @triton.jit
-def _next_step(k0, k_first, k_end, BLOCK_K: tl.constexpr):
-    """Where the K step after k0 starts; past the walk's end, its first step again (a valid address, whose load
-    nothing uses). With SCALES_AHEAD the INT4 loops load each step's scales a step ahead, carried in registers: the
-    pipeliner streams only loads it can copy 4 bytes a lane or more, and a 32-column tile's scales are one 2-byte
-    value a lane, so loaded in their own step they wait out a DRAM round trip. That pays in a call of few pairs (an
-    AR step: short walks, few programs) and cost a few % in a tree's (docs/kernels.md), so launch_config asks for
-    it only there."""
-    k_next = k0 + BLOCK_K
-    return tl.where(k_next < k_end, k_next, k_first)
-
-
-@triton.jit
 def _silu_mul(gate, up):
     """silu(gate) · up, in fp32: the gate-up's activation, unsplit or after its splits' sum."""
     return gate / (1.0 + tl.exp(-gate)) * up
@@ -445,7 +431,7 @@ def _silu_mul(gate, up):
 def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, K_CHUNK,
                     s_xt, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_ht, s_pk, s_pp, TOP_K: tl.constexpr,
                     IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SCALES_AHEAD: tl.constexpr, SPLIT_K: tl.constexpr,
+                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) and leaves the gate
@@ -468,27 +454,12 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
     if SPLIT_K > 1:  # (unsplit, the loop keeps constant bounds: its code is the same as before splits existed)
         k_first = tl.program_id(2) * K_CHUNK
         k_end = tl.minimum(k_first + K_CHUNK, H)
-    AHEAD: tl.constexpr = INT4 and SCALES_AHEAD
     Scale_e = Scale + e.to(tl.int64) * s_se
-    a, s_g, s_u = 0.0, 0.0, 0.0  # AHEAD: A's tile, the gate's and the up rows' scales [BN, NG] (`_next_step`)
-    if AHEAD:
-        s_g = _scale_groups(Scale_e, cols, cmask, k_first, H, s_sn, GROUP, EVEN_K, BLOCK_K)
-        s_u = _scale_groups(Scale_e, I + cols, cmask, k_first, H, s_sn, GROUP, EVEN_K, BLOCK_K)
     for k0 in range(k_first, k_end, BLOCK_K):
-        a_step, s_g_next, s_u_next = a, s_g, s_u
-        if AHEAD:
-            a_step = _a_tile(a_rows, rmask, k0, H, EVEN_K, BLOCK_K)                         # [BM, BK]
-            k_next = _next_step(k0, k_first, k_end, BLOCK_K)
-            s_g_next = _scale_groups(Scale_e, cols, cmask, k_next, H, s_sn, GROUP, EVEN_K, BLOCK_K)
-            s_u_next = _scale_groups(Scale_e, I + cols, cmask, k_next, H, s_sn, GROUP, EVEN_K, BLOCK_K)
-        acc_g = _dot_tile(acc_g, a_rows, rmask, a_step, s_g, W, Scale_e, Zero, e, cols, cmask, k0, H, s_we, s_wn,
-                          s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
-                          BLOCK_N)                                                             # gate rows
-        acc_u = _dot_tile(acc_u, a_rows, rmask, a_step, s_u, W, Scale_e, Zero, e, I + cols, cmask, k0, H, s_we, s_wn,
-                          s_sn, s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K,
-                          BLOCK_N)                                                             # up rows
-        if AHEAD:
-            s_g, s_u = s_g_next, s_u_next
+        acc_g = _dot_tile(acc_g, a_rows, rmask, W, Scale_e, Zero, e, cols, cmask, k0, H, s_we, s_wn, s_sn, s_ze, s_zn,
+                          INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)             # gate rows
+        acc_u = _dot_tile(acc_u, a_rows, rmask, W, Scale_e, Zero, e, I + cols, cmask, k0, H, s_we, s_wn, s_sn, s_ze,
+                          s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)       # up rows
     out_mask = rmask[:, None] & cmask[None, :]
     if SPLIT_K == 1:
         h = _silu_mul(acc_g, acc_u)
@@ -519,8 +490,8 @@ def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLO
 @triton.jit
 def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_ht, s_we,
                  s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SCALES_AHEAD: tl.constexpr,
-                 BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
@@ -534,28 +505,17 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     pair = tl.load(SortedPairs + start + rows, mask=rmask, other=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_rows = Hbuf + (start + rows)[:, None] * s_ht                                         # [BM, 1]
-    AHEAD: tl.constexpr = INT4 and SCALES_AHEAD
     Scale_e = Scale + e.to(tl.int64) * s_se
-    a, s = 0.0, 0.0  # AHEAD: A's tile and the scales [BN, NG], as in the gate-up
-    if AHEAD:
-        s = _scale_groups(Scale_e, cols, cmask, 0, I, s_sn, GROUP, EVEN_K, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
-        a_step, s_next = a, s
-        if AHEAD:
-            a_step = _a_tile(a_rows, rmask, k0, I, EVEN_K, BLOCK_K)                         # [BM, BK]
-            k_next = _next_step(k0, 0, I, BLOCK_K)
-            s_next = _scale_groups(Scale_e, cols, cmask, k_next, I, s_sn, GROUP, EVEN_K, BLOCK_K)
-        acc = _dot_tile(acc, a_rows, rmask, a_step, s, W, Scale_e, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_sn,
-                        s_ze, s_zn, INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, AHEAD, BLOCK_K, BLOCK_N)
-        if AHEAD:
-            s = s_next
+        acc = _dot_tile(acc, a_rows, rmask, W, Scale_e, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_sn, s_ze, s_zn,
+                        INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
     acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
     tl.store(Y + pair[:, None] * s_yt + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
 
 
 SPLIT_K_MAX_PAIRS = 16  # (token, expert) pairs up to which the gate-up may split K: an AR step, two tokens at top-8
 SPLIT_K_STEPS = 8       # K steps a split walks
-INT4_BLOCK_N_UP = 32    # an INT4 gate-up's columns at every T (launch_config; why: docs/kernels.md)
+INT4_BLOCK_N_UP = 64    # an INT4 gate-up's columns at every T (launch_config; why: docs/kernels.md)
 
 
 def _pow2(n: int, lo: int = 1, hi: int = 1 << 30) -> int:
@@ -584,14 +544,13 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     the weights at full bandwidth. For the same reason SPLIT_K_UP splits the gate-up's K walk into pieces of
     SPLIT_K_STEPS steps when a call has at most SPLIT_K_MAX_PAIRS pairs and K is long (a Kimi layer's 7,168: 56
     steps one after another in each of a few programs; with expert parallelism most slots are another rank's).
-    Calls of that size also load the INT4 scales a step ahead (`scales_ahead`, `_next_step`). An INT4 gate-up
-    takes INT4_BLOCK_N_UP columns at every T: its unpacked tiles, not a lack of programs, set its pace
-    (docs/kernels.md).
+    An INT4 gate-up takes INT4_BLOCK_N_UP columns at every T: its unpacking, not a lack of programs, sets its pace,
+    and at that width its scales stream ahead of each K step (docs/kernels.md).
     fp32 takes half the K depth and two stages, so its tiles fit shared memory.
     Under the interpreter: large tiles, few programs (it pays per operation)."""
     S = min(E, T * top_k)
     if _interpret():
-        return dict(S=S, scales_ahead=T * top_k <= SPLIT_K_MAX_PAIRS, BLOCK_M=_pow2(T, 16, 64),
+        return dict(S=S, BLOCK_M=_pow2(T, 16, 64),
                     BLOCK_N_UP=_pow2(I, 16, 128), BLOCK_N_DOWN=_pow2(H, 16, 128), BLOCK_K_UP=_pow2(H, 16, 128),
                     BLOCK_K_DOWN=_pow2(I, 16, 128), num_warps=4, num_stages=1)
     sms = _sm_count(device)
@@ -605,9 +564,8 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     depth = 128 if elsize <= 2 else 64
     block_k_up = min(depth, _pow2(H, 16))
     steps = triton.cdiv(H, _block_k(block_k_up, int4))  # the gate-up's K steps as it will launch
-    few = T * top_k <= SPLIT_K_MAX_PAIRS
-    split = few and steps > 2 * SPLIT_K_STEPS
-    return dict(S=S, scales_ahead=few, BLOCK_M=row_height(T, int4),
+    split = T * top_k <= SPLIT_K_MAX_PAIRS and steps > 2 * SPLIT_K_STEPS
+    return dict(S=S, BLOCK_M=row_height(T, int4),
                 BLOCK_N_UP=INT4_BLOCK_N_UP if int4 else block_n(I), BLOCK_N_DOWN=block_n(H), BLOCK_K_UP=block_k_up,
                 BLOCK_K_DOWN=min(depth, _pow2(I, 16)),
                 SPLIT_K_UP=triton.cdiv(steps, SPLIT_K_STEPS) if split else 1, num_warps=4,
@@ -793,12 +751,11 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     up_k, down_k = _block_k(cfg["BLOCK_K_UP"], up_const["INT4"]), _block_k(cfg["BLOCK_K_DOWN"], down_const["INT4"])
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     splits, k_chunk = _k_splits(H, up_k, cfg.get("SPLIT_K_UP", 1))
-    ahead = up_const["INT4"] and bool(cfg.get("scales_ahead", False))  # (dense experts have no scales)
     part = torch.empty(splits, P, 2 * I, dtype=torch.float32, device=x.device) if splits > 1 else h  # (unread at 1)
     _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)](
         x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
         s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
-        IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SCALES_AHEAD=ahead, SPLIT_K=splits,
+        IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits,
         BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
     if splits > 1:
         BLOCK_I = min(1024, _pow2(I, 16))
@@ -808,7 +765,7 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
         *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=down_const["INT4"] and I % down_k == 0,
-        SCALES_AHEAD=ahead, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
         BLOCK_K=down_k, **common)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))

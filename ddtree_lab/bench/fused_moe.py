@@ -43,8 +43,8 @@ TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 # --config keys besides the BLOCK_… tiles
-CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "scales_ahead", "SPLIT_K_UP")
-FLAG_KEYS = ("fuse_route", "paired", "scales_ahead")  # those that are on or off
+CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP")
+FLAG_KEYS = ("fuse_route", "paired")  # those that are on or off
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):
@@ -204,8 +204,7 @@ def main(argv=None):
     ap.add_argument("--similarity", type=float, default=0.0, help="0: independent routing; near 1: alike")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=INT",
                     help="fused_moe launch_config overrides, e.g. BLOCK_N_UP=16 BLOCK_N_DOWN=32, num_warps=8, "
-                         "fuse_route=0 (route in its own launch), paired=0 (INT4 unpacked in fp32), "
-                         "scales_ahead=1 (INT4 scales a K step ahead)")
+                         "fuse_route=0 (route in its own launch), paired=0 (INT4 unpacked in fp32)")
     ap.add_argument("--sweep", nargs="+", default=[], metavar="KEY=INT[,KEY=INT…]",
                     help="more launch overrides, each timed on the same inputs as the row, e.g. "
                          "BLOCK_N_UP=32,BLOCK_N_DOWN=32 num_warps=8 num_stages=2")

@@ -51,7 +51,7 @@ DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
     "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
-DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": False, "SCALES_AHEAD": False}
+DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": False}
 
 MLA_FWD_SIGNATURE = {
     "Q": "*bf16", "Cache": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
@@ -131,21 +131,18 @@ CASES = [
     ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile; bf16 pairs (inline assembly)
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SCALES_AHEAD": False, "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64,
-      "BLOCK_K": 128}),
-    ("fused_moe", "_gate_up_kernel",  # a Kimi AR step: INT4, its K walk split in seven, the scales a step ahead
+      "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    ("fused_moe", "_gate_up_kernel",  # a Kimi AR step: INT4, its K walk split in seven
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SCALES_AHEAD": True, "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 32,
-      "BLOCK_K": 128}),
+      "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     ("fused_moe", "_silu_mul_kernel",
      {"Part": "*fp32", "Hbuf": "*bf16", "I": "i32", "s_pk": "i32", "s_pp": "i32", "s_ht": "i32"},
      {"SPLIT_K": 7, "BLOCK_I": 1024}),
     ("fused_moe", "_down_kernel",  # INT4 with zero points, a group as wide as the tile
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "PAIRED": False, "EVEN_K": False,
-      "SCALES_AHEAD": False, "BLOCK_S": 128, "ONE_BLOCK": False,
-      "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
+      "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
     ("fused_moe", "_down_kernel", DOWN_SIGNATURE,
      {"IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
     ("commit", "_advance_kernel", ADVANCE_SIGNATURE, {"BLOCK": 16}),
@@ -258,10 +255,9 @@ def test_kernel_compiles_for_sm90(compiled, case):
 # A K loop's loads, as compiled for a real launch (pointers 16-byte aligned, sizes and strides divisible by 16, as
 # Triton specialises them at launch): the pipeliner streams into shared memory, ahead of their step, the loads it can
 # copy asynchronously (4 bytes a lane at least); any other load in the loop is a plain one, which its step waits out.
-# In the INT4 expert loops the scales are the candidates. A tile of scales aligned as `_scale_groups` declares them
-# streams when a lane holds two or more (64 columns and 4 groups a step); with SCALES_AHEAD (launch_config's choice
-# for a call of few pairs, an AR step) a step uses only scales loaded a step earlier: a plain load's value may leave
-# the step (the loop's yield), not be used in it.
+# In the INT4 expert loops the scales are the candidates: aligned as `_scale_groups` declares them, they stream
+# where a lane holds two or more (launch_config's 64 columns, 4 groups a step). A plain load whose value only leaves
+# the step (the loop's yield) would not make the step wait; one used in it does.
 LOOP_LOADS = r"""
 import importlib.util, json, sys
 import triton
@@ -308,14 +304,12 @@ INT4_LOOP = {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRE
 
 @pytest.mark.parametrize("kernel, signature, constexprs", [
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "TOP_K": 8, "SCALES_AHEAD": True, "SPLIT_K": 7, "BLOCK_S": 16, "BLOCK_N": 32}),
-    ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "SCALES_AHEAD": True, "BLOCK_S": 16, "BLOCK_N": 64}),
+     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 7, "BLOCK_S": 16, "BLOCK_N": 64}),
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "TOP_K": 8, "SCALES_AHEAD": False, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
+     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
     ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "SCALES_AHEAD": False, "BLOCK_S": 128, "BLOCK_N": 64}),
-], ids=["ar_gate_up", "ar_down", "tree_gate_up_64", "tree_down"])
+     {**INT4_LOOP, "BLOCK_S": 128, "BLOCK_N": 64}),
+], ids=["ar_gate_up_split_k", "tree_gate_up", "down"])
 def test_an_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, constexprs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", LOOP_LOADS, str(KERNELS), kernel, json.dumps(signature),

@@ -187,23 +187,6 @@ def test_int4_split_k_gate_up(symmetric):
     assert ok, err
 
 
-@pytest.mark.parametrize("T", [2, 33])
-def test_int4_scales_ahead_changes_no_bit(T):
-    """The scales loaded a K step ahead (launch_config's choice up to SPLIT_K_MAX_PAIRS pairs) or in their own step
-    (past it) feed the same products: both launches give the same bits, whichever T."""
-    gen = torch.Generator().manual_seed(40 + T)
-    E, k, H, I = 8, 4, 256, 128
-    x = torch.randn(T, H, generator=gen).to(DEVICE)
-    w_gate_up, w_down = random_int4(E, 2 * I, H, 32, True, gen), random_int4(E, H, I, 32, True, gen)
-    weights, ids = routing(T, E, k, gen)
-    cfg = dict(BLOCK_K_UP=64, BLOCK_K_DOWN=32)  # several K steps in both kernels
-    ahead, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config={**cfg, "scales_ahead": True})
-    in_step, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config={**cfg, "scales_ahead": False})
-    want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)
-    ok, err = close(ahead, want, 1e-5)
-    assert torch.equal(ahead, in_step) and ok, err
-
-
 def test_int4_equals_its_dense_dequantized_form():
     """The same weights, INT4 or dequantized to dense fp32: the kernels agree (and so do the grouped router's
     int64 ids, given as they come from torch)."""
