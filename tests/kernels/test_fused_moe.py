@@ -192,9 +192,10 @@ def test_launch_splits_k_for_an_ar_step_on_a_long_hidden_only(monkeypatch):
     assert fm._k_splits(48, 16, 5) == (3, 16)   # no more splits than steps
 
 
-def test_launch_gives_an_int4_gate_up_its_narrow_tile_at_every_size(monkeypatch):
+def test_launch_gives_an_int4_gate_up_one_width_at_every_size(monkeypatch):
     """INT4 gate-up tiles are INT4_BLOCK_N_UP columns wide for an AR step and a tree alike, on a full layer and a
-    TP8 rank's narrow one; bf16 keeps the width that gives two programs an SM, and the down projection too."""
+    TP8 rank's narrow one (never shrunk for programs); bf16 keeps the width that gives two programs an SM, and the
+    down projection too."""
     import ddtree_lab.kernels.fused_moe as fm
 
     monkeypatch.setattr(fm, "_interpret", lambda: False)
