@@ -743,6 +743,10 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # MAXNREG_UP / MAXNREG_DOWN (a launch sweep's options, unset by default): a register cap per thread, so more
+    # programs fit an SM (65,536 registers ÷ (cap · 32 · num_warps)), at the price of spills where the cap is low
+    up_opts = dict(common, **({"maxnreg": cfg["MAXNREG_UP"]} if cfg.get("MAXNREG_UP") else {}))
+    down_opts = dict(common, **({"maxnreg": cfg["MAXNREG_DOWN"]} if cfg.get("MAXNREG_DOWN") else {}))
     one_block = T <= cfg["BLOCK_M"]
     blocks = S if one_block else row_blocks(P, S, cfg["BLOCK_M"])
     BLOCK_S = _pow2(S, 16)
@@ -756,7 +760,7 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
         s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
         IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits,
-        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **common)
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **up_opts)
     if splits > 1:
         BLOCK_I = min(1024, _pow2(I, 16))
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
@@ -766,7 +770,7 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
         *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=down_const["INT4"] and I % down_k == 0,
         BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
-        BLOCK_K=down_k, **common)
+        BLOCK_K=down_k, **down_opts)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)

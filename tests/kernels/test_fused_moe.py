@@ -345,10 +345,12 @@ def test_bench_sweeps_launch_overrides_on_the_same_inputs():
     from ddtree_lab.bench import fused_moe as bench_fused_moe
 
     rows = bench_fused_moe.main(["--smoke", "--int4", "32", "--tokens", "3", "--sweep",
-                                 "BLOCK_N_UP=16,BLOCK_N_DOWN=16", "BLOCK_M=32"])
+                                 "BLOCK_N_UP=16,BLOCK_N_DOWN=16", "BLOCK_M=32", "MAXNREG_UP=96,MAXNREG_DOWN=80"])
     sweep = rows[0]["sweep"]
-    assert [c["config"] for c in sweep] == [dict(BLOCK_N_UP=16, BLOCK_N_DOWN=16), dict(BLOCK_M=32)]
+    assert [c["config"] for c in sweep] == [dict(BLOCK_N_UP=16, BLOCK_N_DOWN=16), dict(BLOCK_M=32),
+                                            dict(MAXNREG_UP=96, MAXNREG_DOWN=80)]
     assert all(c["us"] > 0 and isinstance(c["equal"], bool) for c in sweep)
+    assert sweep[2]["equal"]  # a register cap changes where values live, never a bit of the result
     with pytest.raises(SystemExit):
         bench_fused_moe.main(["--smoke", "--sweep", "BLOCK_N_UP=16,warps=2"])
 
