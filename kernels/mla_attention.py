@@ -27,6 +27,10 @@ except ImportError:  # loaded as a lone file beside tree_attention.py (tests/ker
 
 SMEM_BUDGET = 216 * 1024   # bytes of shared memory a block may plan on (Hopper allows 227 KiB)
 ACC_REGS = 128             # fp32 accumulator registers a thread may hold before the tile rows shrink
+# (query, head) rows and the past that take 64-row tiles (8 warps, Hopper's warpgroup MMA) for a model's latent:
+# each cache block then serves 64 rows instead of 32, which pays once the context is long (docs/kernels.md)
+WIDE_ROWS = (320, 4160)    # from 5 queries of 64 heads (40 of 8) up to 65 of 64
+WIDE_PAST = 32768
 MERGE_UNROLL = tl.constexpr(8)  # splits the merge reads at once
 
 
@@ -220,9 +224,10 @@ def _pad(n: int) -> int:
 
 
 def shared_bytes(block_m: int, block_n: int, num_stages: int, C: int, R: int, elt: int) -> int:
-    """The shared memory a launch plans on: the query tile, num_stages buffered cache blocks and the p tile."""
+    """The shared memory a launch plans on: the query tile and num_stages buffered cache blocks (the softmax's p
+    feeds the value dot from registers)."""
     width = _pad(C) + _pad(R)
-    return elt * (block_m * width + num_stages * block_n * width + block_m * block_n)
+    return elt * (block_m * width + num_stages * block_n * width)
 
 
 def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch.device,
@@ -244,7 +249,9 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
                    waves=1.0, min_chunk=64, merge_rows=max(16, min(256, triton.next_power_of_2(M))),
                    merge_cols=c_pad)
     else:
-        if c_pad >= 256:
+        if c_pad >= 256 and WIDE_ROWS[0] <= M <= WIDE_ROWS[1] and past_bound >= WIDE_PAST:
+            bm, bn, warps, stages = 64, 64, 8, 2
+        elif c_pad >= 256:
             # a model's latent (512 wide): 16 rows up to 255 (query, head) pairs, else 32, 64 slots a step, 4
             # warps, 2 stages; the fastest tiles of the H200 sweep at T 1…129, H 8 and 64, contexts 4k and 32k
             # (docs/bench/mla_kimi_config_sweep.json), though 32 rows fill the accumulator's registers
