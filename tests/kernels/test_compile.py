@@ -7,7 +7,8 @@ triton.language patched, and compiling there fails.
 
 By default one signature per kernel compiles (the first case of each), so the suite stays within its
 time on two cores whatever the load; `DDTREE_LAB_FULL_COMPILE=1` compiles every case below (the widest
-blocks take minutes each), which `.ci/run` does as its own bounded step."""
+blocks take minutes each), which `.ci/run` does as its own bounded step. A case is (module, kernel, signature,
+constexprs) and, where its launch sets them, the compile options (num_warps, num_stages)."""
 import json
 import os
 import subprocess
@@ -169,9 +170,9 @@ CASES = [
      {"Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32", "Out": "*bf16", "ChainLen": "*i32", "PastPtr": "*i64",
       "past_val": "i32", "s_oh": "i32", "s_ot": "i32", "n_chunks": "i32"},
      {"G": 3, "BLOCK_G": 16, "HEAD_D": 64, "CHUNK": 512, "PAST_ON_DEVICE": True}),
-    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's latent and RoPE widths, all 64 heads a tile
-     {"H": 64, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 64, "BLOCK_N": 32, "SINGLE": False,
-      "PAST_FROM_PTR": True, "IEEE": False}),
+    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's widths, 64-row tiles (launch_config's WIDE_ROWS)
+     {"H": 64, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 64, "BLOCK_N": 64, "SINGLE": False,
+      "PAST_FROM_PTR": True, "IEEE": False}, {"num_warps": 8, "num_stages": 2}),
     ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # the launch default for a 512-wide latent (8 TP heads)
      {"H": 8, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 32, "BLOCK_N": 64, "SINGLE": False,
       "PAST_FROM_PTR": True, "IEEE": False}),
@@ -191,7 +192,7 @@ def _selected_cases() -> list[int]:
     if os.environ.get(FULL_ENV) == "1":
         return list(range(len(CASES)))
     seen, picked = set(), []
-    for i, (module, kernel, _sig, _const) in enumerate(CASES):
+    for i, (module, kernel, *_rest) in enumerate(CASES):
         if (module, kernel) not in seen:
             seen.add((module, kernel))
             picked.append(i)
@@ -211,14 +212,15 @@ except ImportError:
 kernels_dir, cases = sys.argv[1], json.loads(sys.argv[2])
 sys.path.insert(0, kernels_dir)  # a kernel file may import its neighbours' helpers as lone files
 results = {}
-for i, (module, kernel, signature, constexprs) in enumerate(cases):
+for i, (module, kernel, signature, constexprs, *options) in enumerate(cases):
     try:
         spec = importlib.util.spec_from_file_location("_compile_" + module, f"{kernels_dir}/{module}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         src = ASTSource(fn=getattr(mod, kernel), signature={**signature, **{k: "constexpr" for k in constexprs}},
                         constexprs=constexprs)
-        results[i] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+        options = options[0] if options else {}  # a case's launch options (num_warps, num_stages), if it has any
+        results[i] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
     except Exception as e:  # reported per case
         results[i] = f"{type(e).__name__}: {e}"[:2000]
 print(json.dumps(results))
