@@ -262,6 +262,22 @@ def test_gpu_real_sizes_bf16(H, T):
 
 
 @gpu_only
+@pytest.mark.parametrize("H, T", [(64, 17), (8, 65)])
+def test_gpu_long_past_takes_64_row_tiles(H, T):
+    # launch_config's WIDE_ROWS over a 32k past: the warpgroup-MMA tiles, against the reference
+    gen = torch.Generator().manual_seed(H + T)
+    past, C, R = mla.WIDE_PAST, 512, 64
+    q, cache = make_inputs(H, T, past, C, R, torch.bfloat16, gen)
+    assert mla.launch_config(T, H, C, R, past, q.device)["block_m"] == 64
+    anc = make_anc(T, "tree", gen)
+    bits = ta.pack_mask(anc)
+    ref = mla.mla_tree_attention_reference(q, cache, past, anc, C, 192 ** -0.5)
+    check(mla.mla_tree_attention(q, cache, past, bits, C, 192 ** -0.5), ref, torch.bfloat16)
+    check(mla.mla_tree_attention(q, cache, torch.tensor(past, device=DEVICE), bits, C, 192 ** -0.5), ref,
+          torch.bfloat16)
+
+
+@gpu_only
 def test_gpu_cuda_graph_replay_new_past_len():
     # capture once with a device past_len, replay with others: no host value is baked in
     gen = torch.Generator().manual_seed(5)
