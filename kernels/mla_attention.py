@@ -249,13 +249,14 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
                    waves=1.0, min_chunk=64, merge_rows=max(16, min(256, triton.next_power_of_2(M))),
                    merge_cols=c_pad)
     else:
-        if c_pad >= 256 and WIDE_ROWS[0] <= M <= WIDE_ROWS[1] and past_bound >= WIDE_PAST:
-            bm, bn, warps, stages = 64, 64, 8, 2
-        elif c_pad >= 256:
+        if c_pad >= 256:
             # a model's latent (512 wide): 16 rows up to 255 (query, head) pairs, else 32, 64 slots a step, 4
             # warps, 2 stages; the fastest tiles of the H200 sweep at T 1…129, H 8 and 64, contexts 4k and 32k
-            # (docs/bench/mla_kimi_config_sweep.json), though 32 rows fill the accumulator's registers
+            # (docs/bench/mla_kimi_config_sweep.json), though 32 rows fill the accumulator's registers; 64 rows
+            # and 8 warps over a long past (WIDE_ROWS, WIDE_PAST)
             bm, bn, warps, stages = (16 if M < 256 else 32), 64, 4, 2
+            if WIDE_ROWS[0] <= M <= WIDE_ROWS[1] and past_bound >= WIDE_PAST:
+                bm, warps = 64, 8
         else:
             bm = max(16, min(128, triton.next_power_of_2(M)))
             while bm > 16 and bm * c_pad > ACC_REGS * 32 * 8:  # even 8 warps could not hold the accumulator
