@@ -27,9 +27,11 @@ except ImportError:  # loaded as a lone file beside tree_attention.py (tests/ker
 
 SMEM_BUDGET = 216 * 1024   # bytes of shared memory a block may plan on (Hopper allows 227 KiB)
 ACC_REGS = 128             # fp32 accumulator registers a thread may hold before the tile rows shrink
-# (query, head) rows and the past that take 64-row tiles (8 warps, Hopper's warpgroup MMA) for a model's latent:
-# each cache block then serves 64 rows instead of 32, which pays once the context is long (docs/kernels.md)
-WIDE_ROWS = (320, 4160)    # from 5 queries of 64 heads (40 of 8) up to 65 of 64
+# The calls that take 64-row tiles (8 warps, Hopper's warpgroup MMA) for a model's latent: each cache block then
+# serves 64 rows instead of 32, which pays over a long past, but not over a long tree, whose loop spills
+# (docs/kernels.md)
+WIDE_MIN_ROWS = 320   # (query, head) rows: 5 queries of 64 heads, 40 of 8
+WIDE_MAX_T = 65       # queries
 WIDE_PAST = 32768
 MERGE_UNROLL = tl.constexpr(8)  # splits the merge reads at once
 
@@ -253,9 +255,9 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
             # a model's latent (512 wide): 16 rows up to 255 (query, head) pairs, else 32, 64 slots a step, 4
             # warps, 2 stages; the fastest tiles of the H200 sweep at T 1…129, H 8 and 64, contexts 4k and 32k
             # (docs/bench/mla_kimi_config_sweep.json), though 32 rows fill the accumulator's registers; 64 rows
-            # and 8 warps over a long past (WIDE_ROWS, WIDE_PAST)
+            # and 8 warps over a long past (WIDE_MIN_ROWS, WIDE_MAX_T, WIDE_PAST)
             bm, bn, warps, stages = (16 if M < 256 else 32), 64, 4, 2
-            if WIDE_ROWS[0] <= M <= WIDE_ROWS[1] and past_bound >= WIDE_PAST:
+            if M >= WIDE_MIN_ROWS and T <= WIDE_MAX_T and past_bound >= WIDE_PAST:
                 bm, warps = 64, 8
         else:
             bm = max(16, min(128, triton.next_power_of_2(M)))

@@ -170,7 +170,7 @@ CASES = [
      {"Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32", "Out": "*bf16", "ChainLen": "*i32", "PastPtr": "*i64",
       "past_val": "i32", "s_oh": "i32", "s_ot": "i32", "n_chunks": "i32"},
      {"G": 3, "BLOCK_G": 16, "HEAD_D": 64, "CHUNK": 512, "PAST_ON_DEVICE": True}),
-    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's widths, 64-row tiles (launch_config's WIDE_ROWS)
+    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's widths, 64-row tiles (launch_config's WIDE_MIN_ROWS)
      {"H": 64, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 64, "BLOCK_N": 64, "SINGLE": False,
       "PAST_FROM_PTR": True, "IEEE": False}, {"num_warps": 8, "num_stages": 2}),
     ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # the launch default for a 512-wide latent (8 TP heads)

@@ -233,13 +233,14 @@ def test_gpu_launch_config_fits_hopper(monkeypatch):
     assert (tree["min_chunk"], tree["num_splits"]) == (512, 8)
     small = mla.launch_config(33, 4, 64, 32, 4096, cpu)
     assert (small["block_m"], small["block_n"], small["num_warps"]) == (128, 64, 4)
-    # 64-row tiles where the sweep timed them faster: 320…4160 (query, head) rows over a long past
+    # 64-row tiles where the sweeps timed them faster: 320 (query, head) rows or more, trees of up to 65 queries,
+    # over a long past
     tiles = lambda T, H, past: tuple(mla.launch_config(T, H, 512, 64, past, cpu)[k]
                                      for k in ("block_m", "block_n", "num_warps", "num_stages"))
     for T, H in ((5, 64), (17, 64), (65, 64), (65, 8)):
         assert tiles(T, H, 32768) == (64, 64, 8, 2)
         assert tiles(T, H, 8192)[:3] == ((16 if T * H < 256 else 32), 64, 4)  # a short past keeps 32 rows
-    for T, H in ((1, 64), (33, 8), (129, 64)):  # too few rows to share a block, or enough programs already
+    for T, H in ((1, 64), (33, 8), (129, 64), (129, 8)):  # too few rows to share a block, or a long tree
         assert tiles(T, H, 32768)[0] in (16, 32)
 
 
@@ -264,7 +265,7 @@ def test_gpu_real_sizes_bf16(H, T):
 @gpu_only
 @pytest.mark.parametrize("H, T", [(64, 17), (8, 65)])
 def test_gpu_long_past_takes_64_row_tiles(H, T):
-    # launch_config's WIDE_ROWS over a 32k past: the warpgroup-MMA tiles, against the reference
+    # launch_config's 64-row tiles over a 32k past: the warpgroup-MMA tiles, against the reference
     gen = torch.Generator().manual_seed(H + T)
     past, C, R = mla.WIDE_PAST, 512, 64
     q, cache = make_inputs(H, T, past, C, R, torch.bfloat16, gen)
