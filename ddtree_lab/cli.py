@@ -231,6 +231,18 @@ def main(argv=None) -> int:
         return 130
 
 
+def _out_of_memory() -> tuple:
+    """The GPU's out-of-memory error, where torch is loaded (a run that never imported it cannot raise one)."""
+    torch = sys.modules.get("torch")
+    return (torch.OutOfMemoryError,) if torch is not None else ()
+
+
+def _first_sentences(message: str, n: int = 2) -> str:
+    """The first n sentences of a long library message (an allocator's report runs on for several lines)."""
+    parts = message.strip().split(". ")
+    return ". ".join(parts[:n]).rstrip(".") + "."
+
+
 def _main(argv) -> int:
     with rank_zero_reports() as rank:
         args = build_parser().parse_args(argv)  # a bad argument: rank 0 says so
@@ -245,6 +257,11 @@ def _main(argv) -> int:
             where = f" ({e.filename})" if getattr(e, "filename", None) else ""
             print(f"ddtree-lab {args.command}{rank}: error: {e.strerror or e}{where}",
                   file=sys.__stderr__ if rank else sys.stderr)
+            return 2
+        except _out_of_memory() as e:  # the model, its cache and the prompt's activations outgrew the GPU
+            print(f"ddtree-lab {args.command}{rank}: error: out of GPU memory ({_first_sentences(str(e))}); what "
+                  "was written stays: a shorter prompt, a smaller budget or fewer layers (random:<shape>@<layers>) "
+                  "may fit", file=sys.__stderr__ if rank else sys.stderr)
             return 2
 
 

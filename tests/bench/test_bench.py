@@ -75,6 +75,37 @@ def test_e2e_cut_short_keeps_the_runs_it_finished(tmp_path, tiny_dir, monkeypatc
     assert run_bench_cli(args) == 0 and "incomplete" not in json.loads(out.read_text())
 
 
+def test_e2e_out_of_gpu_memory_is_one_line_and_keeps_the_runs_it_finished(tmp_path, tiny_dir, monkeypatch, capsys,
+                                                                          use_options):
+    """A run that outgrows the GPU (a long prompt on a deep model) ends in one line naming it, exit code 2, and the
+    runs finished before it stay on disk for the next command to resume."""
+    use_options()
+    import ddtree_lab.bench.e2e as e2e
+    from ddtree_lab.cli import main
+
+    real, calls = e2e.generate, []
+
+    def generate(pair, prompt, **kw):
+        calls.append(kw["method"])
+        if len(calls) > 4:  # the third run, in its warm-up
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.12 GiB. GPU 0 has a total "
+                                         "capacity of 79.18 GiB of which 758.19 MiB is free. Including non-PyTorch")
+        return real(pair, prompt, **kw)
+
+    monkeypatch.setattr(e2e, "generate", generate)
+    out = tmp_path / "oom.json"
+    argv = ["bench", "e2e", "--model", str(tiny_dir), "--budgets", "4", "16", "--rounds", "2", "--prompt-len", "12",
+            "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and "GPU 0 has" not in err  # after the finished runs' lines, one of its own
+    assert err.splitlines()[-1].startswith("ddtree-lab bench: error: out of GPU memory (CUDA out of memory. "
+                                           "Tried to allocate 1.12 GiB.)")
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["ar", "dflash"]
+    monkeypatch.setattr(e2e, "generate", real)
+    assert main(argv) == 0 and json.loads(out.read_text())["resumed_rows"] == 2
+
+
 def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
     res = bench(tmp_path, "profile", "--model", str(tiny_dir), "--methods", "ar", "ddtree", "--budgets", "8",
                 "--rounds", "2", "--prompt-len", "10", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
