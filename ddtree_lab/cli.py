@@ -249,20 +249,16 @@ def _main(argv) -> int:
         try:
             check_runtime(getattr(args, "device", None), getattr(args, "attention", None))
             return int(args.func(args) or 0)
-        except (ValueError, FileNotFoundError) as e:
-            # bad input: one clear line, no traceback
-            print(f"ddtree-lab {args.command}{rank}: error: {e}", file=sys.__stderr__ if rank else sys.stderr)
-            return 2
+        except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+            message = str(e)
         except OSError as e:  # a read-only or full disk, a path that is a file: say which, keep what is written
-            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-            print(f"ddtree-lab {args.command}{rank}: error: {e.strerror or e}{where}",
-                  file=sys.__stderr__ if rank else sys.stderr)
-            return 2
+            message = (e.strerror or str(e)) + (f" ({e.filename})" if getattr(e, "filename", None) else "")
         except _out_of_memory() as e:  # the model, its cache and the prompt's activations outgrew the GPU
-            print(f"ddtree-lab {args.command}{rank}: error: out of GPU memory ({_first_sentences(str(e))}); what "
-                  "was written stays: a shorter prompt, a smaller budget or fewer layers (random:<shape>@<layers>) "
-                  "may fit", file=sys.__stderr__ if rank else sys.stderr)
-            return 2
+            message = (f"out of GPU memory ({_first_sentences(str(e))}); what was written stays: a shorter prompt, a "
+                       "smaller budget or fewer layers (random:<shape>@<layers>) may fit")
+        # a rank other than 0 has its stderr silenced (rank_zero_reports), so it writes to the real one
+        print(f"ddtree-lab {args.command}{rank}: error: {message}", file=sys.__stderr__ if rank else sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

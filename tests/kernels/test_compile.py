@@ -170,7 +170,7 @@ CASES = [
      {"Part": "*fp32", "PartM": "*fp32", "PartL": "*fp32", "Out": "*bf16", "ChainLen": "*i32", "PastPtr": "*i64",
       "past_val": "i32", "s_oh": "i32", "s_ot": "i32", "n_chunks": "i32"},
      {"G": 3, "BLOCK_G": 16, "HEAD_D": 64, "CHUNK": 512, "PAST_ON_DEVICE": True}),
-    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's widths, 64-row tiles (launch_config's WIDE_MIN_ROWS)
+    ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # Kimi K2's widths, the 64-row tiles of a long past
      {"H": 64, "C": 512, "R": 64, "C_PAD": 512, "R_PAD": 64, "BLOCK_M": 64, "BLOCK_N": 64, "SINGLE": False,
       "PAST_FROM_PTR": True, "IEEE": False}, {"num_warps": 8, "num_stages": 2}),
     ("mla_attention", "_mla_fwd", MLA_FWD_SIGNATURE,  # the launch default for a 512-wide latent (8 TP heads)
@@ -212,14 +212,14 @@ except ImportError:
 kernels_dir, cases = sys.argv[1], json.loads(sys.argv[2])
 sys.path.insert(0, kernels_dir)  # a kernel file may import its neighbours' helpers as lone files
 results = {}
-for i, (module, kernel, signature, constexprs, *options) in enumerate(cases):
+for i, (module, kernel, signature, constexprs, *launch) in enumerate(cases):
     try:
         spec = importlib.util.spec_from_file_location("_compile_" + module, f"{kernels_dir}/{module}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         src = ASTSource(fn=getattr(mod, kernel), signature={**signature, **{k: "constexpr" for k in constexprs}},
                         constexprs=constexprs)
-        options = options[0] if options else {}  # a case's launch options (num_warps, num_stages), if it has any
+        options = launch[0] if launch else {}  # a case's launch options (num_warps, num_stages), if it has any
         results[i] = len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
     except Exception as e:  # reported per case
         results[i] = f"{type(e).__name__}: {e}"[:2000]

@@ -272,10 +272,10 @@ def test_gpu_long_past_takes_64_row_tiles(H, T):
     assert mla.launch_config(T, H, C, R, past, q.device)["block_m"] == 64
     anc = make_anc(T, "tree", gen)
     bits = ta.pack_mask(anc)
-    ref = mla.mla_tree_attention_reference(q, cache, past, anc, C, 192 ** -0.5)
-    check(mla.mla_tree_attention(q, cache, past, bits, C, 192 ** -0.5), ref, torch.bfloat16)
-    check(mla.mla_tree_attention(q, cache, torch.tensor(past, device=DEVICE), bits, C, 192 ** -0.5), ref,
-          torch.bfloat16)
+    scale = 192 ** -0.5  # the real model's (qk_nope + qk_rope)^-1/2
+    ref = mla.mla_tree_attention_reference(q, cache, past, anc, C, scale)
+    check(mla.mla_tree_attention(q, cache, past, bits, C, scale), ref, torch.bfloat16)
+    check(mla.mla_tree_attention(q, cache, torch.tensor(past, device=DEVICE), bits, C, scale), ref, torch.bfloat16)
 
 
 @gpu_only
