@@ -14,8 +14,6 @@ Nothing here synchronises with the host: past_len may live on the device (CUDA g
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -283,7 +281,9 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
     cfg["min_chunk"] = triton.cdiv(int(cfg["min_chunk"]), cfg["block_n"]) * cfg["block_n"]
     base = triton.cdiv(M, cfg["block_m"])  # programs per split
     sm = _sm_count(device)
-    target = 1 if base >= sm else min(math.ceil(cfg["waves"] * sm / base), 64)
+    # rounded down: a latent tile fills an SM's shared memory, so the programs run in whole waves of one an SM,
+    # and rounding up started a third, part-full wave (docs/kernels.md)
+    target = 1 if base >= sm else min(int(cfg["waves"] * sm // base), 64)
     target = max(1, int(o.get("split_target", o.get("num_splits", target))))
     cfg["split_target"] = target
     splits = 1 if past_bound <= 0 else min(target, triton.cdiv(past_bound, cfg["min_chunk"]))

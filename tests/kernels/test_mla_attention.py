@@ -230,7 +230,11 @@ def test_gpu_launch_config_fits_hopper(monkeypatch):
     one = mla.launch_config(1, 64, 512, 64, 4096, cpu)
     assert (one["min_chunk"], one["num_splits"]) == (128, 32)  # an AR step splits its context finely
     tree = mla.launch_config(17, 64, 512, 64, 4096, cpu)
-    assert (tree["min_chunk"], tree["num_splits"]) == (512, 8)
+    assert (tree["min_chunk"], tree["num_splits"]) == (512, 7)  # 34 row tiles: 7 splits fill two waves, 8 a third
+    for T, H, past in ((17, 64, 16384), (9, 64, 32768), (17, 64, 32768), (65, 64, 32768), (5, 64, 32768)):
+        cfg = mla.launch_config(T, H, 512, 64, past, cpu)  # never more programs than two waves of one an SM
+        programs = -(-T * H // cfg["block_m"]) * cfg["num_splits"]
+        assert 132 < programs <= 2 * 132, (T, H, past, cfg)
     small = mla.launch_config(33, 4, 64, 32, 4096, cpu)
     assert (small["block_m"], small["block_n"], small["num_warps"]) == (128, 64, 4)
     # 64-row tiles where the sweeps timed them faster: 320 (query, head) rows or more, trees of up to 65 queries,
