@@ -236,7 +236,8 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
 
     Keys: block_m (rows = (query, head) pairs), block_n (cache slots per step; a multiple of 32), num_warps,
     num_stages, num_splits, merge_rows / merge_cols (the merge kernel's tile); the split rule's inputs waves,
-    min_chunk and split_target mean what they do in tree_attention.launch_config. Overrides win; on a GPU the
+    min_chunk and split_target mean what they do in tree_attention.launch_config, but the split target here is
+    rounded down to whole waves. Overrides win; on a GPU the
     defaults shrink until the fp32 accumulator fits ACC_REGS registers a thread and shared_bytes SMEM_BUDGET.
     """
     o = overrides or {}
