@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 try:
-    from .tree_attention import LOG2E, _interpret, _sm_count
+    from .tree_attention import LOG2E, _interpret, _sm_count, whole_wave_splits
 except ImportError:  # loaded as a lone file beside tree_attention.py (tests/kernels/test_compile.py)
-    from tree_attention import LOG2E, _interpret, _sm_count
+    from tree_attention import LOG2E, _interpret, _sm_count, whole_wave_splits
 
 SMEM_BUDGET = 216 * 1024   # bytes of shared memory a block may plan on (Hopper allows 227 KiB)
 ACC_REGS = 128             # fp32 accumulator registers a thread may hold before the tile rows shrink
@@ -236,8 +236,7 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
 
     Keys: block_m (rows = (query, head) pairs), block_n (cache slots per step; a multiple of 32), num_warps,
     num_stages, num_splits, merge_rows / merge_cols (the merge kernel's tile); the split rule's inputs waves,
-    min_chunk and split_target mean what they do in tree_attention.launch_config, but the split target here is
-    rounded down to whole waves. Overrides win; on a GPU the
+    min_chunk and split_target mean what they do in tree_attention.launch_config. Overrides win; on a GPU the
     defaults shrink until the fp32 accumulator fits ACC_REGS registers a thread and shared_bytes SMEM_BUDGET.
     """
     o = overrides or {}
@@ -281,10 +280,7 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
         raise ValueError(f"block_n={cfg['block_n']} must be a multiple of 32 (one mask word)")
     cfg["min_chunk"] = triton.cdiv(int(cfg["min_chunk"]), cfg["block_n"]) * cfg["block_n"]
     base = triton.cdiv(M, cfg["block_m"])  # programs per split
-    sm = _sm_count(device)
-    # rounded down: a latent tile fills an SM's shared memory, so the programs run in whole waves of one an SM,
-    # and rounding up started a third, part-full wave (docs/kernels.md)
-    target = 1 if base >= sm else min(int(cfg["waves"] * sm // base), 64)
+    target = whole_wave_splits(base, _sm_count(device), cfg["waves"])
     target = max(1, int(o.get("split_target", o.get("num_splits", target))))
     cfg["split_target"] = target
     splits = 1 if past_bound <= 0 else min(target, triton.cdiv(past_bound, cfg["min_chunk"]))

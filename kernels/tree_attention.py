@@ -12,7 +12,6 @@ captured one call can be replayed for another context length.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -251,6 +250,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def whole_wave_splits(programs_per_split: int, sm: int, waves: float) -> int:
+    """The split count a launch aims at: floor(waves x SMs / programs a split), at most 64; 1 once one split's
+    programs fill the SMs. Rounded down because a tile's buffered stages fill an SM's shared memory (head dim
+    128, an MLA latent), so programs run one an SM and a count rounded up starts a third, part-full wave."""
+    if programs_per_split >= sm:
+        return 1
+    return max(1, min(int(waves * sm // programs_per_split), 64))
+
+
 def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: torch.device,
                   overrides: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Static tile sizes and split count, from an upper bound of past_len (so graph-safe).
@@ -259,7 +267,7 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
     of 32), num_warps, num_stages, num_splits (programs launched on the split axis); and the split
     heuristic's inputs: waves (aim for this many programs per SM), min_chunk (fewest past slots worth
     a split; rounded up to whole block_ns) and split_target (the split count the chunk size aims at:
-    from waves and the row tiles, or an overridden num_splits); overrides win.
+    from waves and the row tiles by whole_wave_splits, or an overridden num_splits); overrides win.
 
     Only num_splits depends on past_bound: the kernel sizes each chunk from the device past_len,
     split_target and min_chunk, so the same past gives the same reduction order, bit for bit,
@@ -288,8 +296,7 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
         cfg["num_stages"] -= 1
     n_m = triton.cdiv(M, cfg["block_m"])
     base = n_m * Hkv  # programs per split
-    sm = _sm_count(device)
-    target = 1 if base >= sm else min(math.ceil(cfg["waves"] * sm / base), 64)
+    target = whole_wave_splits(base, _sm_count(device), cfg["waves"])
     target = max(1, int(o.get("split_target", o.get("num_splits", target))))
     cfg["split_target"] = target
     splits = 1 if past_bound <= 0 else min(target, triton.cdiv(past_bound, cfg["min_chunk"]))

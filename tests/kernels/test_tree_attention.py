@@ -148,6 +148,20 @@ def test_gpu_launch_config_splits_one_query_finer(monkeypatch):
     assert ta.launch_config(1, 4, 128, 768, 8, torch.device("cpu"), {"min_chunk": 256})["num_splits"] == 3
 
 
+def test_gpu_launch_config_splits_in_whole_waves(monkeypatch):
+    # Read without a GPU: at head dim 128 a tile's stages fill an SM's shared memory, so a launch may hold two
+    # waves of one program an SM and never start a third (the shapes the H100 timed, docs/performance.md).
+    monkeypatch.setattr(ta, "_interpret", lambda: False)
+    sms = 132  # an H100's or H200's
+    monkeypatch.setattr(ta, "_sm_count", lambda device: sms)
+    for T, past in ((64, 32768), (128, 8192), (128, 32768), (256, 8192), (256, 32768), (512, 8192)):
+        cfg = ta.launch_config(T, 4, 128, past, 8, torch.device("cpu"))
+        programs = -(-T * 4 // cfg["block_m"]) * 8 * cfg["num_splits"]
+        assert sms < programs <= 2 * sms, (T, past, cfg)
+    assert ta.whole_wave_splits(200, sms, 2.0) == 1  # one split's programs already fill the SMs
+    assert ta.whole_wave_splits(100, sms, 0.5) == 1  # never zero splits
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("config", [None, dict(split_target=8)])
 def test_result_does_not_depend_on_cache_size(dtype, config):
