@@ -18,6 +18,7 @@ import pytest
 from ddtree_lab.cli import main
 from ddtree_lab.kernels.moe_layout import row_height
 from ddtree_lab.workbench import advisor as A
+from ddtree_lab.workbench.advisor.cost import int4_unpack_rate
 from ddtree_lab.workbench.advisor.figures import check_table
 from ddtree_lab.workbench.advisor.study import advice_table, advise, best_budget
 
@@ -135,7 +136,7 @@ def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
 
 def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_only():
     data = A.machines_data()["calibration"]
-    fit = A.calibrate_int4([REPO / p for p in data["int4_from"]], machine=data["machine"])
+    fit = A.calibrate_int4([REPO / p for p in data["int4_from"]])
     for k in ("moe_int4_unpack_over_bandwidth", "moe_int4_block_seconds"):
         assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
     assert fit["moe_int4_unpack_over_bandwidth"] < 10 and fit["moe_int4_block_seconds"] < 1e-5
@@ -155,6 +156,21 @@ def test_stored_int4_term_is_what_calibrate_int4_fits_and_prices_int4_experts_on
                       - A.round_cost(s, m, "ddtree", 64, 4096, without).parts["moe"])
              / A.verify_terms(s, 65, 4096, cal).int4_bytes for s in (kimi, tp8)}
     assert extra[tp8.name] > 1.5 * extra[kimi.name]
+
+
+def test_an_int4_fit_on_another_card_is_stored_in_the_calibrations_terms():
+    # Session 15's H100 blocks of today's INT4 loop, fitted where they ran: the fitted unpacking, moved back to
+    # the H100 by cost.int4_unpack_rate, prices every row of both widths within 10 %. Fitted as if the H100 had
+    # the H200's bandwidth, it would be priced 1.43 x too fast there.
+    files = [REPO / "docs" / "bench" / f"fused_moe_kimi{w}_int4_maxnreg_vs_15acffc_h100.json" for w in ("", "_tp8_rank")]
+    fit = A.calibrate_int4(files)
+    cal = dataclasses.replace(A.load_calibration(), **fit)
+    assert cal.machine == "h200"
+    rows = [r for f in files for r in A.price_int4_bench(f, cal)]
+    assert len(rows) == 8 and all(abs(r["error"]) <= 0.10 for r in rows), rows
+    h100, h200 = A.get_machine("h100"), A.get_machine("h200")
+    assert int4_unpack_rate(h100, cal) == pytest.approx(h200.bandwidth * fit["moe_int4_unpack_over_bandwidth"]
+                                                          * h100.fp32_flops / h200.fp32_flops)
 
 
 def test_the_int4_fit_needs_two_expert_widths_and_todays_row_heights(tmp_path):
@@ -208,7 +224,7 @@ def test_eager_moe_runs_are_checked_with_their_launch_census():
 
 def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only(tmp_path):
     data = A.machines_data()["calibration"]
-    fit = A.calibrate_mla([REPO / p for p in data["mla_from"]], machine=data["machine"])
+    fit = A.calibrate_mla([REPO / p for p in data["mla_from"]])
     for k in ("mla_call_seconds", "mla_bytes_over_bandwidth", "mla_flops_over_peak"):
         assert fit[k] == pytest.approx(data["fit"][k], rel=1e-6) and fit[k] > 0, k
     cal, m = A.load_calibration(), A.get_machine("h200")
@@ -251,10 +267,12 @@ def test_the_int4_and_dense_moe_fits_refuse_each_others_files(tmp_path):
         A.calibrate_moe([int4])
     fast, narrow = tmp_path / "fast.json", tmp_path / "narrow.json"  # faster than their bytes: nothing to fit
     for path, width in ((fast, 32), (narrow, 8)):
-        path.write_text(json.dumps({"shape": dict(sh, width=width), "int4_group": 32,
+        path.write_text(json.dumps({"shape": dict(sh, width=width), "int4_group": 32, "device": "NVIDIA H200",
                                     "rows": [dict(r, touched_bytes=1e12, triton_us=1.0) for r in rows]}))
     with pytest.raises(A.AdvisorError, match="unpacking free"):
         A.calibrate_int4([fast, narrow])
+    with pytest.raises(A.AdvisorError, match="int4.json: device None matches no machine"):  # priced where it ran
+        A.calibrate_int4([int4, narrow])
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '{"kind": "prompts", "rows": []}', "not json"])

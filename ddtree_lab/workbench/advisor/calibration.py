@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ...kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T, reread_bytes, row_height
 from .check import bench_census, measured_load, modelled
-from .cost import Terms, draft_terms, verify_terms
+from .cost import Terms, draft_terms, unpack_speed_over, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, get_machine, load_calibration, machine_for_device
 from .shapes import int4_weight_bytes, model_shape
@@ -197,16 +197,22 @@ def _int4_row_parts(d: dict, r: dict, m, cal: Calibration) -> tuple[float, float
     return known, float(r["touched_bytes"] - e * h * 2), float(r["row_blocks"])
 
 
+def _bench_machine(path, d: dict):
+    """The machine a kernel bench JSON ran on: its `device` (or its environment's)."""
+    device = d.get("device") or (d.get("environment") or {}).get("device")
+    name = machine_for_device(device)
+    if name is None:
+        raise AdvisorError(f"{path}: device {device!r} matches no machine of machines.json")
+    return get_machine(name)
+
+
 def price_int4_bench(path, cal: Calibration | None = None) -> list[dict]:
     """A fused-MoE INT4 bench's rows (today's row heights) priced on the machine it ran on (its `device`): T,
     measured and predicted seconds, the error. The check of the INT4 terms on a machine other than the one they
     were fitted on (the unpacking moves by the SMs' FP32 rate: cost.int4_unpack_rate)."""
     cal = cal or load_calibration()
     d = _int4_bench(path)
-    name = machine_for_device(d.get("device"))
-    if name is None:
-        raise AdvisorError(f"{path}: device {d.get('device')!r} matches no machine of machines.json")
-    m = get_machine(name)
+    m = _bench_machine(path, d)
     out = []
     for r in _todays_rows(d):
         known, int4_bytes, blocks = _int4_row_parts(d, r, m, cal)
@@ -216,25 +222,27 @@ def price_int4_bench(path, cal: Calibration | None = None) -> list[dict]:
     return out
 
 
-def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration | None = None,
-                   machine: str = "h200") -> dict:
+def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration | None = None) -> dict:
     """INT4 experts' unpacking, from `bench fused_moe --int4` JSONs (the block alone with INT4 experts, at several
     T and expert widths): the time beyond what the dense block's terms price for the same bytes (weights at
     eta_bw, FLOPs, and calibrate_moe's fixed, per-pair, sort and re-read parts) = INT4 bytes touched / (spec
     bandwidth · x) + row blocks · y, by least squares (as calibrate_moe's, on the same kernel). A narrow expert
     (a TP8 rank's, 256 wide) is mostly its blocks' start; a full one its bytes.
     Rows run at another row height than today's kernel (`moe_layout.row_height`) are left out. Kernel-level
-    data, as calibrate_moe's. -> {"moe_int4_unpack_over_bandwidth": x, "moe_int4_block_seconds": y}."""
+    data, as calibrate_moe's. Each file is priced on the machine it ran on, and x is in the calibration's machine's
+    terms (cost.int4_unpack_rate moves it), so an H100's blocks fit the H200-based calibration.
+    -> {"moe_int4_unpack_over_bandwidth": x, "moe_int4_block_seconds": y}."""
     import numpy as np
 
     cal = cal or load_calibration()
-    m = get_machine(machine)
+    ref = get_machine(cal.machine)
     xs, ys, widths = [], [], set()
     for path in fused_moe_int4_paths:
         d = _int4_bench(path)
+        m = _bench_machine(path, d)
         for r in _todays_rows(d):
             known, int4_bytes, blocks = _int4_row_parts(d, r, m, cal)
-            xs.append([int4_bytes / m.bandwidth, blocks])
+            xs.append([int4_bytes / (ref.bandwidth * unpack_speed_over(m, ref)), blocks])
             ys.append(r["triton_us"] * 1e-6 - known)
             widths.add(int(d["shape"]["width"]))
     if len(xs) < 3:
@@ -254,20 +262,21 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
     return {"moe_int4_unpack_over_bandwidth": float(1.0 / per_byte), "moe_int4_block_seconds": float(per_block)}
 
 
-def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = None, machine: str = "h200") -> dict:
+def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = None) -> dict:
     """MLA attention's time beyond its latent bytes and FLOPs, from `bench mla` JSONs (the Triton kernel at trees
     of T tokens over contexts, 64 and 8 heads): measured − (M² + C²)^½ = a per call + bytes / (spec bandwidth ·
     x) + FLOPs / (peak · y), least squares relative to each row's time (the rows span 25 µs to 17 ms). Kernel-
-    level data, as calibrate_moe's. -> {"mla_call_seconds", "mla_bytes_over_bandwidth", "mla_flops_over_peak"}."""
+    level data, as calibrate_moe's; each file priced on the machine it ran on (x and y are fractions of its spec).
+    -> {"mla_call_seconds", "mla_bytes_over_bandwidth", "mla_flops_over_peak"}."""
     import numpy as np
 
     cal = cal or load_calibration()
-    m = get_machine(machine)
     xs, ys, ts = [], [], []
     for path in mla_paths:
         d = json.loads(Path(path).read_text())
         if d.get("kind") != "mla":
             raise AdvisorError(f"{path}: not a 'bench mla' JSON (field 'kind' is {d.get('kind')!r})")
+        m = _bench_machine(path, d)
         for r in d["rows"]:
             if r.get("backend") != "triton" or not r.get("ms"):
                 continue

@@ -64,10 +64,14 @@ def int4_unpack_rate(m: Machine, cal: Calibration) -> float:
     is ALU work (an H100 unpacks a Kimi block about as fast as an H200 with 0.70 × its bandwidth:
     docs/performance.md, "Session 12"); by bandwidth where either machine lacks that figure."""
     ref = _machine(cal.machine)
-    rate = ref.bandwidth * cal.moe_int4_unpack_over_bandwidth
+    return ref.bandwidth * cal.moe_int4_unpack_over_bandwidth * unpack_speed_over(m, ref)
+
+
+def unpack_speed_over(m: Machine, ref: Machine) -> float:
+    """How much faster machine m unpacks INT4 experts than ref: the SMs' FP32 rates, else the bandwidths."""
     if m.fp32_flops and ref.fp32_flops:
-        return rate * m.fp32_flops / ref.fp32_flops
-    return rate * m.bandwidth / ref.bandwidth
+        return m.fp32_flops / ref.fp32_flops
+    return m.bandwidth / ref.bandwidth
 
 
 @functools.cache
