@@ -92,38 +92,39 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
 EAGER_FREE = ("launch_seconds", "eager_matmul_seconds")
 
 
-def calibrate_eager(e2e_paths: Sequence[str | Path], machine: str = "h200", free: Sequence[str] = EAGER_FREE) -> dict:
+def calibrate_eager(e2e_paths: Sequence[str | Path], free: Sequence[str] = EAGER_FREE) -> dict:
     """The eager-layers calibration, on bench e2e JSONs of eager rounds: each row's kernels, matmuls and activation
     bytes counted by its launch census (check.bench_census), every other term the compiled calibration's (the
     bytes, FLOPs, attention and MoE kernels are the same either way), and `free` fitted by least squares on the
     log of every draft and verify stage time: by default what one of the many small eager kernels costs in a
-    graph, and what a matmul kernel costs beyond its bytes and FLOPs (the compiled fit prices both alike).
-    -> the `eager_calibration.fit` dict of machines.json."""
+    graph, and what a matmul kernel costs beyond its bytes and FLOPs (the compiled fit prices both alike). Each
+    file is priced on the card it ran on (its environment's device). -> the `eager_calibration.fit` dict of
+    machines.json."""
     from scipy.optimize import least_squares
 
 
     base = dataclasses.replace(load_calibration("compiled"), launches_from="census")
-    m = get_machine(machine)
-    obs = []  # (terms, measured seconds)
+    obs = []  # (terms, machine, measured seconds)
     for path in e2e_paths:
         b = read_bench(path)
         if b.get("compile"):
             raise AdvisorError(f"{path}: compiled layers (compile=True); the eager fit takes eager rounds")
+        m = _bench_machine(path, b)
         s = model_shape(b["model"])
         ctx, load, census = int(b.get("prompt_len") or 512), measured_load(b, s), bench_census(b, s)
         for r in filter(modelled, b["rows"]):
             st = r["stage_seconds_per_round"]
             if r["method"] == "ar":
-                obs.append((verify_terms(s, 1, ctx, base, "ar", load, census), st["verify"]))
+                obs.append((verify_terms(s, 1, ctx, base, "ar", load, census), m, st["verify"]))
                 continue
             nodes = s.block_size - 1 if r["method"] == "dflash" else int(r["budget"])
-            obs.append((verify_terms(s, nodes + 1, ctx, base, "verify", load, census), st["verify"]))
-            obs.append((draft_terms(s, ctx, base, census), st["draft"]))
+            obs.append((verify_terms(s, nodes + 1, ctx, base, "verify", load, census), m, st["verify"]))
+            obs.append((draft_terms(s, ctx, base, census), m, st["draft"]))
     start = {k: getattr(base, k) or base.launch_seconds for k in free}
 
     def resid(x):
         cal = dataclasses.replace(base, **dict(zip(free, x)))
-        return [math.log(sum(t.seconds(m, cal).values()) / y) for t, y in obs]
+        return [math.log(sum(t.seconds(m, cal).values()) / y) for t, m, y in obs]
 
     seconds = [k.endswith("_seconds") for k in free]  # times, else efficiencies (fractions of the spec)
     bounds = ([0.0 if t else 0.05 for t in seconds], [1e-4 if t else 1.0 for t in seconds])

@@ -128,6 +128,6 @@ def bench_census(bench: dict, shape) -> LaunchCensus:
 
 def shipped_bench_files() -> list[str]:
     """The bench e2e JSONs shipped in the package for the check (package data: an installed package checks
-    its model as a source checkout does). Copies of H200 files of docs/bench: compiled rounds, and eager MoE rounds
-    that carry their census."""
+    its model as a source checkout does). Copies of files of docs/bench, H200 and H100: compiled rounds, and eager
+    MoE rounds that carry their census."""
     return sorted(str(p) for p in Path(__file__).with_name("check_data").glob("e2e_*.json"))

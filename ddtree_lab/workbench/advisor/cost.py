@@ -34,15 +34,17 @@ class Terms:
     mla_flops: float = 0.0
 
     def seconds(self, m: Machine, cal: Calibration) -> dict[str, float]:
-        """This stage's time split into PARTS (sums to its total)."""
+        """This stage's time split into PARTS (sums to its total). The weights, KV and FLOPs overlap as one
+        roofline (a soft maximum, `cal.p`); MLA's latent bytes and FLOPs overlap only with each other, since its
+        kernel runs alone between the projections (calibrate_mla fits its extra time beyond that same core)."""
         bw, fl = m.bandwidth * cal.eta_bw, m.flops * cal.eta_flops
         tw, tk, tc = self.weights / bw, self.kv / bw, self.flops / fl
         mem = tw + tk
-        core = (mem ** cal.p + tc ** cal.p) ** (1 / cal.p) if mem or tc else 0.0
-        share_m = mem ** cal.p / (mem ** cal.p + tc ** cal.p) if mem or tc else 0.0
+        core, share_m = _roofline(mem, tc, cal.p)
+        mla_core, mla_share_m = _roofline(self.mla_bytes / bw, self.mla_flops / fl, cal.p)
         out = {"weights": core * share_m * (tw / mem if mem else 0.0),
-               "kv": core * share_m * (tk / mem if mem else 0.0),
-               "flops": core * (1 - share_m),
+               "kv": core * share_m * (tk / mem if mem else 0.0) + mla_core * mla_share_m,
+               "flops": core * (1 - share_m) + mla_core * (1 - mla_share_m),
                "launches": self.launches * cal.launch_seconds + self.matmuls * cal.eager_matmul_seconds,
                "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
                                           if self.moe_reread else 0.0)
@@ -56,6 +58,13 @@ class Terms:
                                 if cal.mla_flops_over_peak else 0.0)),
                "other": self.fixed_seconds}
         return out
+
+
+def _roofline(mem: float, compute: float, p: float) -> tuple[float, float]:
+    """A kernel's time from its memory and compute times (their p-norm), and the memory's share of it."""
+    if not (mem or compute):
+        return 0.0, 0.0
+    return (mem ** p + compute ** p) ** (1 / p), mem ** p / (mem ** p + compute ** p)
 
 
 def int4_unpack_rate(m: Machine, cal: Calibration) -> float:
@@ -136,9 +145,12 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     # block
     int4 = s.moe_layers * touched * expert_bytes(h, s.expert_intermediate, s.expert_bytes) if s.int4_experts else 0.0
     int4_blocks = s.moe_layers * s.expert_row_blocks(tokens, load) if s.int4_experts else 0.0
-    # MLA: its kernel's time beyond the latent's bytes and the attention FLOPs (the MLA bench), each layer
-    mla = dict(mla_calls=s.layers, mla_bytes=s.layers * s.kv_width * (ctx + tokens) * b,
-               mla_flops=attn_flops) if s.kv_lora_rank else {}
+    # MLA: its kernel, a layer at a time: the latent's bytes and the attention FLOPs on their own roofline, and its
+    # time beyond them (the MLA bench)
+    mla = {}
+    if s.kv_lora_rank:
+        mla = dict(mla_calls=s.layers, mla_bytes=cache, mla_flops=attn_flops)
+        cache, flops = 0.0, flops - attn_flops
     return Terms(weights=weights, kv=cache + activations, flops=flops, launches=kernels - matmuls, matmuls=matmuls,
                  moe_seconds=moe,
                  moe_reread=reread, int4_bytes=int4, int4_blocks=int4_blocks, **mla)
