@@ -199,7 +199,8 @@ def _int4_row_parts(d: dict, r: dict, m, cal: Calibration) -> tuple[float, float
 
 
 def _bench_machine(path, d: dict):
-    """The machine a kernel bench JSON ran on: its `device` (or its environment's)."""
+    """The machine a bench JSON ran on: its `device` (the fused-MoE bench's) or its environment's (bench e2e,
+    bench mla)."""
     device = d.get("device") or (d.get("environment") or {}).get("device")
     name = machine_for_device(device)
     if name is None:
