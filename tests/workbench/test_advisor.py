@@ -462,7 +462,7 @@ def test_report_has_the_advisor_section_with_titled_figures(tmp_path):
     for title in ("Measured τ(B) on lab", "Modelled round cost(B) of random:qwen3-8b per machine",
                   "Projected tokens/s(B) = τ(B) / cost(B) (★ best; bars: 90 % bootstrap over prompts)",
                   "What the round costs at each machine's best budget",
-                  "Cost model vs bench e2e round times (first principles, calibrated once on H200)"):
+                  "Cost model vs bench e2e round times (first principles, one calibration: machines.json)"):
         assert title in titles, title
 
 

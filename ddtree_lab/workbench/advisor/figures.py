@@ -86,7 +86,7 @@ def check_figure(check: dict) -> go.Figure:
         fig.add_trace(go.Scatter(x=[r["budget"] for r in rows], y=[r["predicted_seconds"] * 1e3 for r in rows],
                                  mode="lines", name=f"{c['file']} model", line=dict(color=color, dash="dash")))
     fig.update_yaxes(**log_axis(y for t in fig.data for y in t.y))
-    return _layout(fig, "Cost model vs bench e2e round times (first principles, calibrated once on H200)",
+    return _layout(fig, "Cost model vs bench e2e round times (first principles, one calibration: machines.json)",
                    "budget B", "ms per round", [x for t in fig.data for x in t.x])
 
 
