@@ -89,7 +89,7 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
             "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}
 
 
-EAGER_FREE = ("launch_seconds", "eager_matmul_seconds")
+EAGER_FREE = ("launch_seconds", "eager_matmul_seconds", "eager_matvec_seconds")
 
 
 def calibrate_eager(e2e_paths: Sequence[str | Path], free: Sequence[str] = EAGER_FREE) -> dict:
@@ -97,7 +97,8 @@ def calibrate_eager(e2e_paths: Sequence[str | Path], free: Sequence[str] = EAGER
     bytes counted by its launch census (check.bench_census), every other term the compiled calibration's (the
     bytes, FLOPs, attention and MoE kernels are the same either way), and `free` fitted by least squares on the
     log of every draft and verify stage time: by default what one of the many small eager kernels costs in a
-    graph, and what a matmul kernel costs beyond its bytes and FLOPs (the compiled fit prices both alike). Each
+    graph, and what a matmul kernel costs beyond its bytes and FLOPs, a GEMM's and a one-row (matrix-vector)
+    product's apart (the compiled fit prices all three alike). Each
     file is priced on the card it ran on (its environment's device). -> the `eager_calibration.fit` dict of
     machines.json."""
     from scipy.optimize import least_squares

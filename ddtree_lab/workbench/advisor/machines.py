@@ -143,6 +143,9 @@ class Calibration:
     # eager rounds (census): a matmul kernel's time beyond its bytes and FLOPs, in place of launch_seconds (a
     # skinny GEMM's tiles, split and reduction; 0: every kernel at launch_seconds)
     eager_matmul_seconds: float = 0.0
+    # and a one-row matmul's (an AR step's, which the BLAS runs as a matrix-vector kernel, without a GEMM's tiles
+    # and split; 0: priced as eager_matmul_seconds)
+    eager_matvec_seconds: float = 0.0
     # where a round's kernels come from: "profile" (the per-layer counts above, from compiled rounds' profiles) or
     # "census" (eager layers: bench/census.py counts each round's kernels and activation bytes)
     launches_from: str = "profile"
