@@ -36,18 +36,32 @@ FREE_OPS = frozenset({
     "split", "split_with_sizes", "unbind", "narrow", "_reshape_alias", "reshape", "view_as_real",
     "view_as_complex", "lift_fresh", "diagonal", "unfold", "chunk", "sym_size", "sym_stride", "is_same_size"})
 MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "_grouped_mm", "matmul", "linear"})  # operand 0: the activations
+# aten ops torch.compile leaves as kernels of their own (library calls, ops it has no lowering for); it fuses the
+# runs of other ops between them (and between Triton launches), each run into a few kernels
+EXTERN_OPS = MATMUL_OPS | {"topk", "sort", "argsort", "nonzero"}
 GATHER_OPS = frozenset({"index", "gather", "index_select", "embedding"})
 
 
 @dataclass
 class StageCensus:
     """One stage's launches: plain kernels (aten ops and Triton launches not in PRICED; `matmuls` of them are
-    matmuls), the PRICED ones by part, activation bytes, and the count of each op or kernel."""
+    matmuls), the PRICED ones by part, activation bytes, and the count of each op or kernel. For compiled layers:
+    `extern`, the plain kernels compile leaves alone (EXTERN_OPS, Triton launches), and `fused_runs`, the runs of
+    other ops between any two launches it leaves alone (what it fuses)."""
     kernels: int = 0
     matmuls: int = 0
     priced: dict = field(default_factory=dict)
     activation_bytes: int = 0
     by_op: collections.Counter = field(default_factory=collections.Counter)
+    extern: int = 0
+    fused_runs: int = 0
+    in_run: bool = field(default=False, repr=False)  # the last op counted was a fusible one
+
+    def count(self, fusible: bool) -> None:
+        """One more kernel that compile fuses with its neighbours (fusible) or leaves alone."""
+        if fusible and not self.in_run:
+            self.fused_runs += 1
+        self.in_run = fusible
 
     @property
     def launched(self) -> int:
@@ -56,7 +70,8 @@ class StageCensus:
 
     def as_json(self) -> dict:
         return {"kernels": self.kernels, "matmuls": self.matmuls, "priced_kernels": dict(self.priced),
-                "activation_bytes": self.activation_bytes, "by_op": dict(self.by_op.most_common())}
+                "activation_bytes": self.activation_bytes, "extern": self.extern, "fused_runs": self.fused_runs,
+                "by_op": dict(self.by_op.most_common())}
 
 
 def _nbytes(leaves) -> int:
@@ -87,6 +102,8 @@ class _CountOps(TorchDispatchMode):
             moved = _nbytes(ins) + _nbytes(outs)
         stage.kernels += 1
         stage.matmuls += name in MATMUL_OPS
+        stage.extern += name in EXTERN_OPS
+        stage.count(fusible=name not in EXTERN_OPS)
         stage.activation_bytes += moved
         stage.by_op["aten." + name] += 1
         return out
@@ -108,6 +125,8 @@ def _cuda_paths(sink: list):
                 stage.priced[part] = stage.priced.get(part, 0) + 1
             else:
                 stage.kernels += 1
+                stage.extern += 1
+            stage.count(fusible=False)
             stage.by_op[f"triton.{module}.{getattr(fn, '__name__', '?')}"] += 1
 
     with contextlib.ExitStack() as stack:
@@ -230,6 +249,22 @@ def count_round(pair, method: str, budget: int | None, prompt_len: int, declared
 
 
 CENSUS_STAGES = ("verify", "draft")  # the stages with layers, whose counts the advisor prices
+LAYER_DEPTHS = (2, 4)  # two depths of a random shape: what the deeper one launches more is that many layers'
+LAYER_BUDGET = 16      # the tree a verify's layers are counted at
+
+
+def layer_census(shape: str, stage: str, prompt_len: int = 512) -> tuple[float, float]:
+    """(extern kernels, fused runs) that each further layer of random shape `shape` adds to the target forward
+    of an AR step (stage "ar") or of a verify (stage "verify", a budget-LAYER_BUDGET tree): its census at
+    LAYER_DEPTHS, differenced (for a shape whose first layers are dense, the later kind's)."""
+    if stage not in ("ar", "verify"):
+        raise ValueError(f"layer_census: stage {stage!r} is not 'ar' or 'verify'")
+    method, budget = ("ar", None) if stage == "ar" else ("ddtree", LAYER_BUDGET)
+    (e0, r0), (e1, r1) = ((s.extern, s.fused_runs) for s in
+                          (round_census(f"random:{shape}@{depth}", method, budget, prompt_len)["verify"]
+                           for depth in LAYER_DEPTHS))
+    layers = LAYER_DEPTHS[1] - LAYER_DEPTHS[0]
+    return (e1 - e0) / layers, (r1 - r0) / layers
 
 
 def e2e_census(bench: dict) -> list[dict | None]:

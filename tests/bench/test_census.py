@@ -33,6 +33,31 @@ def test_an_op_is_a_kernel_and_its_bytes_are_its_tensors():
     assert s.kernels == 1 and s.activation_bytes == 2 * (2 * 8 + 2 * 8 * 4)
 
 
+def test_compile_fuses_the_runs_between_the_kernels_it_leaves_alone():
+    """A matmul (or a sort, a Triton launch) ends a run of fusible ops; each run counts once however long."""
+    x = torch.ones(4, 8, device="meta", dtype=torch.bfloat16)
+    w = torch.ones(16, 8, device="meta", dtype=torch.bfloat16)
+    s = _count(lambda: torch.nn.functional.linear((x * 2 + 1).exp(), w).neg().topk(2))
+    assert (s.kernels, s.extern, s.fused_runs) == (6, 2, 2)  # [mul add exp] linear [neg] topk
+    s = _count(lambda: (x * 2).sum())
+    assert (s.extern, s.fused_runs) == (0, 1)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "kimi-k2.6-ep8-rank"])
+def test_a_layers_extern_kernels_are_its_matmuls_and_triton_launches(shape):
+    """layer_census: what each further layer adds. The kernels compile leaves alone are the layer's matmuls and
+    its Triton launches outside the PRICED modules (a Kimi layer's MLA and MoE kernels are priced apart); the
+    fusible ones come in runs between them, fewer than the fusible ops."""
+    extern, runs = C.layer_census(shape, "verify")
+    a, b = (C.round_census(f"random:{shape}@{n}", "ddtree", C.LAYER_BUDGET, 512)["verify"] for n in C.LAYER_DEPTHS)
+    layers = C.LAYER_DEPTHS[1] - C.LAYER_DEPTHS[0]
+    triton = sum(b.by_op[k] - a.by_op[k] for k in b.by_op if k.startswith("triton.")
+                 and k.split(".")[1] not in C.PRICED)
+    assert extern == ((b.matmuls - a.matmuls) + triton) / layers
+    fusible = (b.kernels - a.kernels) / layers - extern
+    assert 1 <= runs < fusible / 4
+
+
 @pytest.mark.parametrize("shape", ["qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8-rank"])
 def test_each_layer_adds_the_same_kernels(shape):
     """Depths 2, 3 and 4 of one shape: an AR step's kernels grow by one layer's worth each time (a MoE or MLA

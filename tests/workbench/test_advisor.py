@@ -118,6 +118,30 @@ def test_stored_calibration_is_what_calibrate_fits():
     s8b, lab = A.model_shape("random:qwen3-8b"), A.model_shape("lab")
     vocab = [stored["tree_vocab_seconds"] * (s.block_size - 1) * s.vocab for s in (s8b, lab)]
     assert vocab[0] > 16 * stored["tree_node_seconds"] > vocab[1] > 0
+    assert fit["kernels_per_fused_run"] == pytest.approx(stored["kernels_per_fused_run"], rel=1e-6)
+
+
+def test_compiled_layers_launch_what_their_census_counts():
+    """Compiled layers' kernels a layer: the census's kernels compile leaves alone plus kernels_per_fused_run a
+    run of fused ops, fitted so the dense profile's shape gives its profiled count. The stored census is today's
+    count; a Kimi rank's layer launches about 26 kernels besides its MLA and MoE ones, not the dense layer's 14.3
+    less its MLP's 3; priced with the dense count the compiled EP8 rank's AR step falls short by more than 10 %,
+    with its own every row of both compiled rank files is within 10 %."""
+    cal = A.load_calibration()
+    stored = A.machines_data()["calibration"]["layer_census"]
+    assert A.count_layer_census(["qwen3-8b", "kimi-k2.6-ep8-rank"]) == {k: stored[k] for k in
+                                                                       ("qwen3-8b", "kimi-k2.6-ep8-rank")}
+    dense, kimi = A.model_shape("random:qwen3-8b"), A.model_shape("random:kimi-k2.6-ep8-rank@40")
+    for stage in ("ar", "verify"):
+        assert A.counted_layer_kernels(dense, cal, stage) == pytest.approx(cal.kernels[stage][0])
+        assert A.counted_layer_kernels(kimi, cal, stage) > cal.kernels[stage][0] + 8
+    assert A.counted_layer_kernels(A.model_shape("lab"), cal, "verify") is None  # a pair: no census, the profile's
+    files = [BENCH / f"e2e_kimi_{r}_rank_at40_4k_compile_h100.json" for r in ("ep8", "tp8")]
+    rows = [r for c in A.check_bench(files)["checked"] for r in c["rows"]]
+    assert len(rows) == 16 and all(abs(r["error"]) <= 0.10 for r in rows)
+    dense_counts = dataclasses.replace(cal, layer_census={})
+    ep8_ar = next(r for r in A.check_bench(files[:1], dense_counts)["checked"][0]["rows"] if r["method"] == "ar")
+    assert ep8_ar["error"] < -0.10
 
 
 def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
@@ -205,8 +229,8 @@ def test_stored_eager_calibration_is_what_calibrate_eager_fits():
 def test_eager_moe_runs_are_checked_with_their_launch_census():
     """Qwen3-30B-A3B under uniform routing and both Kimi rank shapes, eager layers: each file picks the eager
     calibration by its settings and its rounds' census prices the launches; AR, DFlash and every budget are within
-    15 %. Priced with the compiled rounds' kernel counts instead, every AR step misses by half or more, and every
-    round of Qwen3-30B-A3B and the EP8 rank by a fifth or more."""
+    15 %. Priced with the compiled rounds' kernel counts instead, every AR step misses by two fifths or more, and
+    every round by a fifth or more."""
     files = [BENCH / f for f in ("e2e_random_qwen3_30b_a3b_uniform.json", "e2e_kimi_ep8_rank_4k_a555c6e.json",
                                  "e2e_kimi_tp8_rank_4k_a555c6e.json")]
     chk = A.check_bench(files)
@@ -218,8 +242,8 @@ def test_eager_moe_runs_are_checked_with_their_launch_census():
         assert all(abs(r["error"]) <= A.CHECK_TOLERANCE for r in c["rows"])
     profiled = dataclasses.replace(A.load_calibration(), settings={})
     forced = A.check_bench(files, profiled)
-    assert all(r["error"] < -0.5 for c in forced["checked"] for r in c["rows"] if r["method"] == "ar")
-    assert all(r["error"] < -0.2 for c in forced["checked"][:2] for r in c["rows"])
+    assert all(r["error"] < -0.4 for c in forced["checked"] for r in c["rows"] if r["method"] == "ar")
+    assert all(r["error"] < -0.2 for c in forced["checked"] for r in c["rows"])
 
 
 def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only(tmp_path):

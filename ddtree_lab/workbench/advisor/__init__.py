@@ -18,9 +18,10 @@ stage times from JSON.
 from __future__ import annotations
 
 from .auto_replay import auto_ceiling, best_grouped_choice, replay_auto, tau_at
-from .calibration import calibrate, calibrate_eager, calibrate_int4, calibrate_mla, calibrate_moe, price_int4_bench
+from .calibration import (calibrate, calibrate_eager, calibrate_int4, calibrate_mla, calibrate_moe, count_layer_census,
+                          price_int4_bench)
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, check_bench, shipped_bench_files
-from .cost import PART_TITLES, PARTS, RoundCost, Terms, draft_terms, round_cost, verify_terms
+from .cost import PART_TITLES, PARTS, RoundCost, Terms, counted_layer_kernels, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
 from .layouts import (ATTENTION_LAYOUTS, LAYOUTS, RANKS, Collective, Layout, all_reduce, comm_seconds,
                       expected_max_touched, forward_collectives, get_layout, hit_probability, rank_load, rank_shape)
@@ -39,7 +40,7 @@ __all__ = ["all_reduce", "ATTENTION_LAYOUTS", "Collective", "comm_seconds", "exp
            "projection_table", "quantized_weight_bytes", "RANKS", "rank_bench_seconds", "rank_load", "rank_shape",
            "read_machine_file", "TauSet", "taus_from_external", "taus_from_numbers", "taus_from_study", "verdict",
            "AdvisorError", "auto_ceiling", "bench_points", "best_grouped_choice", "calibrate", "calibrate_int4", "calibrate_mla", "calibrate_moe",
-           "Calibration", "check_bench", "CHECK_BUDGETS", "check_machine_name", "CHECK_TOLERANCE", "draft_terms",
+           "Calibration", "check_bench", "count_layer_census", "counted_layer_kernels", "CHECK_BUDGETS", "check_machine_name", "CHECK_TOLERANCE", "draft_terms",
            "expert_load", "ExpertLoad", "fit_bench", "FIT_KINDS", "fit_stage_times", "FIT_STAGES", "FittedCost",
            "get_machine", "known_machines", "load_calibration", "Machine", "machine_for_device", "machines_data",
            "price_int4_bench",

@@ -86,7 +86,33 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
     return {"eta_bw": eta_bw, "eta_flops": eta_flops, "launch_seconds": launch,
             "tree_node_seconds": per["tree_build"][0], "tree_vocab_seconds": per["tree_build"][1],
             "commit_node_seconds": per["commit"][0],
-            "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p}
+            "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p,
+            "kernels_per_fused_run": _kernels_per_fused_run(profiles[0]["model"], kernels)}
+
+
+def _kernels_per_fused_run(model: str, kernels: dict) -> dict:
+    """Per stage (AR step, verify): the kernels compile makes of a run of fusible ops, such that the census of the
+    first profile's shape (a random shape) gives the kernels a layer that the profiles measured."""
+    from ...bench.census import layer_census
+
+    if not model.startswith("random:"):
+        raise AdvisorError(f"the first profile's model {model!r} is no random shape; its layers cannot be counted")
+    shape = model.split(":", 1)[1].split("@")[0]
+    out = {}
+    for stage in ("ar", "verify"):
+        extern, runs = layer_census(shape, stage)
+        out[stage] = (kernels[stage][0] - extern) / runs
+    return out
+
+
+def count_layer_census(shapes: Sequence[str] | None = None) -> dict:
+    """machines.json's `calibration.layer_census`: per random shape (default: every one), per stage ("ar",
+    "verify"), the [extern kernels, fused runs] a layer launches (bench/census.py: layer_census)."""
+    from ...bench.census import layer_census
+    from ...pairs.random import SHAPE_NAMES
+
+    return {shape: {stage: list(layer_census(shape, stage)) for stage in ("ar", "verify")}
+            for shape in (shapes or SHAPE_NAMES)}
 
 
 EAGER_FREE = ("launch_seconds", "eager_matmul_seconds", "eager_matvec_seconds")

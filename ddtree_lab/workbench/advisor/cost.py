@@ -114,6 +114,18 @@ def _kernels(cal: Calibration, stage: str, layers: int) -> float:
     return per_layer * layers + fixed
 
 
+def counted_layer_kernels(s: ModelShape, cal: Calibration, stage: str) -> float | None:
+    """Compiled kernels a layer of s in an AR step ("ar") or verify, from its launch census where machines.json
+    holds one: the kernels compile leaves alone, and kernels_per_fused_run for each run of ops it fuses (the MoE
+    block's and MLA's own kernels apart: their terms price them). None: no census for s."""
+    counted = cal.layer_census.get(s.census_shape, {}).get(stage)
+    rate = cal.kernels_per_fused_run.get(stage)
+    if not (counted and rate):
+        return None
+    extern, runs = counted
+    return extern + rate * runs
+
+
 def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: str = "verify",
                  load: ExpertLoad | None = None, census: LaunchCensus | None = None) -> Terms:
     """The target forward over `tokens` tokens after `ctx` cached ones (`load`: measured MoE routing; `census`:
@@ -130,15 +142,16 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     inter = (s.intermediate if not s.moe_layers
              else s.experts_per_tok * s.expert_intermediate + s.shared_intermediate)
     cache = s.layers * s.kv_width * (ctx + tokens) * b                               # cache read + new rows
+    per_layer = None if census else counted_layer_kernels(s, cal, stage)
     kernels, matmuls, activations = census.at(stage, tokens) if census else (
-        _kernels(cal, stage, s.layers), 0.0,
+        _kernels(cal, stage, s.layers) if per_layer is None else per_layer * s.layers + cal.kernels[stage][1], 0.0,
         tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b + tokens * s.vocab * 4)  # + logits
     # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
     # routed token-expert pair, the sort's own launches past ROUTE_IN_ALIGN_MAX_T tokens, and an expert's weights
-    # read again (from L2) by each of its row blocks after the first; less the dense MLP's kernels the
-    # per-layer launch count already holds (a census counts the block's kernels apart: nothing to take off).
+    # read again (from L2) by each of its row blocks after the first; less the dense MLP's kernels the dense
+    # profile's launch count holds (a census counts the block's kernels apart: nothing to take off).
     sort = cal.moe_sort_seconds if tokens > ROUTE_IN_ALIGN_MAX_T else 0.0
-    counted = 0.0 if census else MLP_KERNELS * cal.launch_seconds
+    counted = 0.0 if census or per_layer is not None else MLP_KERNELS * cal.launch_seconds
     moe = s.moe_layers * max(0.0, cal.moe_block_seconds - counted + sort
                              + cal.moe_pair_seconds * tokens * s.experts_per_tok)
     reread = s.moe_layers * reread_bytes(s.expert_row_blocks(tokens, load), touched, h, s.expert_intermediate,

@@ -146,6 +146,11 @@ class Calibration:
     # and a one-row matmul's (an AR step's, which the BLAS runs as a matrix-vector kernel, without a GEMM's tiles
     # and split; 0: priced as eager_matmul_seconds)
     eager_matvec_seconds: float = 0.0
+    # compiled layers of a shape the census counted (`layer_census`: shape -> stage -> [extern kernels, fused runs] a
+    # layer): kernels a layer = extern + this many a fused run (per stage; fitted so the dense profile's shape gives
+    # its profiled count)
+    kernels_per_fused_run: dict = field(default_factory=dict)
+    layer_census: dict = field(default_factory=dict)
     # where a round's kernels come from: "profile" (the per-layer counts above, from compiled rounds' profiles) or
     # "census" (eager layers: bench/census.py counts each round's kernels and activation bytes)
     launches_from: str = "profile"
@@ -163,7 +168,8 @@ def load_calibration(kind: str = "compiled") -> Calibration:
     if "fit" not in cal:
         raise AdvisorError(f"{MACHINES_FILE}: no calibration fit; run ddtree_lab.workbench.advisor.calibrate")
     if kind == "compiled":
-        return Calibration(**cal["fit"], settings=cal.get("settings", {}), machine=cal.get("machine", "h200"))
+        return Calibration(**cal["fit"], settings=cal.get("settings", {}), machine=cal.get("machine", "h200"),
+                           layer_census=cal.get("layer_census", {}))
     if kind not in CALIBRATIONS:
         raise AdvisorError(f"calibration {kind!r}; known: {', '.join(CALIBRATIONS)}")
     eager = data.get(CALIBRATIONS[kind]) or {}
@@ -171,7 +177,7 @@ def load_calibration(kind: str = "compiled") -> Calibration:
         raise AdvisorError(f"{MACHINES_FILE}: no {kind} calibration fit; run "
                            "ddtree_lab.workbench.advisor.calibrate_eager")
     return Calibration(**{**cal["fit"], **eager["fit"]}, settings=eager.get("settings", {}), launches_from="census",
-                       machine=cal.get("machine", "h200"))
+                       machine=cal.get("machine", "h200"), layer_census=cal.get("layer_census", {}))
 
 
 # ----------------------------------------------------------------------------- interconnects and overrides

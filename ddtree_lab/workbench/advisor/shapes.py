@@ -2,6 +2,8 @@
 the bytes they read; the whole deployed models the advisor projects onto several GPUs (FULL_MODELS)."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,8 @@ class ModelShape:
     draft_head_dim: int = 0
     experts_held: int = 0             # an expert-parallel rank's routed experts (0: all); experts_per_tok is then
                                       # the mean pairs a token sends to them, k · held / E
+    census_shape: str = ""            # the random shape whose layers the launch census counted (machines.json
+                                      # `layer_census`; "": none, compiled layers then launch the dense profile's)
 
     @property
     def attn_params(self) -> int:
@@ -227,14 +231,15 @@ def model_shape(name: str) -> ModelShape:
     if name in FULL_MODELS:
         full = FULL_MODELS[name]
         t, d = shape_configs(full["shape"])
-        return shape_from_configs(name, t, d, {**shape_entry(full["shape"]), **full})
+        shape = shape_from_configs(name, t, d, {**shape_entry(full["shape"]), **full})
+        return dataclasses.replace(shape, census_shape=full["shape"].split("@")[0])
     if name.startswith("random:"):
         shape = name.split(":", 1)[1]
         if shape_entry(shape) is None:
             raise AdvisorError(f"unknown model {name!r}; known: {', '.join(known)} (a random shape at another depth: "
                                "random:<shape>@<layers>)")
         t, d = shape_configs(shape)
-        return shape_from_configs(name, t, d, shape_entry(shape))
+        return dataclasses.replace(shape_from_configs(name, t, d, shape_entry(shape)), census_shape=shape.split("@")[0])
     path = Path(name)
     if (path / "target").is_dir():
         tdir, ddir = path / "target", path / "drafter"
