@@ -37,8 +37,8 @@ def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_laye
 
 
 def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Path], machine: str = "h200") -> dict:
-    """Fit the efficiency factors once: eta_bw, eta_flops and the launch time by least squares on the
-    log of every draft and verify stage time; the tree build's time per node and per vocabulary entry of each
+    """Fit the efficiency factors once: eta_bw, eta_flops and the launch time (and an AR step's, whose kernels
+    handle one token) by least squares on the log of every draft and verify stage time; the tree build's time per node and per vocabulary entry of each
     drafted position, and commit's per token, by least squares on those stages. Returns the `calibration.fit`
     dict of machines.json."""
     import numpy as np
@@ -67,11 +67,11 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
             obs.append((draft_terms(s, ctx, base), st["draft"]))
 
     def resid(x):
-        cal = Calibration(x[0], x[1], x[2], 0, 0, base.copy_over_spec, kernels)
+        cal = Calibration(x[0], x[1], x[2], 0, 0, base.copy_over_spec, kernels, one_row_launch_seconds=x[3])
         return [math.log(sum(t.seconds(m, cal).values()) / y) for t, y in obs]
 
-    fit = least_squares(resid, x0=[0.8, 0.6, 2e-6], bounds=([0.05, 0.05, 0.0], [1.0, 1.0, 1e-4]))
-    eta_bw, eta_flops, launch = (float(v) for v in fit.x)
+    fit = least_squares(resid, x0=[0.8, 0.6, 2e-6, 2e-6], bounds=([0.05, 0.05, 0.0, 0.0], [1.0, 1.0, 1e-4, 1e-4]))
+    eta_bw, eta_flops, launch, one_row_launch = (float(v) for v in fit.x)
     per = {}  # tree build: per node and per vocabulary entry of each drafted position (its top-k); commit: per token
     for stage, extra in (("tree_build", 0), ("commit", 1)):
         xs, ys = [], []
@@ -83,7 +83,7 @@ def calibrate(e2e_paths: Sequence[str | Path], profile_paths: Sequence[str | Pat
                 xs.append([nodes + extra, (s.block_size - 1) * s.vocab] if stage == "tree_build" else [nodes + extra])
                 ys.append(r["stage_seconds_per_round"][stage] - kernels[stage][1] * launch)
         per[stage] = [max(0.0, float(c)) for c in np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)[0]]
-    return {"eta_bw": eta_bw, "eta_flops": eta_flops, "launch_seconds": launch,
+    return {"eta_bw": eta_bw, "eta_flops": eta_flops, "launch_seconds": launch, "one_row_launch_seconds": one_row_launch,
             "tree_node_seconds": per["tree_build"][0], "tree_vocab_seconds": per["tree_build"][1],
             "commit_node_seconds": per["commit"][0],
             "copy_over_spec": base.copy_over_spec, "kernels": kernels, "p": base.p,

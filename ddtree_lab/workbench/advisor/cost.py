@@ -24,7 +24,7 @@ class Terms:
     flops: float = 0.0
     launches: float = 0.0
     matmuls: float = 0.0          # eager rounds: their matmul kernels, priced apart from the other launches
-    matvecs: float = 0.0          # and those of one row (an AR step's)
+    one_row: bool = False         # an AR step's: each kernel handles one token (matmuls are matrix-vector products)
     fixed_seconds: float = 0.0    # tree build / commit
     moe_seconds: float = 0.0      # MoE blocks beyond their bytes and FLOPs: routing, the sort, tile scheduling
     moe_reread: float = 0.0       # bytes: expert weights read again by an expert's second and later row blocks
@@ -46,8 +46,7 @@ class Terms:
         out = {"weights": core * share_m * (tw / mem if mem else 0.0),
                "kv": core * share_m * (tk / mem if mem else 0.0) + mla_core * mla_share_m,
                "flops": core * (1 - share_m) + mla_core * (1 - mla_share_m),
-               "launches": (self.launches * cal.launch_seconds + self.matmuls * cal.eager_matmul_seconds
-                            + self.matvecs * (cal.eager_matvec_seconds or cal.eager_matmul_seconds)),
+               "launches": self.launches * self._launch_seconds(cal) + self.matmuls * self._matmul_seconds(cal),
                "moe": self.moe_seconds + (self.moe_reread / (m.bandwidth * cal.moe_reread_over_bandwidth)
                                           if self.moe_reread else 0.0)
                       + (self.int4_bytes / int4_unpack_rate(m, cal)
@@ -60,6 +59,16 @@ class Terms:
                                 if cal.mla_flops_over_peak else 0.0)),
                "other": self.fixed_seconds}
         return out
+
+
+    def _launch_seconds(self, cal: Calibration) -> float:
+        """A kernel's time: a one-row step's own where fitted (compiled rounds; an eager round's small kernels take
+        one time, its one-row matmuls their own)."""
+        one_row = self.one_row and cal.launches_from == "profile" and cal.one_row_launch_seconds
+        return cal.one_row_launch_seconds if one_row else cal.launch_seconds
+
+    def _matmul_seconds(self, cal: Calibration) -> float:
+        return cal.eager_matvec_seconds if self.one_row and cal.eager_matvec_seconds else cal.eager_matmul_seconds
 
 
 def _roofline(mem: float, compute: float, p: float) -> tuple[float, float]:
@@ -166,9 +175,8 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     if s.kv_lora_rank:
         mla = dict(mla_calls=s.layers, mla_bytes=cache, mla_flops=attn_flops)
         cache, flops = 0.0, flops - attn_flops
-    one_row = tokens == 1  # an AR step's matmuls are matrix-vector products
-    return Terms(weights=weights, kv=cache + activations, flops=flops, launches=kernels - matmuls,
-                 matmuls=0.0 if one_row else matmuls, matvecs=matmuls if one_row else 0.0, moe_seconds=moe,
+    return Terms(weights=weights, kv=cache + activations, flops=flops, launches=kernels - matmuls, matmuls=matmuls,
+                 one_row=tokens == 1, moe_seconds=moe,
                  moe_reread=reread, int4_bytes=int4, int4_blocks=int4_blocks, **mla)
 
 

@@ -146,6 +146,9 @@ class Calibration:
     # and a one-row matmul's (an AR step's, which the BLAS runs as a matrix-vector kernel, without a GEMM's tiles
     # and split; 0: priced as eager_matmul_seconds)
     eager_matvec_seconds: float = 0.0
+    # compiled rounds: a kernel of a one-row (AR) step, which handles one token and is shorter than a tree's
+    # (0: launch_seconds)
+    one_row_launch_seconds: float = 0.0
     # compiled layers of a shape the census counted (`layer_census`: shape -> stage -> [extern kernels, fused runs] a
     # layer): kernels a layer = extern + this many a fused run (per stage; fitted so the dense profile's shape gives
     # its profiled count)
