@@ -60,7 +60,6 @@ class Terms:
                "other": self.fixed_seconds}
         return out
 
-
     def _launch_seconds(self, cal: Calibration) -> float:
         """A kernel's time: a one-row step's own where fitted (compiled rounds; an eager round's small kernels take
         one time, its one-row matmuls their own)."""
