@@ -117,9 +117,10 @@ class LaunchCensus:
                                f"(it counted {sorted(self.stages)})") from None
 
 
-def _kernels(cal: Calibration, stage: str, layers: int) -> float:
-    per_layer, fixed = cal.kernels.get(stage, (0.0, 0.0))
-    return per_layer * layers + fixed
+def _kernels(cal: Calibration, stage: str, layers: int, per_layer: float | None = None) -> float:
+    """A stage's kernels: per layer (the profiles', unless given) × layers + the profiles' fixed part."""
+    profiled, fixed = cal.kernels.get(stage, (0.0, 0.0))
+    return (profiled if per_layer is None else per_layer) * layers + fixed
 
 
 def counted_layer_kernels(s: ModelShape, cal: Calibration, stage: str) -> float | None:
@@ -152,7 +153,7 @@ def verify_terms(s: ModelShape, tokens: int, ctx: int, cal: Calibration, stage: 
     cache = s.layers * s.kv_width * (ctx + tokens) * b                               # cache read + new rows
     per_layer = None if census else counted_layer_kernels(s, cal, stage)
     kernels, matmuls, activations = census.at(stage, tokens) if census else (
-        _kernels(cal, stage, s.layers) if per_layer is None else per_layer * s.layers + cal.kernels[stage][1], 0.0,
+        _kernels(cal, stage, s.layers, per_layer), 0.0,
         tokens * s.layers * (6 * h + 2 * s.heads * s.head_dim + 3 * inter) * b + tokens * s.vocab * 4)  # + logits
     # Per MoE block, what the fused-MoE kernel bench measures beyond its bytes and FLOPs: a fixed part, one per
     # routed token-expert pair, the sort's own launches past ROUTE_IN_ALIGN_MAX_T tokens, and an expert's weights
