@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ...kernels.moe_layout import at_kernel_height
-from .cost import LaunchCensus, round_cost
+from .cost import LaunchCensus, counted_layer_kernels, round_cost
 from .fit import read_bench
 from .machines import (CALIBRATIONS, AdvisorError, Calibration, get_machine, load_calibration, machine_for_device,
                        profile_names)
@@ -81,8 +81,9 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
                             "reason": f"no DDTree budget in {lo}–{hi}"})
             continue
         ok = all(abs(x["error"]) <= CHECK_TOLERANCE for x in rows if x["in_range"])
+        layers_counted = file_cal.launches_from == "profile" and counted_layer_kernels(shape, file_cal, "verify")
         checked.append({"file": Path(path).name, "model": b.get("model"), "machine": mname, "device": device,
-                        "launches": file_cal.launches_from,
+                        "launches": "layers" if layers_counted else file_cal.launches_from,
                         "expert_union": "measured" if load else ("uniform routing" if shape.num_experts else None),
                         "prompt_len": ctx, "rows": rows, "within_tolerance": ok,
                         **({"incomplete": b["incomplete"]} if "incomplete" in b else {}),

@@ -107,7 +107,8 @@ def check_table(check: dict) -> str:
 
 
 # how a checked file's kernels were known (check_bench's `launches`)
-LAUNCHES_FROM = {"profile": "compiled: profiled counts", "census": "eager: the file's census"}
+LAUNCHES_FROM = {"profile": "compiled: profiled counts", "layers": "compiled: its layers' census",
+                 "census": "eager: the file's census"}
 
 
 def _auto_cell(rep: dict | None) -> str:
