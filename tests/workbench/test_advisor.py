@@ -152,8 +152,7 @@ def test_compiled_layers_launch_what_their_census_counts():
     with its own every row of both compiled rank files is within 10 %."""
     cal = A.load_calibration()
     stored = A.machines_data()["calibration"]["layer_census"]
-    assert A.count_layer_census(["qwen3-8b", "kimi-k2.6-ep8-rank"]) == {k: stored[k] for k in
-                                                                       ("qwen3-8b", "kimi-k2.6-ep8-rank")}
+    assert A.count_layer_census() == stored  # every random shape, counted again
     dense, kimi = A.model_shape("random:qwen3-8b"), A.model_shape("random:kimi-k2.6-ep8-rank@40")
     for stage in ("ar", "verify"):
         assert A.counted_layer_kernels(dense, cal, stage) == pytest.approx(cal.kernels[stage][0])
