@@ -8,6 +8,7 @@ ATTENTION_BACKENDS = ("sdpa", "triton", "flex", "invariant")    # verify attenti
 #   and the batch-invariant target (kernels/batch_invariant.py: every budget and AR give a token the same bits)
 MLA_BACKENDS = ("sdpa", "triton")  # an MLA target's: the dense reference and its kernel (mla.py)
 ROUTING_MODELS = ("router", "uniform")  # an MoE target's declared routing, or "trace:<file>" (declared_routing.py)
+DEFAULT_ROUTING = "uniform"  # a random MoE shape's, unless told (random router weights route to the same few experts)
 ROUTING_SPEC = "router, uniform or trace:FILE (a routing dump: vLLM's, SGLang's, a recorder's per-token .pt)"
 TRITON_BACKENDS = ("triton", "invariant")                      # the backends whose kernels need CUDA or the interpreter
 MAX_BUDGET = 1024                                                # largest tree (nodes beyond the root)
@@ -84,3 +85,14 @@ budget_arg = _argparse_type(parse_budget)    # a command line's budget: an integ
 tree_budget_arg = int_in(1, MAX_BUDGET, "budget")      # an integer budget only (the benches that take no "auto")
 positive_int = int_in(1, what="value")                  # counts: rounds, tokens, prompts, repeats
 non_negative_int = int_in(0, what="value")
+
+
+def routing_kind(routing: str | None) -> str:
+    """router, uniform or trace, of a routing name a run records (None: the default's)."""
+    return (routing or DEFAULT_ROUTING).split(":", 1)[0]
+
+
+def recorded_routing(bench: dict) -> str:
+    """The routing a bench JSON's MoE layers ran: its `routing` field; a file written before routing was declared
+    ran the router's."""
+    return bench.get("routing") or "router"

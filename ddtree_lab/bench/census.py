@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .. import options
+from ..names import recorded_routing
 
 CENSUS_SMS = 132  # the H200's SMs: launch splits (attention's, the fused MoE's) follow the calibration GPU's
 # The kernel modules whose launches their own bench prices (advisor: moe_block_seconds, mla_call_seconds)
@@ -253,28 +254,45 @@ LAYER_DEPTHS = (2, 4)  # two depths of a random shape: what the deeper one launc
 LAYER_BUDGET = 16      # the tree a verify's layers are counted at
 
 
-def layer_census(shape: str, stage: str, prompt_len: int = 512) -> tuple[float, float]:
+def layer_census(shape: str, stage: str, prompt_len: int = 512, routing: str | None = None) -> tuple[float, float]:
     """(extern kernels, fused runs) that each further layer of random shape `shape` adds to the target forward
-    of an AR step (stage "ar") or of a verify (stage "verify", a budget-LAYER_BUDGET tree): its census at
-    LAYER_DEPTHS, differenced (for a shape whose first layers are dense, the later kind's)."""
+    of an AR step (stage "ar") or of a verify (stage "verify", a budget-LAYER_BUDGET tree), its MoE layers routed
+    by `routing` (None: the shape's default): its census at LAYER_DEPTHS, differenced (for a shape whose first
+    layers are dense, the later kind's)."""
     if stage not in ("ar", "verify"):
         raise ValueError(f"layer_census: stage {stage!r} is not 'ar' or 'verify'")
     method, budget = ("ar", None) if stage == "ar" else ("ddtree", LAYER_BUDGET)
     (e0, r0), (e1, r1) = ((s.extern, s.fused_runs) for s in
-                          (round_census(f"random:{shape}@{depth}", method, budget, prompt_len)["verify"]
+                          (round_census(f"random:{shape}@{depth}", method, budget, prompt_len, routing=routing)["verify"]
                            for depth in LAYER_DEPTHS))
     layers = LAYER_DEPTHS[1] - LAYER_DEPTHS[0]
     return (e1 - e0) / layers, (r1 - r0) / layers
 
 
+OTHER_ROUTINGS = ("router", "trace")  # counted for an MoE shape beside its default (the kinds names.routing_kind tells apart)
+
+
+def counted_routing(kind: str, shape: str):
+    """A routing of `kind` for random shape `shape`'s census: "router", or a trace of its own experts and top-k
+    (which experts does not change what launches)."""
+    if kind != "trace":
+        return kind
+    from ..declared_routing import RoutingTrace
+    from ..pairs.random import shape_configs
+
+    cfg = shape_configs(shape)[0]
+    ids = torch.arange(64 * cfg.num_experts_per_tok).remainder(cfg.num_experts).view(64, 1, -1)  # [tokens, layers, k]
+    return RoutingTrace(ids, "census")
+
+
 def e2e_census(bench: dict) -> list[dict | None]:
     """Each row of a bench e2e JSON (eager layers) counted under the file's own model, context, attention and
     routing: {stage: {"kernels", "matmuls", "activation_bytes"}} for the stages with layers, None for a
-    budget="auto" row (its rounds vary). A file written before routing was declared ran the router's; one
-    without a `declared_routing` field predates its kernel, so torch computed it."""
+    budget="auto" row (its rounds vary). A file without a `declared_routing` field predates its kernel, so torch
+    computed it."""
     if bench.get("compile"):
         raise ValueError("census: compiled layers (compile=True) fuse their kernels; a census counts eager rounds")
-    routing = bench.get("routing") or "router"
+    routing = recorded_routing(bench)
     declared = bench.get("declared_routing") or "torch"
     out = []
     for row in bench.get("rows", []):

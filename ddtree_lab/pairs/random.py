@@ -6,6 +6,7 @@ import dataclasses
 
 from ..config import (DrafterConfig, MlaConfig, RopeConfig, TargetConfig, default_target_layer_ids, expert_rank_share,
                       local_config)
+from ..names import DEFAULT_ROUTING
 
 RANDOM_SHAPES = {
     "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -176,7 +177,7 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
         models[0] = target
     # declared: random router weights would send nearly every token to the same experts (a dense target takes
     # only "router": another routing given for it is refused)
-    target.set_routing(routing if routing is not None else "uniform" if target.cfg.is_moe else "router")
+    target.set_routing(routing if routing is not None else DEFAULT_ROUTING if target.cfg.is_moe else "router")
     for m in models:
         m.set_attention(attention)
         if compile:

@@ -166,6 +166,28 @@ def test_compiled_layers_launch_what_their_census_counts():
     assert ep8_ar["error"] < -0.10
 
 
+def test_a_file_is_priced_with_the_layers_of_the_routing_it_ran():
+    """The router's top-k and a trace's lookup launch other kernels than uniform routing's: the stored census
+    holds an MoE shape under each, and the check prices a file by the routing it records (none: the router's, as
+    every file before routing was declared ran). The compiled Qwen3-30B-A3B file ran the router's: priced with
+    uniform routing's layers its AR step comes out several % slower than priced with its own."""
+    cal = A.load_calibration()
+    moe = A.model_shape("random:qwen3-30b-a3b")
+    keys = {k: A.census_key(moe.census_shape, k) for k in ("uniform", "router", "trace:dump.json", None)}
+    assert keys["uniform"] == keys[None] == "qwen3-30b-a3b" and len(set(keys.values())) == 3
+    kernels = {k: A.counted_layer_kernels(dataclasses.replace(moe, census_shape=v), cal, "ar")
+               for k, v in keys.items()}
+    assert None not in kernels.values() and kernels["router"] < kernels["uniform"] < kernels["trace:dump.json"]
+    path = BENCH / "e2e_random_qwen3_30b_a3b_triton_compile.json"
+    assert "routing" not in json.loads(path.read_text())
+    own = A.check_bench([path])["checked"][0]["rows"]
+    uniform = dict(A.machines_data()["calibration"]["layer_census"])
+    uniform[keys["router"]] = uniform[keys["uniform"]]
+    as_uniform = A.check_bench([path], dataclasses.replace(cal, layer_census=uniform))["checked"][0]["rows"]
+    ar = lambda rows: next(r["predicted_seconds"] for r in rows if r["method"] == "ar")
+    assert ar(as_uniform) > 1.05 * ar(own)
+
+
 def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
     data = A.machines_data()["calibration"]
     fit = A.calibrate_moe([REPO / p for p in data["moe_from"]], machine=data["machine"])

@@ -31,7 +31,7 @@ from .machines import (MACHINES_FILE, MEASURED, OVERRIDES, AdvisorError, Calibra
                        spec_bandwidth)
 from .projection import (TauSet, parse_tau, project, projection_table, rank_bench_seconds, taus_from_external,
                          taus_from_numbers, taus_from_study, verdict)
-from .shapes import FULL_MODELS, ExpertLoad, ModelShape, model_shape, quantized_weight_bytes, shape_from_configs, shape_from_dirs
+from .shapes import FULL_MODELS, ExpertLoad, ModelShape, census_key, model_shape, quantized_weight_bytes, shape_from_configs, shape_from_dirs
 from .trace_stats import expert_load, tau_calibration
 
 __all__ = ["all_reduce", "ATTENTION_LAYOUTS", "Collective", "comm_seconds", "expected_max_touched",
@@ -40,7 +40,7 @@ __all__ = ["all_reduce", "ATTENTION_LAYOUTS", "Collective", "comm_seconds", "exp
            "projection_table", "quantized_weight_bytes", "RANKS", "rank_bench_seconds", "rank_load", "rank_shape",
            "read_machine_file", "TauSet", "taus_from_external", "taus_from_numbers", "taus_from_study", "verdict",
            "AdvisorError", "auto_ceiling", "bench_points", "best_grouped_choice", "calibrate", "calibrate_int4", "calibrate_mla", "calibrate_moe",
-           "Calibration", "check_bench", "count_layer_census", "counted_layer_kernels", "CHECK_BUDGETS", "check_machine_name", "CHECK_TOLERANCE", "draft_terms",
+           "Calibration", "census_key", "check_bench", "count_layer_census", "counted_layer_kernels", "CHECK_BUDGETS", "check_machine_name", "CHECK_TOLERANCE", "draft_terms",
            "expert_load", "ExpertLoad", "fit_bench", "FIT_KINDS", "fit_stage_times", "FIT_STAGES", "FittedCost",
            "get_machine", "known_machines", "load_calibration", "Machine", "machine_for_device", "machines_data",
            "price_int4_bench",

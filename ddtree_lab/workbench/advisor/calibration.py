@@ -15,7 +15,7 @@ from .check import bench_census, measured_load, modelled
 from .cost import Terms, draft_terms, unpack_speed_over, verify_terms
 from .fit import read_bench
 from .machines import AdvisorError, Calibration, get_machine, load_calibration, machine_for_device
-from .shapes import int4_weight_bytes, model_shape
+from .shapes import census_key, int4_weight_bytes, model_shape
 
 
 def _profile_kernels(profiles: Sequence[dict], layers: Sequence[int], draft_layers: Sequence[int]) -> dict:
@@ -107,12 +107,19 @@ def _kernels_per_fused_run(model: str, kernels: dict) -> dict:
 
 def count_layer_census(shapes: Sequence[str] | None = None) -> dict:
     """machines.json's `calibration.layer_census`: per random shape (default: every one), per stage ("ar",
-    "verify"), the [extern kernels, fused runs] a layer launches (bench/census.py: layer_census)."""
-    from ...bench.census import layer_census
-    from ...pairs.random import SHAPE_NAMES
+    "verify"), the [extern kernels, fused runs] a layer launches (bench/census.py: layer_census); an MoE shape's
+    also under each other routing (census_key's keys)."""
+    from ...bench.census import OTHER_ROUTINGS, counted_routing, layer_census
+    from ...pairs.random import SHAPE_NAMES, shape_configs
 
-    return {shape: {stage: list(layer_census(shape, stage)) for stage in ("ar", "verify")}
-            for shape in (shapes or SHAPE_NAMES)}
+    out = {}
+    for shape in shapes or SHAPE_NAMES:
+        kinds = [None, *(OTHER_ROUTINGS if shape_configs(shape)[0].is_moe else ())]
+        for kind in kinds:
+            routing = kind and counted_routing(kind, shape)
+            out[census_key(shape, kind)] = {stage: list(layer_census(shape, stage, routing=routing))
+                                             for stage in ("ar", "verify")}
+    return out
 
 
 EAGER_FREE = ("launch_seconds", "eager_matmul_seconds", "eager_matvec_seconds")

@@ -2,15 +2,17 @@
 and the bench files shipped for it."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from ...kernels.moe_layout import at_kernel_height
+from ...names import recorded_routing
 from .cost import LaunchCensus, counted_layer_kernels, round_cost
 from .fit import read_bench
 from .machines import (CALIBRATIONS, AdvisorError, Calibration, get_machine, load_calibration, machine_for_device,
                        profile_names)
-from .shapes import ExpertLoad, model_shape
+from .shapes import ExpertLoad, census_key, model_shape
 
 CHECK_TOLERANCE = 0.15
 CHECK_BUDGETS = (16, 1024)  # the budget range the first-principles check covers
@@ -57,6 +59,8 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             shape = model_shape(b.get("model") or "")
         except (AdvisorError, ValueError) as e:
             shape, why = None, why + [str(e)]
+        if shape is not None and shape.num_experts and shape.census_shape:  # its layers, routed as the file ran
+            shape = dataclasses.replace(shape, census_shape=census_key(shape.census_shape, recorded_routing(b)))
         census = None
         if not why and file_cal.launches_from == "census":
             try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...names import _argparse_type, is_budget, parse_budget
+from ...names import DEFAULT_ROUTING, _argparse_type, is_budget, parse_budget
 from ...stats import BAND, band, resamples
 from .cost import round_cost
 from .fit import read_bench
@@ -211,7 +211,7 @@ def project(full: ModelShape, lay: Layout | None, machine, link, taus: TauSet, c
                         "interconnect": None if link is None or lay is None else
                         {"kind": link.kind, "title": link.title, "source": link.source, "url": link.url},
                         "figures": figures or {}},
-            "context_tokens": ctx, "routing": "uniform" if full.num_experts else None,
+            "context_tokens": ctx, "routing": DEFAULT_ROUTING if full.num_experts else None,
             "tau_source": {"source": taus.source, **taus.detail},
             "rank_bench": {k: v for k, v in rank_bench.items() if k in ("file", "model")} or None,
             "ar": {"round": ar, "tokens_per_second": ar_tps}, "rows": rows, "best_budget": best["budget"],

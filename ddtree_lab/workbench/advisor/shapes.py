@@ -12,6 +12,7 @@ from typing import Mapping
 import numpy as np
 
 from ...kernels.moe_layout import expert_bytes, row_height
+from ...names import DEFAULT_ROUTING, routing_kind
 from .machines import AdvisorError
 
 
@@ -220,6 +221,14 @@ FULL_MODELS = {
         "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32, "strategy": "group",
                                                   "symmetric": True, "type": "int"}}}}},
 }
+
+
+def census_key(shape: str, routing: str | None = None) -> str:
+    """Where machines.json's `layer_census` keeps random shape `shape`'s layers counted under `routing` (a name a
+    run records): the shape's name for the default routing, `<shape> routing=<kind>` for another kind, whose
+    experts other kernels pick (the router's top-k, a trace's lookup)."""
+    kind = routing_kind(routing)
+    return shape if kind == DEFAULT_ROUTING else f"{shape} routing={kind}"
 
 
 def model_shape(name: str) -> ModelShape:
