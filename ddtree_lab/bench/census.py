@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .. import options
-from ..names import recorded_routing
+from ..names import DEFAULT_ROUTING, recorded_routing, routing_kind
 
 CENSUS_SMS = 132  # the H200's SMs: launch splits (attention's, the fused MoE's) follow the calibration GPU's
 # The kernel modules whose launches their own bench prices (advisor: moe_block_seconds, mla_call_seconds)
@@ -283,6 +283,22 @@ def counted_routing(kind: str, shape: str):
     cfg = shape_configs(shape)[0]
     ids = torch.arange(64 * cfg.num_experts_per_tok).remainder(cfg.num_experts).view(64, 1, -1)  # [tokens, layers, k]
     return RoutingTrace(ids, "census")
+
+
+def file_layer_census(bench: dict) -> dict[str, list[float]]:
+    """A compiled bench e2e JSON's layers, counted on this code: {"ar" | "verify": [extern kernels, fused runs]}
+    a layer of its random shape launches, under the routing it ran (ValueError: no random shape)."""
+    model = bench.get("model") or ""
+    if not model.startswith("random:"):
+        raise ValueError(f"census: {model!r} is no random shape; only a random shape's layers are counted")
+    from ..pairs.random import shape_configs, shape_entry
+
+    shape = model.split(":", 1)[1].split("@")[0]
+    if shape_entry(shape) is None:
+        raise ValueError(f"census: no random shape {shape!r}")
+    kind = routing_kind(recorded_routing(bench)) if shape_configs(shape)[0].is_moe else DEFAULT_ROUTING
+    routing = None if kind == DEFAULT_ROUTING else counted_routing(kind, shape)  # a trace's ids launch alike
+    return {stage: list(layer_census(shape, stage, routing=routing)) for stage in ("ar", "verify")}
 
 
 def e2e_census(bench: dict) -> list[dict | None]:

@@ -21,7 +21,7 @@ from ..prompts import read_prompt_set
 from ..runtime import device_defaults
 from . import MLA_CONTEXTS, MLA_HEADS, MLA_TREES
 from .timing import device_copy_gbps
-from .e2e import attach_census, bench_model, bench_prompts, profile_rounds, run_e2e
+from .e2e import attach_census, attach_layer_census, bench_model, bench_prompts, profile_rounds, run_e2e
 from .overhead import auto_overhead, auto_rounds, check_budget_span, moe_counting
 
 
@@ -160,7 +160,8 @@ def add_bench_args(p) -> None:
     c.add_argument("--out", default="outputs/bench/census.json", help="JSON written here")
     c.add_argument("--annotate", nargs="+", default=None, metavar="E2E_JSON",
                    help="instead: count each row of these bench e2e JSONs (eager layers) under the file's own "
-                        "settings and write the counts into its rows (`census`), which the advisor then prices")
+                        "settings and write the counts into its rows (`census`), or for compiled layers of a random "
+                        "shape a layer's kernels (`layer_census`), which the advisor then prices")
     c.set_defaults(device="meta", dtype="bfloat16")  # shapes only: a GPU's kernels, counted on any machine
     m = sub.add_parser("moe-counting", help="what a traced round's read of the MoE expert counts costs, against the "
                                             "round (bench/overhead.py)")
@@ -348,6 +349,9 @@ def bench_census(args) -> dict:
     from .census import census_layers, census_rows, e2e_census
 
     if args.annotate:
+        from ..environment import git_commit
+
+        commit = git_commit()  # before the first file is written
         for path in map(Path, args.annotate):
             try:
                 bench = json.loads(path.read_text())
@@ -355,6 +359,13 @@ def bench_census(args) -> dict:
                 raise ValueError(f"--annotate {path}: not a readable JSON file ({e.__class__.__name__})") from None
             if not isinstance(bench, dict) or bench.get("kind") != "e2e":
                 raise ValueError(f"--annotate {path}: not a 'bench e2e' JSON")
+            if bench.get("compile"):  # compiled layers: a layer's kernels, counted on this code
+                attach_layer_census(bench, commit)
+                if "layer_census_skipped" in bench:
+                    raise ValueError(f"--annotate {path}: {bench['layer_census_skipped']}")
+                atomic_write_json(path, bench, indent=2)
+                print(f"  counted a layer of {path}", file=sys.stderr)
+                continue
             for row, census in zip(bench["rows"], e2e_census(bench)):
                 if census is not None:
                     row["census"] = census

@@ -142,6 +142,19 @@ def attach_census(out: dict) -> None:
             row["census"] = census
 
 
+def attach_layer_census(out: dict, commit: str | None = None) -> None:
+    """A compiled bench e2e result of a random shape gets the kernels a layer of this code launches
+    (`layer_census`, bench/census.py: file_layer_census), which the advisor's check prices the file's layers
+    with; else the result says why not (`layer_census_skipped`)."""
+    from ..environment import git_commit
+    from .census import file_layer_census
+
+    try:
+        out["layer_census"], out["layer_census_counted_at"] = file_layer_census(out), commit or git_commit()
+    except (ValueError, RuntimeError) as e:
+        out["layer_census_skipped"] = f"{e.__class__.__name__}: {e}"
+
+
 def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
             routing=None, on_partial=None, methods=("ar", "dflash", "ddtree"), done_rows=()) -> dict:
     """`bench e2e`'s result; `on_partial(result)` (if given) gets the result so far after each run but the last,
@@ -169,6 +182,8 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
                          on_row=partial, done_rows=done_rows))
     if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
         attach_census(out)
+    if compile and model.startswith("random:"):  # compiled layers: what a layer of this code launches
+        attach_layer_census(out)
     if "roofline" in out:
         ar = next((r for r in out["rows"] if r["method"] == "ar"), None)
         if ar:

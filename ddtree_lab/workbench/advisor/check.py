@@ -61,6 +61,10 @@ def check_bench(paths: Sequence[str | Path], cal: Calibration | None = None,
             shape, why = None, why + [str(e)]
         if shape is not None and shape.num_experts and shape.census_shape:  # its layers, routed as the file ran
             shape = dataclasses.replace(shape, census_shape=census_key(shape.census_shape, recorded_routing(b)))
+        if shape is not None and shape.census_shape and b.get("layer_census") and file_cal is not None:
+            # the layers of the code the file ran, counted when it ran (or annotated): the stored count is today's
+            file_cal = dataclasses.replace(file_cal, layer_census={**file_cal.layer_census,
+                                                                   shape.census_shape: b["layer_census"]})
         census = None
         if not why and file_cal.launches_from == "census":
             try:
