@@ -120,7 +120,8 @@ def test_a_census_is_the_same_warmed_up_once_or_for_every_round():
 
 def test_annotate_counts_each_row_of_an_e2e_file_under_its_own_settings(tmp_path, capsys):
     """An eager bench e2e JSON gains each row's census, counted with the file's model, context and routing (a
-    file without `declared_routing` predates its kernel: torch); a budget="auto" row and a compiled file get none."""
+    file without `declared_routing` predates its kernel: torch); a budget="auto" row gets none, a compiled file
+    of a random shape a layer's kernels instead."""
     e2e = {"kind": "e2e", "model": "random:qwen3-30b-a3b@2", "compile": False, "prompt_len": 256,
            "attention": "triton", "routing": "uniform",
            "rows": [{"method": "ar", "budget": None}, {"method": "ddtree", "budget": 16},
@@ -136,9 +137,14 @@ def test_annotate_counts_each_row_of_an_e2e_file_under_its_own_settings(tmp_path
         assert (got["kernels"], got["matmuls"], got["activation_bytes"]) == (
             want[stage].kernels, want[stage].matmuls, want[stage].activation_bytes)
     assert ar["census"]["verify"]["matmuls"] >= 2 * 3  # two layers' projections at least
-    path.write_text(json.dumps({**e2e, "compile": True}))
+    path.write_text(json.dumps({**e2e, "compile": True}))  # compiled: a layer's kernels, under its routing
+    assert main(["bench", "census", "--annotate", str(path), "--out", str(tmp_path / "c.json")]) == 0
+    annotated = json.loads(path.read_text())
+    assert annotated["layer_census"] == {s: list(C.layer_census("qwen3-30b-a3b", s)) for s in ("ar", "verify")}
+    assert "census" not in annotated["rows"][0]
+    path.write_text(json.dumps({**e2e, "compile": True, "model": "lab"}))  # a pair's layers are not counted
     assert main(["bench", "census", "--annotate", str(path), "--out", str(tmp_path / "c.json")]) == 2
-    assert "compile=True" in capsys.readouterr().err
+    assert "no random shape" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])

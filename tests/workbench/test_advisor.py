@@ -144,7 +144,7 @@ def test_an_ar_steps_kernels_are_shorter_than_a_trees():
     assert abs(ar(cal)) < 0.05 and ar(dataclasses.replace(cal, one_row_launch_seconds=0.0)) > 0.15
 
 
-def test_compiled_layers_launch_what_their_census_counts():
+def test_compiled_layers_launch_what_their_census_counts(tmp_path):
     """Compiled layers' kernels a layer: the census's kernels compile leaves alone plus kernels_per_fused_run a
     run of fused ops, fitted so the dense profile's shape gives its profiled count. The stored census is today's
     count; a Kimi rank's layer launches about 26 kernels besides its MLA and MoE ones, not the dense layer's 14.3
@@ -162,15 +162,18 @@ def test_compiled_layers_launch_what_their_census_counts():
     rows = [r for c in A.check_bench(files)["checked"] for r in c["rows"]]
     assert len(rows) == 16 and all(abs(r["error"]) <= 0.10 for r in rows)
     dense_counts = dataclasses.replace(cal, layer_census={})
-    ep8_ar = next(r for r in A.check_bench(files[:1], dense_counts)["checked"][0]["rows"] if r["method"] == "ar")
+    uncounted = tmp_path / files[0].name  # without the file's own count (a later test: it wins)
+    uncounted.write_text(json.dumps({k: v for k, v in json.loads(files[0].read_text()).items()
+                                     if not k.startswith("layer_census")}))
+    ep8_ar = next(r for r in A.check_bench([uncounted], dense_counts)["checked"][0]["rows"] if r["method"] == "ar")
     assert ep8_ar["error"] < -0.10
 
 
-def test_a_file_is_priced_with_the_layers_of_the_routing_it_ran():
+def test_a_file_is_priced_with_the_layers_of_the_routing_it_ran(tmp_path):
     """The router's top-k and a trace's lookup launch other kernels than uniform routing's: the stored census
-    holds an MoE shape under each, and the check prices a file by the routing it records (none: the router's, as
-    every file before routing was declared ran). The compiled Qwen3-30B-A3B file ran the router's: priced with
-    uniform routing's layers its AR step comes out several % slower than priced with its own."""
+    holds an MoE shape under each, and the check prices a file without its own count by the routing it records
+    (none: the router's, as every file before routing was declared ran). The compiled Qwen3-30B-A3B file ran the
+    router's: priced with uniform routing's layers its AR step comes out several % slower than with its own."""
     cal = A.load_calibration()
     moe = A.model_shape("random:qwen3-30b-a3b")
     keys = {k: A.census_key(moe.census_shape, k) for k in ("uniform", "router", "trace:dump.json", None)}
@@ -178,14 +181,41 @@ def test_a_file_is_priced_with_the_layers_of_the_routing_it_ran():
     kernels = {k: A.counted_layer_kernels(dataclasses.replace(moe, census_shape=v), cal, "ar")
                for k, v in keys.items()}
     assert None not in kernels.values() and kernels["router"] < kernels["uniform"] < kernels["trace:dump.json"]
-    path = BENCH / "e2e_random_qwen3_30b_a3b_triton_compile.json"
-    assert "routing" not in json.loads(path.read_text())
+    bench = json.loads((BENCH / "e2e_random_qwen3_30b_a3b_triton_compile.json").read_text())
+    assert "routing" not in bench
+    path = tmp_path / "e2e_router.json"
+    path.write_text(json.dumps({k: v for k, v in bench.items() if not k.startswith("layer_census")}))
     own = A.check_bench([path])["checked"][0]["rows"]
     uniform = dict(A.machines_data()["calibration"]["layer_census"])
     uniform[keys["router"]] = uniform[keys["uniform"]]
     as_uniform = A.check_bench([path], dataclasses.replace(cal, layer_census=uniform))["checked"][0]["rows"]
     ar = lambda rows: next(r["predicted_seconds"] for r in rows if r["method"] == "ar")
     assert ar(as_uniform) > 1.05 * ar(own)
+
+
+def test_a_compiled_file_is_priced_with_the_layers_of_the_code_it_ran(tmp_path):
+    """A compiled bench of a random shape records what a layer of its code launched (`layer_census`, counted
+    when it ran or annotated later); the check prices its layers with that, not with today's stored count, so a
+    change that launches fewer kernels does not make an older measurement look slow. Every shipped compiled file
+    of a random shape carries one, counted under the routing it ran."""
+    from ddtree_lab.bench.census import file_layer_census
+
+    shipped = [json.loads(Path(p).read_text()) for p in A.shipped_bench_files()]
+    compiled = [b for b in shipped if b.get("compile") and b["model"].startswith("random:")]
+    assert len(compiled) >= 6 and all(b.get("layer_census") for b in compiled)
+    assert all(len(b["layer_census_counted_at"]) == 40 for b in compiled)  # the commit whose code it counted
+    kimi = next(b for b in compiled if b["model"].startswith("random:kimi-k2.6-ep8-rank"))
+    router = next(b for b in compiled if b["model"] == "random:qwen3-30b-a3b")  # counted under its routing
+    assert router["layer_census"] == file_layer_census({"model": router["model"], "routing": "router"})
+    fewer = {**kimi, "layer_census": {s: [e - 3, r] for s, (e, r) in kimi["layer_census"].items()}}
+    path, fewer_path = tmp_path / "kimi.json", tmp_path / "kimi_fewer.json"
+    path.write_text(json.dumps(kimi))
+    fewer_path.write_text(json.dumps(fewer))
+    ar = lambda p: next(r["predicted_seconds"] for r in A.check_bench([p])["checked"][0]["rows"]
+                        if r["method"] == "ar")
+    cal = A.load_calibration()
+    layers = A.model_shape(kimi["model"]).layers
+    assert ar(path) - ar(fewer_path) == pytest.approx(3 * layers * cal.one_row_launch_seconds, rel=1e-6)
 
 
 def test_stored_moe_terms_are_what_calibrate_moe_fits_and_price_moe_rounds():
