@@ -198,6 +198,8 @@ def _rows_of(name: str, module, ours: str, param: torch.Tensor, n_parts: int) ->
     if ".experts." in name:  # per-expert tensors: gate/up [I, H] rows of gate_up, down [H, I] rows of down
         rows = cfg.hidden_size if ".down_proj." in name else cfg.moe_intermediate_size
         return -(-rows // VALUES_PER_WORD) if name.endswith("weight_zero_point") else rows  # INT4 zero points: 8 a word
+    if f".{MLA_FUSED_DOWN[0]}." in ours:  # q_a_proj's rows, then kv_a_proj_with_mqa's
+        return cfg.mla.q_lora_rank if ".q_a_proj." in name else cfg.mla.cache_width
     if ".wqkv." in ours:
         kind = name.split(".")[-2]  # q_proj | k_proj | v_proj
         heads = cfg.num_attention_heads if kind == "q_proj" else cfg.num_key_value_heads
@@ -224,8 +226,11 @@ def _layer_mapping(prefix: str, i: int, qk_norm: bool, bias: bool) -> dict[str, 
     return m
 
 
-MLA_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-MLA_Q_PROJECTIONS = {False: ("q_a_proj", "q_a_layernorm", "q_b_proj"), True: ("q_proj",)}  # by q_lora_rank is None
+MLA_PROJECTIONS = ("kv_a_layernorm", "kv_b_proj", "o_proj")
+# by q_lora_rank is None: without a q LoRA, q_proj and kv_a_proj_with_mqa; with one, its norm and up projection
+# (its down projection is fused with kv_a_proj_with_mqa: MLA_FUSED_DOWN)
+MLA_Q_PROJECTIONS = {False: ("q_a_layernorm", "q_b_proj"), True: ("q_proj", "kv_a_proj_with_mqa")}
+MLA_FUSED_DOWN = ("qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"))  # ours, then the stored ones in its rows
 
 
 def _mla_layer_mapping(i: int, cfg: TargetConfig) -> dict[str, list[str]]:
@@ -234,6 +239,9 @@ def _mla_layer_mapping(i: int, cfg: TargetConfig) -> dict[str, list[str]]:
     m = {f"{ours}.{n}.weight": [f"{src}.{n}.weight"] for n in ("input_layernorm", "post_attention_layernorm")}
     for proj in MLA_Q_PROJECTIONS[cfg.mla.q_lora_rank is None] + MLA_PROJECTIONS:
         m[f"{ours}.self_attn.{proj}.weight"] = [f"{src}.self_attn.{proj}.weight"]
+    if cfg.mla.q_lora_rank is not None:
+        fused, parts = MLA_FUSED_DOWN
+        m[f"{ours}.self_attn.{fused}.weight"] = [f"{src}.self_attn.{p}.weight" for p in parts]
     m[f"{ours}.mlp.gate_up.weight"] = [f"{src}.mlp.gate_proj.weight", f"{src}.mlp.up_proj.weight"]
     m[f"{ours}.mlp.down.weight"] = [f"{src}.mlp.down_proj.weight"]
     return m

@@ -47,11 +47,13 @@ class MlaAttention(nn.Module):
         qk = mla.qk_head_dim
         if mla.q_lora_rank is None:
             self.q_proj = Linear(hidden, n_heads * qk, bias=False)
+            self.kv_a_proj_with_mqa = Linear(hidden, mla.cache_width, bias=False)
         else:
-            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=False)
+            # the two down projections read the same input: one matmul, q_a_proj's rows then kv_a_proj_with_mqa's
+            # (q_proj, split by heads under tensor parallelism, stays apart from the replicated kv_a)
+            self.qkv_a_proj = Linear(hidden, mla.q_lora_rank + mla.cache_width, bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(mla.q_lora_rank, n_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = Linear(hidden, mla.cache_width, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(mla.kv_lora_rank, n_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = Linear(n_heads * mla.v_head_dim, hidden, bias=False)
@@ -67,19 +69,28 @@ class MlaAttention(nn.Module):
         nope + R], not absorbed), and the cache rows [B, T, C + R] ([normed latent ; roped k_pe])."""
         B, T, _ = h.shape
         m = self.mla
-        q = self.q_proj(h) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        if m.q_lora_rank is None:
+            q, kv = self.q_proj(h), self.kv_a_proj_with_mqa(h)
+        else:
+            q_a, kv = self.qkv_a_proj(h).split([m.q_lora_rank, m.cache_width], dim=-1)  # [B, T, q_lora], [B, T, C + R]
+            q_a = self.q_a_layernorm(q_a)
+        latent, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        if m.rope_interleave:
+            k_pe = deinterleave(k_pe)
+        # the cache rows before q_b_proj: their norm and RoPE run with q_a's norm, between the same two matmuls
+        rows = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)
+        if m.q_lora_rank is not None:
+            q = self.q_b_proj(q_a)
         q = q.view(B, T, self.n_heads, m.qk_head_dim).transpose(1, 2)              # [B, H, T, nope + R]
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         if m.rope_interleave:
-            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+            q_pe = deinterleave(q_pe)
         if expanded:
             q_out = torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1)        # [B, H, T, nope + R]
         else:
             w_uk, _ = self.absorbed()
             q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)                   # [B, H, T, C]
             q_out = torch.cat([q_lat, apply_rope(q_pe, cos, sin)], dim=-1)         # [B, H, T, C + R]
-        rows = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)
         return q_out, rows
 
     def expanded_attention(self, q: torch.Tensor, rows: torch.Tensor, mask) -> torch.Tensor:

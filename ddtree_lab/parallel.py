@@ -55,7 +55,7 @@ class Split:
 
 # Stored [out, in] projections (and q/k/v biases [out]) split by output rows: column-parallel.
 # MLA: the per-head expansions (q_b_proj, or q_proj without a q LoRA, and kv_b_proj) split by heads; the shared
-# latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
+# latent projections (q_a_proj and kv_a_proj_with_mqa, one fused parameter) and their norms are replicated.
 # INT4 experts (quant.py) split as their dense weights: packed words, scales and zero points alike (gate/up by
 # rows, zero points 8 rows a word; down by columns, K/8 words and K/G groups).
 _INT4 = ("weight_packed", "weight_scale", "weight_zero_point")
