@@ -263,13 +263,13 @@ def layer_census(shape: str, stage: str, prompt_len: int = 512, routing: str | N
         raise ValueError(f"layer_census: stage {stage!r} is not 'ar' or 'verify'")
     method, budget = ("ar", None) if stage == "ar" else ("ddtree", LAYER_BUDGET)
     (e0, r0), (e1, r1) = ((s.extern, s.fused_runs) for s in
-                          (round_census(f"random:{shape}@{depth}", method, budget, prompt_len, routing=routing)["verify"]
-                           for depth in LAYER_DEPTHS))
+                          (round_census(f"random:{shape}@{depth}", method, budget, prompt_len,
+                                        routing=routing)["verify"] for depth in LAYER_DEPTHS))
     layers = LAYER_DEPTHS[1] - LAYER_DEPTHS[0]
     return (e1 - e0) / layers, (r1 - r0) / layers
 
 
-OTHER_ROUTINGS = ("router", "trace")  # counted for an MoE shape beside its default (the kinds names.routing_kind tells apart)
+OTHER_ROUTINGS = ("router", "trace")  # kinds (names.routing_kind) counted for an MoE shape beside its default
 
 
 def counted_routing(kind: str, shape: str):
