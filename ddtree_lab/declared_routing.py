@@ -80,10 +80,12 @@ class DeclaredRouting(torch.nn.Module):
         self.cursor.add_(T)
         return self.table[rows]
 
-    def route(self, logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k]): the declared experts, weighted by the
-        router's scores at them (moe_layout.declared_weights_reference). One launch where the Triton kernels run
+    def route(self, logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float,
+              local_index: torch.Tensor | None = None,
+              ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k] ids_dtype): the declared experts, weighted
+        by the router's scores at them (moe_layout.declared_weights_reference), the ids mapped through
+        `local_index` when given (an expert-parallel rank's places). One launch where the Triton kernels run
         (kernels/declared_route.py; options.declared_routing chooses), a trace's ids looked up first."""
         T, E = logits.shape
         choice = options.current().declared_routing
@@ -94,9 +96,10 @@ class DeclaredRouting(torch.nn.Module):
                 given = None if self.model == "uniform" else self.ids(T, E, top_k, logits.device)
                 return declared_route.declared_route(logits, top_k, scoring, renormalize, scaling,
                                                      keys=self.keys if given is None else None, layer=self.layer,
-                                                     ids=given)
+                                                     ids=given, local_index=local_index, ids_dtype=ids_dtype)
         ids = self.ids(T, E, top_k, logits.device)
-        return declared_weights_reference(logits, ids, scoring, renormalize, scaling), ids
+        weights = declared_weights_reference(logits, ids, scoring, renormalize, scaling)
+        return weights, (ids if local_index is None else local_index[ids]).to(ids_dtype)
 
 
 def token_keys(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -219,20 +219,25 @@ class SparseMoE(nn.Module):
         """[experts_here] tokens per expert held here in the last forward (the pairs routed elsewhere left out)."""
         return self.counts[:self.experts_here]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] fp32, ids [T, k]) in torch (fixed shapes): a grouped router's, or the
-        declared experts weighted by the router's own scores at them, normalised as the model does."""
+    def route(self, x: torch.Tensor, local: bool = False,
+              ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, ids [T, k] ids_dtype) in fixed shapes: a grouped router's (torch), or
+        the declared experts weighted by the router's own scores at them, normalised as the model does (one launch
+        where Triton runs). `local`: the ids as places in the stack held here (experts_here: held elsewhere), else
+        the experts' own."""
         r = self.routing
+        place = self.local_index if local and self.held else None
+        if self.declared is not None:
+            scoring, scaling = ("softmax", 1.0) if r is None else (r.scoring, r.scaling)
+            logits = F.linear(x, self.router.weight) if r is None else F.linear(x.float(), self.router.weight)
+            return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype)
         if r is None:
-            logits = F.linear(x, self.router.weight)
-            if self.declared is None:
-                return route_reference(logits, self.top_k, self.renormalize)
-            return self.declared.route(logits, self.top_k, "softmax", self.renormalize, 1.0)
-        logits = F.linear(x.float(), self.router.weight)                                      # [T, E] fp32
-        if self.declared is None:
-            return route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k, r.n_group,
-                                           r.topk_group, r.scoring, self.renormalize, r.scaling)
-        return self.declared.route(logits, self.top_k, r.scoring, self.renormalize, r.scaling)
+            weights, ids = route_reference(F.linear(x, self.router.weight), self.top_k, self.renormalize)
+        else:
+            logits = F.linear(x.float(), self.router.weight)                                  # [T, E] fp32
+            weights, ids = route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k,
+                                                   r.n_group, r.topk_group, r.scoring, self.renormalize, r.scaling)
+        return weights, (ids if place is None else place[ids]).to(ids_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
@@ -254,10 +259,9 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
     config = dict(options.current().moe_launch) or None  # launch overrides for the run (bench --moe-config)
     if moe.routing is not None or moe.declared is not None or moe.held:
-        weights, ids = moe.route(x)
+        # [T, k] places in the stack (experts_here: held elsewhere), int32 as the kernels take them
+        weights, ids = moe.route(x, local=True, ids_dtype=torch.int32 if triton else torch.int64)
         elsewhere = bool(moe.held)
-        if elsewhere:
-            ids = moe.local_index[ids]  # [T, k] places in the stack; experts_here: held elsewhere
         if triton:
             from .kernels.fused_moe import fused_moe_routed
 

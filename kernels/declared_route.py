@@ -2,7 +2,9 @@
 
     declared_route(logits, top_k, scoring, renormalize, scaling, keys=, layer=)  uniform: hash, top-k, weights
     declared_route(logits, top_k, scoring, renormalize, scaling, ids=)           given experts (a trace): weights
-    references (moe_layout.py): uniform_ids_reference, then declared_weights_reference
+        with local_index= / ids_dtype=: the ids as the expert kernels take them (an expert-parallel rank's
+        places, int32), in the same launch
+    references (moe_layout.py): uniform_ids_reference, then declared_weights_reference (and local_index[ids])
 
 Uniform routing scores expert e of token t by hash(key_t, layer, e), a few multiply-xorshift rounds modulo the
 prime 2^31 − 1, and takes the top_k, best first. The scores are integers, so the kernel's experts equal the
@@ -47,10 +49,10 @@ def _mod_prime(x, PRIME: tl.constexpr):
 
 
 @triton.jit
-def _declared_route_kernel(Logits, Keys, Ids, Weights, T, E, s_lt, layer_term, M0, M2, M3, scaling,
+def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, T, E, s_lt, layer_term, M0, M2, M3, scaling,
                            PRIME: tl.constexpr, HASH: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-                           TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           LOCAL: tl.constexpr, STORE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program: BLOCK_T tokens × every expert
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                       # [BT]
     e = tl.arange(0, BLOCK_E).to(tl.int64)                                        # [BE]
@@ -78,10 +80,13 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, T, E, s_lt, layer_term, M
             pick = _INDEX_MASK - (best & _INDEX_MASK)
             picks = tl.where(j[None, :] == k, pick[:, None], picks)
             x = tl.where(x == best[:, None], -1, x)
-        tl.store(Ids + t[:, None] * TOP_K + j[None, :], picks, mask=live[:, None] & (j[None, :] < TOP_K))
     else:
         picks = tl.load(Ids + t[:, None] * TOP_K + j[None, :], mask=live[:, None] & (j[None, :] < TOP_K),
                         other=0).to(tl.int64)
+    if STORE:  # the experts as the caller takes them: an expert-parallel rank's places in its stack, its dtype
+        out = tl.load(Local + picks) if LOCAL else picks                         # [BT, BK]
+        tl.store(Out + t[:, None] * TOP_K + j[None, :], out.to(Out.dtype.element_ty),
+                 mask=live[:, None] & (j[None, :] < TOP_K))
     w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         pick = tl.sum(tl.where(j[None, :] == k, picks, 0), axis=1)                # [BT]
@@ -93,35 +98,42 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, T, E, s_lt, layer_term, M
 
 
 def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float = 1.0, *,
-                   keys: torch.Tensor | None = None, layer: int = 0,
-                   ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (the router's) -> (weights [T, top_k] fp32, ids [T, top_k] int64). The experts are uniform
+                   keys: torch.Tensor | None = None, layer: int = 0, ids: torch.Tensor | None = None,
+                   local_index: torch.Tensor | None = None,
+                   ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (the router's) -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype). The experts are uniform
     routing's for `keys` [T] int64 (≥ 0) at `layer`, or the given `ids` [T, top_k]; the weights are their
-    scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. Fixed shapes, no host
-    read (graph-safe)."""
+    scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. `local_index` [E]
+    int64 (an expert-parallel rank's place for each expert) maps the ids returned, in the same launch (reference:
+    local_index[ids]); the weights stay the routed experts'. Fixed shapes, no host read (graph-safe)."""
     T, E = logits.shape
     assert scoring in SCORINGS, f"scoring={scoring!r} is not one of {SCORINGS}"
     assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
     assert 1 <= top_k <= E <= MAX_EXPERTS, (top_k, E)
+    assert local_index is None or local_index.shape == (E,), "local_index: one place for each of the E experts"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     hashed = keys is not None
     if hashed:
         assert keys.shape == (T,), (tuple(keys.shape), T)
-        keys, ids = keys.contiguous(), torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+        keys = keys.contiguous()
     else:
         assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
         ids = ids.contiguous()
         keys = ids  # unread without the hash
+    # given experts come back as they were, unless mapped or of another dtype; picked ones are always written
+    store = hashed or local_index is not None or ids.dtype != ids_dtype
+    out = torch.empty(T, top_k, dtype=ids_dtype, device=x.device) if store else ids
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     if T == 0:
-        return weights, ids
+        return weights, out
     BLOCK_E = triton.next_power_of_2(E)
     # a token a program, in one warp up to 512 experts: the top-k's reductions stay inside a warp, and a tree's
     # tokens run side by side
     M = UNIFORM_MIX
     _declared_route_kernel[(T,)](
-        x, keys, ids, weights, T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling),
+        x, keys, out if hashed else ids, weights, local_index if local_index is not None else out, out,
+        T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling),
         PRIME=UNIFORM_PRIME, HASH=hashed, SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize),
-        TOP_K=top_k, BLOCK_T=1, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=min(8, max(1, BLOCK_E // 512)))
-    return weights, ids
+        LOCAL=local_index is not None, STORE=store, TOP_K=top_k, BLOCK_T=1, BLOCK_E=BLOCK_E,
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=min(8, max(1, BLOCK_E // 512)))
+    return weights, out

@@ -91,16 +91,18 @@ CASES = [
      {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "ChunkCounts": "*i32", "T": "i32", "E": "i32",
       "s_row": "i32"},
      {"TOP_K": 8, "RENORM": True, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_K": 8}),
-    ("declared_route", "_declared_route_kernel",  # a Kimi layer: 384 experts, top-8, sigmoid, a deep layer
-     {"Logits": "*fp32", "Keys": "*i64", "Ids": "*i64", "Weights": "*fp32", "T": "i32", "E": "i32", "s_lt": "i32",
-      "layer_term": "i64", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32"},
-     {"PRIME": 2_147_483_647, "HASH": True, "SIGMOID": True, "RENORM": True, "TOP_K": 8, "BLOCK_T": 1,
-      "BLOCK_E": 512, "BLOCK_K": 8}),
+    ("declared_route", "_declared_route_kernel",  # a Kimi EP8 rank: 384 experts, top-8, sigmoid, its places, int32
+     {"Logits": "*fp32", "Keys": "*i64", "Ids": "*i32", "Weights": "*fp32", "Local": "*i64", "Out": "*i32",
+      "T": "i32", "E": "i32", "s_lt": "i32", "layer_term": "i64", "M0": "i32", "M2": "i32", "M3": "i32",
+      "scaling": "fp32"},
+     {"PRIME": 2_147_483_647, "HASH": True, "SIGMOID": True, "RENORM": True, "LOCAL": True, "STORE": True,
+      "TOP_K": 8, "BLOCK_T": 1, "BLOCK_E": 512, "BLOCK_K": 8}),
     ("declared_route", "_declared_route_kernel",  # Qwen3-30B-A3B from a trace: given experts, softmax, bf16 logits
-     {"Logits": "*bf16", "Keys": "*i64", "Ids": "*i64", "Weights": "*fp32", "T": "i32", "E": "i32", "s_lt": "i32",
-      "layer_term": "i32", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32"},
-     {"PRIME": 2_147_483_647, "HASH": False, "SIGMOID": False, "RENORM": True, "TOP_K": 8, "BLOCK_T": 1,
-      "BLOCK_E": 128, "BLOCK_K": 8}),
+     {"Logits": "*bf16", "Keys": "*i64", "Ids": "*i64", "Weights": "*fp32", "Local": "*i32", "Out": "*i32",
+      "T": "i32", "E": "i32", "s_lt": "i32", "layer_term": "i32", "M0": "i32", "M2": "i32", "M3": "i32",
+      "scaling": "fp32"},
+     {"PRIME": 2_147_483_647, "HASH": False, "SIGMOID": False, "RENORM": True, "LOCAL": False, "STORE": True,
+      "TOP_K": 8, "BLOCK_T": 1, "BLOCK_E": 128, "BLOCK_K": 8}),
     ("fused_moe", "_route_align_kernel",  # routing and the sort in one program (AR's step)
      {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32",
       "SlotStart": "*i32", "SortedPairs": "*i32", "T": "i32", "P": "i32", "E": "i32", "S": "i32", "s_row": "i32"},

@@ -84,6 +84,28 @@ def test_given_experts_take_their_scores(dtype, scoring, renorm):
     assert torch.allclose(weights, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_an_expert_parallel_ranks_places_come_from_the_same_launch(given):
+    """local_index maps the ids the kernel returns (an EP8 rank of 48 of 384 experts: its places 0..47, 48 for an
+    expert held elsewhere), in the dtype asked for; the weights stay those of the experts routed to."""
+    T, E, k = 9, 384, 8
+    keys, logits = inputs(T, E, 11)
+    held = torch.arange(96, 144)  # rank 2's experts
+    local = torch.full((E,), len(held), dtype=torch.int64)
+    local[held] = torch.arange(len(held))
+    local = local.to(DEVICE)
+    experts = uniform_ids_reference(keys, 7, E, k)
+    route = dict(ids=experts) if given else dict(keys=keys, layer=7)
+    weights, ids = declared_route(logits, k, "sigmoid", True, 2.5, local_index=local, ids_dtype=torch.int32, **route)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), local[experts])
+    assert ((ids < len(held)) == ((experts >= 96) & (experts < 144))).all()
+    want = declared_weights_reference(logits, experts, "sigmoid", True, 2.5)
+    assert torch.allclose(weights, want, rtol=1e-5, atol=1e-7)
+    given_ids = experts.contiguous()
+    _, same = declared_route(logits, k, "sigmoid", True, 2.5, ids=given_ids)
+    assert same is given_ids  # given ids, neither mapped nor converted, come back as they were (nothing written)
+
+
 def test_no_tokens_and_bad_arguments():
     keys, logits = inputs(3, 8, 1)
     w, ids = declared_route(logits[:0], 2, "softmax", True, keys=keys[:0])
