@@ -233,10 +233,18 @@ class SparseMoE(nn.Module):
             return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype)
         if r is None:
             weights, ids = route_reference(F.linear(x, self.router.weight), self.top_k, self.renormalize)
-        else:
-            logits = F.linear(x.float(), self.router.weight)                                  # [T, E] fp32
-            weights, ids = route_grouped_reference(logits, self.router.e_score_correction_bias, self.top_k,
-                                                   r.n_group, r.topk_group, r.scoring, self.renormalize, r.scaling)
+            return weights, (ids if place is None else place[ids]).to(ids_dtype)
+        logits = F.linear(x.float(), self.router.weight)                                      # [T, E] fp32
+        bias = self.router.e_score_correction_bias
+        choice = options.current().declared_routing
+        if choice == "triton" or (choice is None and use_triton(x.device)):
+            from .kernels.declared_route import MAX_EXPERTS, grouped_route
+
+            if self.num_experts <= MAX_EXPERTS:  # one launch, the places and their dtype included
+                return grouped_route(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring, self.renormalize,
+                                     r.scaling, local_index=place, ids_dtype=ids_dtype)
+        weights, ids = route_grouped_reference(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring,
+                                               self.renormalize, r.scaling)
         return weights, (ids if place is None else place[ids]).to(ids_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

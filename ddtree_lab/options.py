@@ -29,8 +29,9 @@ class Options:
     tree_build: str | None = None
     # The per-depth top-K over the vocabulary: "torch" or "triton" (kernels/vocab_topk.py); None: torch.
     tree_topk: str | None = None
-    # A declared MoE routing (random shapes, replayed traces): "triton" (kernels/declared_route.py, one launch) or
-    # "torch" (kernels/moe_layout.py's references); None: Triton where the tree kernels run.
+    # A declared MoE routing (random shapes, replayed traces), and a grouped router's choice (DeepSeek-V3): "triton"
+    # (kernels/declared_route.py, one launch) or "torch" (kernels/moe_layout.py's references); None: Triton where the
+    # tree kernels run.
     declared_routing: str | None = None
     # Host reads of new tokens in flight before the host waits for one; None: 1 on CUDA, 0 elsewhere
     # (on the CPU nothing runs while the host reads, so a lag would only compute a round past the stop).

@@ -1,10 +1,13 @@
-"""A declared routing in one launch: each token's experts (uniform's hash, or given) and their weights.
+"""An MoE routing in one launch: each token's experts (uniform's hash, given, or a grouped router's choice) and
+their weights.
 
     declared_route(logits, top_k, scoring, renormalize, scaling, keys=, layer=)  uniform: hash, top-k, weights
     declared_route(logits, top_k, scoring, renormalize, scaling, ids=)           given experts (a trace): weights
-        with local_index= / ids_dtype=: the ids as the expert kernels take them (an expert-parallel rank's
+    grouped_route(logits, bias, top_k, n_group, topk_group, scoring, ...)       DeepSeek-V3's grouped router
+        each with local_index= / ids_dtype=: the ids as the expert kernels take them (an expert-parallel rank's
         places, int32), in the same launch
-    references (moe_layout.py): uniform_ids_reference, then declared_weights_reference (and local_index[ids])
+    references (moe_layout.py): uniform_ids_reference, then declared_weights_reference; route_grouped_reference
+    (and local_index[ids])
 
 Uniform routing scores expert e of token t by hash(key_t, layer, e), a few multiply-xorshift rounds modulo the
 prime 2^31 − 1, and takes the top_k, best first. The scores are integers, so the kernel's experts equal the
@@ -12,6 +15,12 @@ reference's exactly: it takes the maximum top_k times, the smallest index among 
 reference's stable descending sort), and strikes each pick. Every product is of two residues below 2^31, exact in
 int64. The weights are the router's own scores at those experts (softmax over the row, or sigmoid), in fp32 as
 the reference computes them; the sums run in another order, so they agree to rounding, not bit for bit.
+
+A grouped router (DeepSeek-V3, Kimi K2) packs each expert's corrected score, as an int32 in the floats' order,
+above its index the same way: the groups' sums of their best two, then the open groups' top_k, are the same
+repeated maximum. The choice is as exact as the scores: on a GPU the sigmoid is torch's (expf, a correctly
+rounded division), so the experts are torch's bit for bit; under the interpreter (no libdevice) numpy's, which
+may round otherwise, so the CPU tests keep the experts' scores apart.
 
 Why: in torch a declared routing is about twenty launches in every MoE layer of every forward (the hash's
 elementwise steps and sort, then the scores, gather and normalisation), where a trained router's top-k is fused
@@ -24,17 +33,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 try:
     from .moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
-    from .moe_layout import declared_weights_reference, uniform_ids_reference  # noqa: F401 (the references)
-except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): its neighbour
+    from .moe_layout import declared_weights_reference, route_grouped_reference, uniform_ids_reference  # noqa: F401
+    from .tree_attention import _interpret
+except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): its neighbours
     from moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
-    from moe_layout import declared_weights_reference, uniform_ids_reference  # noqa: F401
+    from moe_layout import declared_weights_reference, route_grouped_reference, uniform_ids_reference  # noqa: F401
+    from tree_attention import _interpret
 
 MAX_EXPERTS = 4096  # a token's row of logits sits in registers
 _INDEX_BITS = tl.constexpr(12)  # an expert index below MAX_EXPERTS, packed under its score (the top-k's one max)
 _INDEX_MASK = tl.constexpr(MAX_EXPERTS - 1)
+_NONE = tl.constexpr(-(1 << 62))  # below every packed key (an int32 key shifted by _INDEX_BITS): struck, or padding
 assert MAX_EXPERTS == 1 << 12
 SCORINGS = ("softmax", "sigmoid")
 
@@ -49,10 +62,20 @@ def _mod_prime(x, PRIME: tl.constexpr):
 
 
 @triton.jit
-def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, T, E, s_lt, layer_term, M0, M2, M3, scaling,
-                           PRIME: tl.constexpr, HASH: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-                           LOCAL: tl.constexpr, STORE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _float_order(v):
+    """fp32 values -> int32 keys in the same order (negative floats' magnitude bits flipped)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s_lt, layer_term, M0, M2, M3,
+                           scaling, group_size,
+                           PRIME: tl.constexpr, HASH: tl.constexpr, CHOOSE: tl.constexpr, SIGMOID: tl.constexpr,
+                           RENORM: tl.constexpr, LOCAL: tl.constexpr, STORE: tl.constexpr, TOP_K: tl.constexpr,
+                           N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, PRECISE: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_G: tl.constexpr):
     # one program: BLOCK_T tokens × every expert
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                       # [BT]
     e = tl.arange(0, BLOCK_E).to(tl.int64)                                        # [BE]
@@ -62,24 +85,50 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, T, E, s_lt, l
     logits = tl.load(Logits + row[:, None] * s_lt + e[None, :], mask=e[None, :] < E,
                      other=float("-inf")).to(tl.float32)                         # [BT, BE]
     if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
+        if PRECISE:  # as torch computes it on a GPU: expf, then a correctly rounded division (the same bits)
+            scores = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-logits))
+        else:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
         z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         scores = z / tl.sum(z, axis=1)[:, None]
     picks = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
-    if HASH:
-        key = tl.load(Keys + t, mask=live, other=0).to(tl.int64)
-        x = _mod_prime(((key % PRIME) * M0 + layer_term)[:, None] + e[None, :] * M2, PRIME)   # [BT, BE]
-        x = _mod_prime((x ^ (x >> 13)) * M3, PRIME)
-        x = _mod_prime((x ^ (x >> 7)) * M0, PRIME)
+    if HASH or CHOOSE:
+        if HASH:  # uniform: the hash of (key, layer, expert), a residue below 2^31
+            key = tl.load(Keys + t, mask=live, other=0).to(tl.int64)
+            x = _mod_prime(((key % PRIME) * M0 + layer_term)[:, None] + e[None, :] * M2, PRIME)   # [BT, BE]
+            x = _mod_prime((x ^ (x >> 13)) * M3, PRIME)
+            x = _mod_prime((x ^ (x >> 7)) * M0, PRIME)
+        else:  # a grouped router: the scores plus the correction bias, in fp32 order
+            choice = scores + tl.load(Bias + e, mask=e < E, other=0.0).to(tl.float32)[None, :]  # [BT, BE]
+            x = _float_order(choice).to(tl.int64)
         # score and index in one int64, so one max takes the best score and, among equals, the smallest index;
         # padding never wins
-        x = tl.where(e[None, :] < E, (x << _INDEX_BITS) | (_INDEX_MASK - e[None, :]), -1)
+        x = tl.where(e[None, :] < E, (x << _INDEX_BITS) | (_INDEX_MASK - e[None, :]), _NONE)
+        if CHOOSE and N_GROUP > 1:  # only the TOPK_GROUP groups whose best two choices sum highest stay open
+            group = e // group_size                                               # [BE]
+            g_idx = tl.arange(0, BLOCK_G)
+            gx = tl.full([BLOCK_T, BLOCK_G], _NONE, tl.int64)
+            for g in tl.static_range(N_GROUP):
+                in_g = (group == g)[None, :]
+                m1 = tl.max(tl.where(in_g, x, _NONE), axis=1)                     # [BT]: each x is unique
+                m2 = tl.max(tl.where(in_g & (x != m1[:, None]), x, _NONE), axis=1)
+                top2 = (tl.sum(tl.where(x == m1[:, None], choice, 0.0), axis=1)
+                        + tl.sum(tl.where(x == m2[:, None], choice, 0.0), axis=1))  # [BT], as torch sums the two
+                packed = (_float_order(top2).to(tl.int64) << _INDEX_BITS) | (_INDEX_MASK - g)
+                gx = tl.where(g_idx[None, :] == g, packed[:, None], gx)
+            open_ = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.max(gx, axis=1)
+                g_best = _INDEX_MASK - (best & _INDEX_MASK)                       # [BT]
+                open_ = open_ | (group[None, :] == g_best[:, None]).to(tl.int32)
+                gx = tl.where(gx == best[:, None], _NONE, gx)
+            x = tl.where(open_ != 0, x, _NONE)
         for k in tl.static_range(TOP_K):
             best = tl.max(x, axis=1)                                              # [BT]
             pick = _INDEX_MASK - (best & _INDEX_MASK)
             picks = tl.where(j[None, :] == k, pick[:, None], picks)
-            x = tl.where(x == best[:, None], -1, x)
+            x = tl.where(x == best[:, None], _NONE, x)
     else:
         picks = tl.load(Ids + t[:, None] * TOP_K + j[None, :], mask=live[:, None] & (j[None, :] < TOP_K),
                         other=0).to(tl.int64)
@@ -106,22 +155,47 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. `local_index` [E]
     int64 (an expert-parallel rank's place for each expert) maps the ids returned, in the same launch (reference:
     local_index[ids]); the weights stay the routed experts'. Fixed shapes, no host read (graph-safe)."""
+    assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
+    T = logits.shape[0]
+    if keys is not None:
+        assert keys.shape == (T,), (tuple(keys.shape), T)
+    else:
+        assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
+    return _route(logits, top_k, scoring, renormalize, scaling, keys=keys, layer=layer, ids=ids,
+                  local_index=local_index, ids_dtype=ids_dtype)
+
+
+def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  scoring: str, renormalize: bool, scaling: float = 1.0, *, local_index: torch.Tensor | None = None,
+                  ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's grouped router in one launch (reference: moe_layout.route_grouped_reference): logits [T, E]
+    fp32, correction bias [E] -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype, best first). The experts
+    are the top_k of scores + bias among the topk_group groups whose best two sum highest, ties to the lower
+    index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index` as
+    for declared_route. The choice compares the kernel's scores, which round as torch's may not: experts within
+    an ulp of each other can swap places."""
+    E = logits.shape[1]
+    assert bias.shape == (E,), (tuple(bias.shape), E)
+    assert n_group >= 1 and E % n_group == 0, f"{E} experts do not split into {n_group} groups"
+    assert 1 <= topk_group <= n_group and topk_group * (E // n_group) >= top_k, \
+        f"{topk_group} of {n_group} groups hold fewer than top_k={top_k} experts"
+    return _route(logits, top_k, scoring, renormalize, scaling, bias=bias.contiguous(), n_group=n_group,
+                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype)
+
+
+def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, ids=None, bias=None, n_group=1,
+           topk_group=1, local_index=None, ids_dtype=torch.int64):
+    """One launch of the kernel: experts hashed (keys), chosen (bias) or given (ids), then their weights."""
     T, E = logits.shape
     assert scoring in SCORINGS, f"scoring={scoring!r} is not one of {SCORINGS}"
-    assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
     assert 1 <= top_k <= E <= MAX_EXPERTS, (top_k, E)
     assert local_index is None or local_index.shape == (E,), "local_index: one place for each of the E experts"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
-    hashed = keys is not None
-    if hashed:
-        assert keys.shape == (T,), (tuple(keys.shape), T)
-        keys = keys.contiguous()
-    else:
-        assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
-        ids = ids.contiguous()
-        keys = ids  # unread without the hash
+    picked = ids is None  # hashed (keys) or chosen (bias) here, else given
+    ids = None if ids is None else ids.contiguous()
+    keys = None if keys is None else keys.contiguous()
     # given experts come back as they were, unless mapped or of another dtype; picked ones are always written
-    store = hashed or local_index is not None or ids.dtype != ids_dtype
+    store = picked or local_index is not None or ids.dtype != ids_dtype
     out = torch.empty(T, top_k, dtype=ids_dtype, device=x.device) if store else ids
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     if T == 0:
@@ -130,10 +204,14 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     # a token a program, in one warp up to 512 experts: the top-k's reductions stay inside a warp, and a tree's
     # tokens run side by side
     M = UNIFORM_MIX
+    unused = out  # pointers a mode does not read
     _declared_route_kernel[(T,)](
-        x, keys, out if hashed else ids, weights, local_index if local_index is not None else out, out,
-        T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling),
-        PRIME=UNIFORM_PRIME, HASH=hashed, SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize),
-        LOCAL=local_index is not None, STORE=store, TOP_K=top_k, BLOCK_T=1, BLOCK_E=BLOCK_E,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=min(8, max(1, BLOCK_E // 512)))
+        x, keys if keys is not None else unused, ids if ids is not None else unused, weights,
+        local_index if local_index is not None else unused, out, bias if bias is not None else weights,
+        T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling), E // n_group,
+        PRIME=UNIFORM_PRIME, HASH=keys is not None, CHOOSE=bias is not None,
+        SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), LOCAL=local_index is not None, STORE=store,
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, PRECISE=not _interpret(), BLOCK_T=1, BLOCK_E=BLOCK_E,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(n_group),
+        num_warps=min(8, max(1, BLOCK_E // 512)))
     return weights, out

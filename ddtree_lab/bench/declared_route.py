@@ -1,10 +1,12 @@
 """Micro-benchmark of a declared routing (`declared_routing.DeclaredRouting.route`, uniform) on one MoE shape's
 router: the one-launch Triton kernel (kernels/declared_route.py) against torch's path (moe_layout's references,
 what the engine runs without it), each what one MoE layer of a forward pays, at several token counts; optionally
-against another version of the kernel file (`--baseline`), side by side in one run on the same logits.
+against another version of the kernel file (`--baseline`), side by side in one run on the same logits. With
+`--router`, the shape's own grouped router instead (`grouped_route` against `route_grouped_reference`: a
+checkpoint's routing="router").
 
     python -m ddtree_lab.bench.declared_route --shape kimi-k2.6-ep8-rank --tokens 1 9 17 65 257 \\
-        [--baseline old_declared_route.py] --out declared_route_kimi.json
+        [--baseline old_declared_route.py] [--router] --out declared_route_kimi.json
     python -m ddtree_lab.bench.declared_route --smoke --out /tmp/declared_route_smoke.json   (CPU, the interpreter)
 
 Rows: T, triton_us, torch_us, torch_over_triton, per_forward_ms (the kernel's time × the shape's MoE layers), and
@@ -25,7 +27,8 @@ from . import load_kernel_file, write_bench_json
 from .timing import time_call_us
 
 TOKENS = (1, 9, 17, 33, 65, 129, 257)
-SMOKE = dict(experts=24, top_k=3, scoring="sigmoid", renormalize=True, scaling=2.5, layers=2)
+SMOKE = dict(experts=24, top_k=3, scoring="sigmoid", renormalize=True, scaling=2.5, layers=2, n_group=4,
+             topk_group=2)
 SMOKE_TOKENS = (1, 5)
 
 
@@ -38,13 +41,43 @@ def router_shape(name: str) -> dict:
         raise ValueError(f"{name} is not an MoE shape")
     return dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
                 renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+                layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)), n_group=cfg.n_group,
+                topk_group=cfg.topk_group)
+
+
+def bench_grouped_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
+                        layers=1, n_group=1, topk_group=1, device="cuda", reps=20, progress=True) -> list[dict]:
+    """Per T, a grouped router's choice of one layer both ways (a random correction bias), its experts checked
+    equal first."""
+    from ..kernels.declared_route import grouped_route
+    from ..kernels.moe_layout import route_grouped_reference
+
+    bias = (torch.randn(experts, generator=torch.Generator().manual_seed(0)) * 0.1).to(device)
+    args = (top_k, n_group, topk_group, scoring, renormalize, scaling)
+    rows = []
+    for T in tokens:
+        logits = (torch.randn(T, experts, generator=torch.Generator().manual_seed(T)) * 2).to(device)
+        (w_tri, ids_tri), (w_ref, ids_ref) = grouped_route(logits, bias, *args), route_grouped_reference(
+            logits, bias, *args)
+        if not torch.equal(ids_tri, ids_ref):
+            raise RuntimeError(f"T={T}: the kernel's experts differ from torch's; no timing of another routing")
+        row = {"T": T, "max_abs_diff_weights": float((w_tri - w_ref).abs().max()),
+               "triton_us": time_call_us(lambda: grouped_route(logits, bias, *args), device, reps),
+               "torch_us": time_call_us(lambda: route_grouped_reference(logits, bias, *args), device, reps)}
+        row["torch_over_triton"] = row["torch_us"] / row["triton_us"]
+        row["per_forward_ms"] = row["triton_us"] * layers / 1000
+        rows.append(row)
+        if progress:
+            print(row, flush=True)
+    return rows
 
 
 def bench_declared_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
-                         layers=1, device="cuda", reps=20, baseline=None, progress=True) -> list[dict]:
+                         layers=1, n_group=1, topk_group=1, device="cuda", reps=20, baseline=None,
+                         progress=True) -> list[dict]:
     """Per T, the declared routing of one layer (the shape's last MoE layer's index) both ways; `baseline`:
-    another declared_route module (`load_kernel_file(PATH, …)`), timed on the same inputs."""
+    another declared_route module (`load_kernel_file(PATH, …)`), timed on the same inputs. (A declared routing
+    has no groups: n_group and topk_group are the router's, for bench_grouped_route.)"""
     layer = DeclaredRouting("uniform", layers - 1, layers)
     rows = []
     for T in tokens:
@@ -86,6 +119,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--baseline", default=None, metavar="FILE",
                     help="another declared_route.py (e.g. an earlier commit's), timed side by side")
+    ap.add_argument("--router", action="store_true",
+                    help="the shape's own grouped router (grouped_route) instead of declared uniform routing")
     ap.add_argument("--smoke", action="store_true", help="a tiny router (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -104,11 +139,16 @@ def main(argv=None):
         tokens, device = a.tokens or TOKENS, "cuda"
     if any(t < 1 for t in tokens):
         ap.error(f"--tokens {tokens}: each at least 1")
+    if a.router and a.baseline:
+        ap.error("--baseline times the declared routing's kernel; --router times the grouped router's")
     baseline = load_kernel_file(a.baseline, "declared_route_baseline") if a.baseline else None
-    rows = bench_declared_route(tokens, **shape, device=device, baseline=baseline)
+    if a.router:
+        rows = bench_grouped_route(tokens, **shape, device=device)
+    else:
+        rows = bench_declared_route(tokens, **shape, device=device, baseline=baseline)
     if a.out:
         write_bench_json(a.out, rows, __name__, argv, shape=shape, shape_name=None if a.smoke else a.shape,
-                         baseline=a.baseline, smoke=a.smoke)
+                         baseline=a.baseline, smoke=a.smoke, routing="router" if a.router else "uniform")
     return rows
 
 

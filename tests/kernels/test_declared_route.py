@@ -17,8 +17,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from ddtree_lab.kernels.declared_route import (MAX_EXPERTS, _mod_prime, declared_route,  # noqa: E402
-                                               declared_weights_reference, uniform_ids_reference)
-from ddtree_lab.kernels.moe_layout import UNIFORM_PRIME  # noqa: E402
+                                               declared_weights_reference, grouped_route, uniform_ids_reference)
+from ddtree_lab.kernels.moe_layout import UNIFORM_PRIME, route_grouped_reference  # noqa: E402
 from ddtree_lab.testing import make_tiny_pair  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +106,59 @@ def test_an_expert_parallel_ranks_places_come_from_the_same_launch(given):
     assert same is given_ids  # given ids, neither mapped nor converted, come back as they were (nothing written)
 
 
+def separated_choices(T, E, seed):
+    """Sigmoid logits [T, E] and a correction bias [E] whose corrected scores sit about 1e-3 apart, each token in
+    its own order, so that a rounding of the sigmoid cannot reorder two experts (nor two groups' sums)."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randint(-48, 49, (E,), generator=g) / 256                       # exact in fp32, within ±0.19
+    order = torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).double()
+    choice = 0.3 + 0.4 * (order + 0.5 * torch.rand(T, E, generator=g, dtype=torch.float64)) / E  # [T, E] in (0.3, 0.7)
+    score = choice - bias.double()                                                # in (0.1, 0.9)
+    return (score / (1 - score)).log().float().to(DEVICE), bias.float().to(DEVICE)
+
+
+@pytest.mark.parametrize("T,E,k,n_group,topk_group", [(1, 384, 8, 1, 1), (33, 384, 8, 1, 1), (9, 256, 8, 8, 4),
+                                                      (70, 256, 8, 8, 4), (5, 16, 3, 4, 2), (4, 64, 6, 8, 1)])
+def test_a_grouped_routers_choice_in_one_launch(T, E, k, n_group, topk_group):
+    """DeepSeek-V3's grouped router (Kimi K2: 384 experts in one group; DeepSeek-V3: 256 in 8 groups, 4 open):
+    the experts equal the reference's, best first, the weights to rounding; with local_index, an EP rank's
+    places."""
+    logits, bias = separated_choices(T, E, T * 7 + E + n_group)
+    want_w, want_ids = route_grouped_reference(logits, bias, k, n_group, topk_group, "sigmoid", True, 2.827)
+    weights, ids = grouped_route(logits, bias, k, n_group, topk_group, "sigmoid", True, 2.827)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w, rtol=1e-5, atol=1e-7)
+    local = torch.randperm(E, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    _, places = grouped_route(logits, bias, k, n_group, topk_group, "sigmoid", True, 2.827, local_index=local,
+                              ids_dtype=torch.int32)
+    assert places.dtype == torch.int32 and torch.equal(places.long(), local[want_ids])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's GPU sigmoid; the CPU twin keeps the scores apart (above)")
+@pytest.mark.parametrize("E,n_group,topk_group", [(384, 1, 1), (256, 8, 4)])
+def test_on_a_gpu_a_grouped_routers_experts_are_torchs_bit_for_bit(E, n_group, topk_group):
+    """Random logits, near ties and all: the kernel's sigmoid rounds as torch's, so 4,096 tokens route alike."""
+    g = torch.Generator().manual_seed(E)
+    logits = (torch.randn(4096, E, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE)
+    want_w, want_ids = route_grouped_reference(logits, bias, 8, n_group, topk_group, "sigmoid", True, 2.827)
+    weights, ids = grouped_route(logits, bias, 8, n_group, topk_group, "sigmoid", True, 2.827)
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_a_grouped_router_with_softmax_scores_and_no_renormalisation():
+    T, E = 6, 64
+    _, logits = inputs(T, E, 3)
+    bias = torch.zeros(E, device=DEVICE)
+    want_w, want_ids = route_grouped_reference(logits, bias, 4, 4, 2, "softmax", False, 1.0)
+    weights, ids = grouped_route(logits, bias, 4, 4, 2, "softmax", False)
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, rtol=1e-5, atol=1e-7)
+    with pytest.raises(AssertionError, match="groups"):
+        grouped_route(logits, bias, 4, 3, 1, "softmax", False)  # 64 experts in 3 groups
+    with pytest.raises(AssertionError, match="fewer than top_k"):
+        grouped_route(logits, bias, 20, 4, 1, "softmax", False)  # one open group of 16 for 20 picks
+
+
 def test_no_tokens_and_bad_arguments():
     keys, logits = inputs(3, 8, 1)
     w, ids = declared_route(logits[:0], 2, "softmax", True, keys=keys[:0])
@@ -164,10 +217,49 @@ def test_the_bench_times_kernel_and_torch_on_the_same_routing_and_a_baseline_sid
         assert words in capsys.readouterr().err
 
 
+def test_the_bench_times_a_grouped_routers_choice_both_ways(tmp_path, capsys):
+    """`--router`: the shape's own grouped router, the kernel against torch's reference on the same logits."""
+    import json
+
+    from ddtree_lab.bench import declared_route as bench
+
+    out = tmp_path / "grouped.json"
+    rows = bench.main(["--smoke", "--router", "--tokens", "1", "6", "--out", str(out)])
+    assert [r["T"] for r in rows] == [1, 6] and all(r["triton_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    assert all(r["max_abs_diff_weights"] < 1e-5 for r in rows)
+    assert json.loads(out.read_text())["routing"] == "router"
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--router", "--baseline", bench.__file__])
+    assert "--router times the grouped router's" in capsys.readouterr().err
+
+
 def test_the_bench_reads_a_rank_shapes_whole_router():
     from ddtree_lab.bench.declared_route import router_shape
 
     ep8 = router_shape("kimi-k2.6-ep8-rank")
     assert (ep8["experts"], ep8["top_k"], ep8["scoring"], ep8["layers"]) == (384, 8, "sigmoid", 60)
+    assert (ep8["n_group"], ep8["topk_group"]) == (1, 1)  # Kimi K2: one group of all its experts
     with pytest.raises(ValueError, match="not an MoE shape"):
         router_shape("qwen3-8b")
+
+
+def test_a_checkpoints_grouped_router_runs_in_the_kernel_where_triton_runs(tmp_path, use_options, monkeypatch):
+    """A DeepSeek-V3 checkpoint's own router (routing="router": 16 experts in 4 groups, 2 open) goes through
+    grouped_route where the Triton kernels run, DDTree == AR, and the torch reference gives the same tokens."""
+    from ddtree_lab.kernels import declared_route as kernel_module
+
+    t, d = make_tiny_pair(tmp_path, arch="deepseek_v3", seed=5, tokenizer=False, num_experts=16,
+                          num_experts_per_tok=2)
+    pair = dl.load_pair(target=t, drafter=d, routing="router", device=DEVICE, dtype="float32")
+    calls = []
+    monkeypatch.setattr(kernel_module, "grouped_route", lambda *a, **kw: calls.append(kw) or grouped_route(*a, **kw))
+    if DEVICE == "cpu":
+        use_options(tree_kernels="triton")  # the GPU's path, under the interpreter
+    ar = dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[])
+    assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
+    assert calls and all(kw["ids_dtype"] == torch.int32 for kw in calls)  # the places the expert kernels take
+    seen = len(calls)
+    use_options(declared_routing="torch")
+    assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
+    assert len(calls) == seen
+
