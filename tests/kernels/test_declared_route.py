@@ -172,21 +172,28 @@ def test_no_tokens_and_bad_arguments():
         declared_route(logits, 9, "softmax", True, keys=keys)  # more picks than experts
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_options, monkeypatch, arch):
-    """Where the Triton kernels run (a GPU; tree_kernels="triton" on the CPU) declared uniform routing goes through
-    the kernel (counted), and DDTree == AR holds: every forward routes a token alike, whatever shares it."""
+@pytest.mark.parametrize("arch,routing,kernel", [("qwen3_moe", "uniform", "declared_route"),
+                                                 ("deepseek_v3", "uniform", "declared_route"),
+                                                 ("deepseek_v3", "router", "grouped_route")])
+def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_options, monkeypatch, arch, routing,
+                                                                kernel):
+    """Where the Triton kernels run (a GPU; tree_kernels="triton" on the CPU) declared uniform routing, and a
+    DeepSeek-V3 checkpoint's own grouped router (routing="router": 16 experts in 4 groups, 2 open), go through the
+    routing kernel (counted), each call asking for the int32 places the expert kernels take; DDTree == AR holds
+    (every forward routes a token alike, whatever shares it), and torch's references give the same tokens."""
     from ddtree_lab.kernels import declared_route as kernel_module
 
     t, d = make_tiny_pair(tmp_path, arch=arch, seed=3, tokenizer=False, num_experts=16, num_experts_per_tok=2)
-    pair = dl.load_pair(target=t, drafter=d, routing="uniform", device=DEVICE, dtype="float32")
-    calls = []
-    monkeypatch.setattr(kernel_module, "declared_route", lambda *a, **kw: calls.append(kw) or declared_route(*a, **kw))
+    pair = dl.load_pair(target=t, drafter=d, routing=routing, device=DEVICE, dtype="float32")
+    calls, launch = [], getattr(kernel_module, kernel)
+    monkeypatch.setattr(kernel_module, kernel, lambda *a, **kw: calls.append(kw) or launch(*a, **kw))
     if DEVICE == "cpu":
         use_options(tree_kernels="triton")  # the GPU's path, under the interpreter
     ar = dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[])
     assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
-    assert calls and all(kw["keys"] is not None and kw["ids"] is None for kw in calls)
+    assert calls and all(kw["ids_dtype"] == torch.int32 for kw in calls)
+    if routing == "uniform":
+        assert all(kw["keys"] is not None and kw["ids"] is None for kw in calls)
     seen = len(calls)
     use_options(declared_routing="torch")  # the references instead, for a side-by-side timing: the same tokens
     assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
@@ -241,25 +248,3 @@ def test_the_bench_reads_a_rank_shapes_whole_router():
     assert (ep8["n_group"], ep8["topk_group"]) == (1, 1)  # Kimi K2: one group of all its experts
     with pytest.raises(ValueError, match="not an MoE shape"):
         router_shape("qwen3-8b")
-
-
-def test_a_checkpoints_grouped_router_runs_in_the_kernel_where_triton_runs(tmp_path, use_options, monkeypatch):
-    """A DeepSeek-V3 checkpoint's own router (routing="router": 16 experts in 4 groups, 2 open) goes through
-    grouped_route where the Triton kernels run, DDTree == AR, and the torch reference gives the same tokens."""
-    from ddtree_lab.kernels import declared_route as kernel_module
-
-    t, d = make_tiny_pair(tmp_path, arch="deepseek_v3", seed=5, tokenizer=False, num_experts=16,
-                          num_experts_per_tok=2)
-    pair = dl.load_pair(target=t, drafter=d, routing="router", device=DEVICE, dtype="float32")
-    calls = []
-    monkeypatch.setattr(kernel_module, "grouped_route", lambda *a, **kw: calls.append(kw) or grouped_route(*a, **kw))
-    if DEVICE == "cpu":
-        use_options(tree_kernels="triton")  # the GPU's path, under the interpreter
-    ar = dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[])
-    assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
-    assert calls and all(kw["ids_dtype"] == torch.int32 for kw in calls)  # the places the expert kernels take
-    seen = len(calls)
-    use_options(declared_routing="torch")
-    assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
-    assert len(calls) == seen
-
