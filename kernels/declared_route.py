@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 try:
     from .moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
@@ -86,7 +85,7 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
                      other=float("-inf")).to(tl.float32)                         # [BT, BE]
     if SIGMOID:
         if PRECISE:  # as torch computes it on a GPU: expf, then a correctly rounded division (the same bits)
-            scores = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-logits))
+            scores = tl.math.div_rn(1.0, 1.0 + tl.extra.libdevice.exp(-logits))
         else:
             scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
