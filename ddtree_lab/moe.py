@@ -227,14 +227,14 @@ class SparseMoE(nn.Module):
         the experts' own."""
         r = self.routing
         place = self.local_index if local and self.held else None
+        # [T, E]: a grouped router's in fp32 (Float32Router), a softmax router's in the weights' dtype
+        logits = F.linear(x, self.router.weight) if r is None else F.linear(x.float(), self.router.weight)
         if self.declared is not None:
             scoring, scaling = ("softmax", 1.0) if r is None else (r.scoring, r.scaling)
-            logits = F.linear(x, self.router.weight) if r is None else F.linear(x.float(), self.router.weight)
             return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype)
         if r is None:
-            weights, ids = route_reference(F.linear(x, self.router.weight), self.top_k, self.renormalize)
+            weights, ids = route_reference(logits, self.top_k, self.renormalize)
             return weights, (ids if place is None else place[ids]).to(ids_dtype)
-        logits = F.linear(x.float(), self.router.weight)                                      # [T, E] fp32
         bias = self.router.e_score_correction_bias
         choice = options.current().declared_routing
         if choice == "triton" or (choice is None and use_triton(x.device)):

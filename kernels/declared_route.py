@@ -203,10 +203,10 @@ def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, 
     # a token a program, in one warp up to 512 experts: the top-k's reductions stay inside a warp, and a tree's
     # tokens run side by side
     M = UNIFORM_MIX
-    unused = out  # pointers a mode does not read
+    unused = x  # the pointers a mode does not read: the logits, which nothing writes
     _declared_route_kernel[(T,)](
         x, keys if keys is not None else unused, ids if ids is not None else unused, weights,
-        local_index if local_index is not None else unused, out, bias if bias is not None else weights,
+        local_index if local_index is not None else unused, out, bias if bias is not None else unused,
         T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling), E // n_group,
         PRIME=UNIFORM_PRIME, HASH=keys is not None, CHOOSE=bias is not None,
         SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), LOCAL=local_index is not None, STORE=store,

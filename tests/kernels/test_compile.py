@@ -54,7 +54,7 @@ DOWN_SIGNATURE = {
     "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
 DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": False}
 
-# the routing kernel: a mode's unread pointers are passed the output's (int32 ids)
+# the routing kernel: a mode's unread pointers are passed the logits'
 ROUTE_SIGNATURE = {"Weights": "*fp32", "Out": "*i32", "Bias": "*fp32", "T": "i32", "E": "i32", "s_lt": "i32",
                    "layer_term": "i32", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32", "group_size": "i32"}
 ROUTE_MODES = {"PRIME": 2_147_483_647, "HASH": False, "CHOOSE": False, "SIGMOID": False, "RENORM": True,
@@ -99,13 +99,14 @@ CASES = [
       "s_row": "i32"},
      {"TOP_K": 8, "RENORM": True, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_K": 8}),
     ("declared_route", "_declared_route_kernel",  # a Kimi EP8 rank: 384 experts, top-8, sigmoid, its places, int32
-     {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*i32", "Local": "*i64", "layer_term": "i64"},
+     {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
+      "layer_term": "i64"},
      {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512}),
     ("declared_route", "_declared_route_kernel",  # Qwen3-30B-A3B from a trace: given experts, softmax, bf16 logits
-     {**ROUTE_SIGNATURE, "Logits": "*bf16", "Keys": "*i32", "Ids": "*i64", "Local": "*i32"},
+     {**ROUTE_SIGNATURE, "Logits": "*bf16", "Keys": "*bf16", "Ids": "*i64", "Local": "*bf16", "Bias": "*bf16"},
      {**ROUTE_MODES, "BLOCK_E": 128}),
     ("declared_route", "_declared_route_kernel",  # DeepSeek-V3's own router: 256 experts in 8 groups, 4 open
-     {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i32", "Ids": "*i32", "Local": "*i32"},
+     {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*fp32", "Ids": "*fp32", "Local": "*fp32"},
      {**ROUTE_MODES, "CHOOSE": True, "SIGMOID": True, "N_GROUP": 8, "TOPK_GROUP": 4, "BLOCK_E": 256, "BLOCK_G": 8}),
     ("fused_moe", "_route_align_kernel",  # routing and the sort in one program (AR's step)
      {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32", "Counts": "*i32", "SlotExpert": "*i32",
