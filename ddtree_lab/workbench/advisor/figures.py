@@ -171,7 +171,7 @@ def add_section(page: Page, study_dir: str | os.PathLike) -> dict | None:
     page.add("<h3>The cost model against measurements</h3>")
     if chk["checked"]:
         verdict = "within" if chk["passed"] else "NOT within"
-        page.add(f"<p>DDTree round times for budgets {chk['budgets'][0]}–{chk['budgets'][1]}: {verdict} "
+        page.add(f"<p>Round times ({esc(chk['gate'])}): {verdict} "
                  f"{round(100 * chk['tolerance'])} % on every checked file "
                  f"(shapes: {esc(', '.join(sorted({c['model'] for c in chk['checked']})))}).</p>")
         page.figure(check_figure(chk))

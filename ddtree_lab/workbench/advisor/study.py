@@ -281,8 +281,8 @@ def advice_table(advice: dict) -> str:
                          f"{ceiling['per_bin']:.3f}×, each round's best in hindsight {ceiling['per_round']:.3f}×")
     chk = advice.get("check") or {}
     if chk.get("checked"):
-        lines.append("model check (ddtree budgets %d–%d within %d %%): %s" % (
-            chk["budgets"][0], chk["budgets"][1], round(100 * chk["tolerance"]),
+        lines.append("model check (%s, within %d %%): %s" % (
+            chk["gate"], round(100 * chk["tolerance"]),
             ", ".join(f"{c['file']} max {100 * c['max_error']:.1f}%" for c in chk["checked"])))
         if not chk["passed"]:
             lines.append("WARNING: the cost model misses a checked bench file by more than the tolerance; "
