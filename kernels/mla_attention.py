@@ -263,9 +263,11 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
                 bm //= 2
             warps = 4 if bm * c_pad < ACC_REGS * 32 * 4 else 8  # 4 warps at the limit spilled
             bn, stages = 64, 3
-        # one query (an AR step) gets short splits, as in tree_attention; each split also writes H x C fp32
+        # one query (an AR step) gets short splits, as in tree_attention; each split also writes H x C fp32.
+        # The merge reads every split's partial in a chain of loads: 32-wide column tiles spread that chain over
+        # twice the programs of 64-wide ones (5-9 % off an AR step's call, no slower elsewhere: docs/performance.md)
         cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                   waves=2.0, min_chunk=128 if T == 1 else 512, merge_rows=16, merge_cols=min(64, c_pad))
+                   waves=2.0, min_chunk=128 if T == 1 else 512, merge_rows=16, merge_cols=min(32, c_pad))
         while (cfg["num_stages"] > 1
                and shared_bytes(cfg["block_m"], cfg["block_n"], cfg["num_stages"], C, R, elt) > SMEM_BUDGET):
             cfg["num_stages"] -= 1

@@ -230,6 +230,7 @@ def test_gpu_launch_config_fits_hopper(monkeypatch):
     assert mla.launch_config(9, 8, 512, 64, 4096, cpu)["block_m"] == 16  # few (query, head) rows: short tiles
     one = mla.launch_config(1, 64, 512, 64, 4096, cpu)
     assert (one["min_chunk"], one["num_splits"]) == (128, 32)  # an AR step splits its context finely
+    assert (one["merge_rows"], one["merge_cols"]) == (16, 32)  # swept: the merge's chain spread over 64 programs
     tree = mla.launch_config(17, 64, 512, 64, 4096, cpu)
     assert (tree["min_chunk"], tree["num_splits"]) == (512, 7)  # 34 row tiles: 7 splits fill two waves, 8 a third
     for T, H, past in ((17, 64, 16384), (9, 64, 32768), (17, 64, 32768), (65, 64, 32768), (5, 64, 32768)):
