@@ -304,13 +304,14 @@ def test_the_int4_fit_needs_two_expert_widths_and_todays_row_heights(tmp_path):
 
 def test_stored_eager_calibration_is_what_calibrate_eager_fits():
     """Eager layers: every round's kernels, matmuls and activation bytes counted by bench census; the launch time
-    and a matmul's are fitted again: a small eager kernel costs about what a compiled round's kernel does, a
+    and a matmul's are fitted again (the MLA terms held at the compiled calibration's): a small eager kernel costs
+    from under half to about what a compiled round's kernel does (compiled kernels are fused runs, longer), a
     matmul (a skinny GEMM's tiles and split) several times that."""
     data = A.machines_data()["eager_calibration"]
     fit = A.calibrate_eager([REPO / p for p in data["fitted_on"]])
     assert fit == pytest.approx(data["fit"], rel=1e-3)
     compiled = A.load_calibration()
-    assert 0.5 < fit["launch_seconds"] / compiled.launch_seconds < 2
+    assert 0.4 < fit["launch_seconds"] / compiled.launch_seconds < 1.5
     assert 2 * fit["launch_seconds"] < fit["eager_matvec_seconds"] < fit["eager_matmul_seconds"] < 1e-4
     eager = A.load_calibration("eager")
     assert eager.launches_from == "census" and eager.settings["compile"] is False
@@ -351,6 +352,12 @@ def test_stored_mla_terms_are_what_calibrate_mla_fits_and_price_mla_targets_only
     other.write_text(json.dumps({"kind": "e2e", "rows": []}))
     with pytest.raises(A.AdvisorError, match="other.json: not a 'bench mla' JSON"):
         A.calibrate_mla([other])
+    # fitted on today's kernel on an H100; the H200 bench of an older kernel (95de9b0) is priced out of sample
+    for path, bound in [(REPO / p, 0.27) for p in data["mla_from"]] + [(BENCH / "mla_kimi_95de9b0.json", 0.3)]:
+        rows = A.price_mla_bench(path)
+        assert len(rows) >= 12 and max(abs(r["error"]) for r in rows) < bound, path
+    with pytest.raises(A.AdvisorError, match="other.json: not a 'bench mla' JSON"):
+        A.price_mla_bench(other)
 
 
 def test_the_check_prices_the_census_a_bench_file_carries(tmp_path):

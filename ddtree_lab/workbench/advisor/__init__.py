@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .auto_replay import auto_ceiling, best_grouped_choice, replay_auto, tau_at
 from .calibration import (calibrate, calibrate_eager, calibrate_int4, calibrate_mla, calibrate_moe, count_layer_census,
-                          price_int4_bench)
+                          price_int4_bench, price_mla_bench)
 from .check import CHECK_BUDGETS, CHECK_TOLERANCE, check_bench, shipped_bench_files
 from .cost import PART_TITLES, PARTS, RoundCost, Terms, counted_layer_kernels, draft_terms, round_cost, verify_terms
 from .fit import FIT_KINDS, FIT_STAGES, MIN_FIT_POINTS, FittedCost, bench_points, fit_bench, fit_stage_times, read_bench
@@ -43,7 +43,7 @@ __all__ = ["all_reduce", "ATTENTION_LAYOUTS", "Collective", "comm_seconds", "exp
            "Calibration", "census_key", "check_bench", "count_layer_census", "counted_layer_kernels", "CHECK_BUDGETS", "check_machine_name", "CHECK_TOLERANCE", "draft_terms",
            "expert_load", "ExpertLoad", "fit_bench", "FIT_KINDS", "fit_stage_times", "FIT_STAGES", "FittedCost",
            "get_machine", "known_machines", "load_calibration", "Machine", "machine_for_device", "machines_data",
-           "price_int4_bench",
+           "price_int4_bench", "price_mla_bench",
            "MACHINES_FILE", "MEASURED", "MIN_FIT_POINTS", "model_shape", "ModelShape", "PART_TITLES", "PARTS",
            "profile_names", "read_bench", "replay_auto", "round_cost", "RoundCost", "shape_from_configs",
            "shape_from_dirs", "shipped_bench_files", "spec_bandwidth", "tau_at", "tau_calibration", "Terms",

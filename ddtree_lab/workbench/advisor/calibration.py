@@ -298,6 +298,21 @@ def calibrate_int4(fused_moe_int4_paths: Sequence[str | Path], cal: Calibration 
     return {"moe_int4_unpack_over_bandwidth": float(1.0 / per_byte), "moe_int4_block_seconds": float(per_block)}
 
 
+def _mla_rows(path):
+    """A `bench mla` JSON's Triton rows with the machine it ran on: (row, machine) pairs."""
+    d = json.loads(Path(path).read_text())
+    if d.get("kind") != "mla":
+        raise AdvisorError(f"{path}: not a 'bench mla' JSON (field 'kind' is {d.get('kind')!r})")
+    m = _bench_machine(path, d)
+    return [(r, m) for r in d["rows"] if r.get("backend") == "triton" and r.get("ms")]
+
+
+def _mla_roofline(r: dict, m, cal: Calibration) -> float:
+    """A bench mla row's roofline part, (M² + C²)^½ of its latent bytes and FLOPs (the fit prices the rest)."""
+    parts = Terms(kv=r["bytes"], flops=r["flops"]).seconds(m, cal)
+    return parts["kv"] + parts["flops"]
+
+
 def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = None) -> dict:
     """MLA attention's time beyond its latent bytes and FLOPs, from `bench mla` JSONs (the Triton kernel at trees
     of T tokens over contexts, 64 and 8 heads): measured − (M² + C²)^½ = a per call + bytes / (spec bandwidth ·
@@ -309,17 +324,10 @@ def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = Non
     cal = cal or load_calibration()
     xs, ys, ts = [], [], []
     for path in mla_paths:
-        d = json.loads(Path(path).read_text())
-        if d.get("kind") != "mla":
-            raise AdvisorError(f"{path}: not a 'bench mla' JSON (field 'kind' is {d.get('kind')!r})")
-        m = _bench_machine(path, d)
-        for r in d["rows"]:
-            if r.get("backend") != "triton" or not r.get("ms"):
-                continue
+        for r, m in _mla_rows(path):
             t = r["ms"] * 1e-3
-            parts = Terms(kv=r["bytes"], flops=r["flops"]).seconds(m, cal)
             xs.append([1.0, r["bytes"] / m.bandwidth, r["flops"] / m.flops])
-            ys.append(t - parts["kv"] - parts["flops"])
+            ys.append(t - _mla_roofline(r, m, cal))
             ts.append(t)
     if len(xs) < 4:
         raise AdvisorError(f"{', '.join(map(str, mla_paths))}: {len(xs)} Triton rows; the MLA fit needs at least 4")
@@ -330,6 +338,19 @@ def calibrate_mla(mla_paths: Sequence[str | Path], cal: Calibration | None = Non
                            "e.g. ddtree-lab bench mla --trees 1 9 33 129 1025 --contexts 4096 32768")
     return {"mla_call_seconds": float(call), "mla_bytes_over_bandwidth": float(1 / per_byte),
             "mla_flops_over_peak": float(1 / per_flop)}
+
+
+def price_mla_bench(path, cal: Calibration | None = None) -> list[dict]:
+    """A bench mla JSON's Triton rows priced by the stored MLA terms on the machine it ran on: heads, T, context,
+    measured and predicted seconds, the error. The check of those terms on a run they were not fitted on."""
+    cal = cal or load_calibration()
+    out = []
+    for r, m in _mla_rows(path):
+        pred = sum(Terms(mla_calls=1, mla_bytes=r["bytes"], mla_flops=r["flops"]).seconds(m, cal).values())
+        meas = r["ms"] * 1e-3
+        out.append({"H": r["H"], "T": r["T"], "context": r["context"], "measured_seconds": meas,
+                    "predicted_seconds": pred, "error": pred / meas - 1})
+    return out
 
 
 def _positive_inverse(seconds_per_spec_byte: float) -> float:
