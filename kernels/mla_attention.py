@@ -265,7 +265,7 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
             bn, stages = 64, 3
         # one query (an AR step) gets short splits, as in tree_attention; each split also writes H x C fp32.
         # The merge reads every split's partial in a chain of loads: 32-wide column tiles spread that chain over
-        # twice the programs of 64-wide ones (5-9 % off an AR step's call, no slower elsewhere: docs/performance.md)
+        # twice the programs of 64-wide ones (timed: docs/performance.md, Session 21)
         cfg = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
                    waves=2.0, min_chunk=128 if T == 1 else 512, merge_rows=16, merge_cols=min(32, c_pad))
         while (cfg["num_stages"] > 1
