@@ -441,9 +441,10 @@ def prompts_band(auto_row: dict, fixed_rows: list[dict], n_boot: int = 2000, see
 
 
 def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_len: int = 512,
-                   rounds: int = 8, top: int = 25) -> dict:
+                   rounds: int = 8) -> dict:
     """Kernels launched and their microseconds, per stage per round, from eager rounds under
-    torch.profiler.
+    torch.profiler; `top_kernels` lists every (stage, kernel) by time, so two profiles (say, of two depths)
+    difference exactly.
 
     On a GPU every device event counts (torch's kernels, Triton's, copies), attributed by its start
     on the GPU to the stage running then: the rounds run with a synchronisation after each stage
@@ -474,7 +475,7 @@ def profile_rounds(pair: Pair, method: str = "ddtree", budget: int = 64, prompt_
     stages = {s: {"kernels_per_round": v["kernels"] / n, "us_per_round": v["us"] / n}
               for s, v in per_stage.items() if v["kernels"]}
     total = sum(v["us_per_round"] for v in stages.values()) or 1.0
-    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    tops = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"method": method, "budget": budget if method == "ddtree" else None, "rounds": n,
             "device": "GPU kernels" if on_gpu else "CPU ops (outermost)", "stages": stages, "us_per_round": total,
             "kernels_per_round": sum(v["kernels_per_round"] for v in stages.values()),

@@ -116,6 +116,10 @@ def test_profile_attributes_kernels_to_stages(tmp_path, tiny_dir):
     assert all(s["kernels_per_round"] >= 1 for s in tree["stages"].values())
     shares = [k["us_per_round"] for k in tree["top_kernels"]]
     assert shares == sorted(shares, reverse=True) and {k["stage"] for k in tree["top_kernels"]} <= set(tree["stages"])
+    for row in (ar, tree):  # every kernel listed: per stage, their counts sum to the stage's
+        for stage, v in row["stages"].items():
+            listed = sum(k["per_round"] for k in row["top_kernels"] if k["stage"] == stage)
+            assert listed == pytest.approx(v["kernels_per_round"])
 
 
 def test_e2e_and_profile_serve_an_mla_moe_target(tmp_path, use_options):
