@@ -38,10 +38,11 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      it: each split leaves partial sums, and `_silu_mul_kernel` adds them in order, then SiLU·mul. Both expert
      kernels take their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time into
      the activations' dtype (bf16: two values an instruction) for the dot (accumulated in fp32 either way);
-  5. `_down_kernel`, grid (row blocks, H / BLOCK_N): h times the down rows, scaled by the routing weight, into
-     y [T·top_k, H] fp32 in pair order;
-  6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j y[t·top_k + j] in a fixed order (deterministic, no
-     atomics), cast to x's dtype.
+  5. `_down_kernel`, grid (row blocks, H / BLOCK_N, K splits): h times the down rows, scaled by the routing
+     weight, into y [K splits, T·top_k, H] fp32 in pair order (one split unless the launch option SPLIT_K_DOWN
+     asks for more: a walk over I in pieces, as the gate-up's, for calls whose live programs are few);
+  6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j Σ_split y[split, t·top_k + j] in a fixed order
+     (deterministic, no atomics), cast to x's dtype.
 fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
 3-6 run as above; up to ROUTE_IN_ALIGN_MAX_T tokens `_align_kernel` counts and sorts in one program. Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
 the combine leaves them out.
@@ -488,11 +489,13 @@ def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLO
 
 
 @triton.jit
-def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, s_ht, s_we,
-                 s_wn, s_se, s_sn, s_ze, s_zn, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr,
+def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, K_CHUNK,
+                 s_ht, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_yk, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) into Y[ks], for
+    # `_combine_kernel`'s ordered sum
     slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
         return
@@ -506,7 +509,12 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_rows = Hbuf + (start + rows)[:, None] * s_ht                                         # [BM, 1]
     Scale_e = Scale + e.to(tl.int64) * s_se
-    for k0 in range(0, I, BLOCK_K):
+    k_first, k_end = 0, I
+    if SPLIT_K > 1:  # (unsplit, the loop keeps constant bounds: its code is the same as before splits existed)
+        k_first = tl.program_id(2) * K_CHUNK
+        k_end = tl.minimum(k_first + K_CHUNK, I)
+        Y += tl.program_id(2) * s_yk
+    for k0 in range(k_first, k_end, BLOCK_K):
         acc = _dot_tile(acc, a_rows, rmask, W, Scale_e, Zero, e, cols, cmask, k0, I, s_we, s_wn, s_sn, s_ze, s_zn,
                         INT4, HAS_ZERO, GROUP, PAIRED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
     acc = acc * tl.load(Weights + pair, mask=rmask, other=0.0)[:, None]
@@ -544,6 +552,7 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     the weights at full bandwidth. For the same reason SPLIT_K_UP splits the gate-up's K walk into pieces of
     SPLIT_K_STEPS steps when a call has at most SPLIT_K_MAX_PAIRS pairs and K is long (a Kimi layer's 7,168: 56
     steps one after another in each of a few programs; with expert parallelism most slots are another rank's).
+    The down's walk over I may split the same way (override SPLIT_K_DOWN; unset, one walk, until a sweep times it).
     An INT4 gate-up takes INT4_BLOCK_N_UP columns at every T: its unpacking, not a lack of programs, sets its pace,
     and at that width its scales stream ahead of each K step (docs/kernels.md).
     fp32 takes half the K depth and two stages, so its tiles fit shared memory.
@@ -670,10 +679,11 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts:
 
 
 @triton.jit
-def _combine_kernel(Y, Ids, Out, H, E, s_yt, s_ot, TOP_K: tl.constexpr, ELSEWHERE: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), cast to out's dtype; ELSEWHERE: the
-    # pairs of experts held elsewhere (id E, y never written) left out
+def _combine_kernel(Y, Ids, Out, H, E, s_yk, s_yt, s_ot, TOP_K: tl.constexpr, ELSEWHERE: tl.constexpr,
+                    SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), each pair's SPLIT_K partials (the down's
+    # K splits) in order too, cast to out's dtype; ELSEWHERE: the pairs of experts held elsewhere (id E, y never
+    # written) left out
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -682,7 +692,8 @@ def _combine_kernel(Y, Ids, Out, H, E, s_yt, s_ot, TOP_K: tl.constexpr, ELSEWHER
         here = mask
         if ELSEWHERE:
             here = mask & ((cols * 0 + tl.load(Ids + t * TOP_K + j)) < E)  # [BLOCK_H]: the pair's, broadcast
-        acc += tl.load(Y + (t * TOP_K + j) * s_yt + cols, mask=here, other=0.0)
+        for ks in tl.static_range(SPLIT_K):
+            acc += tl.load(Y + ks * s_yk + (t * TOP_K + j) * s_yt + cols, mask=here, other=0.0)
     tl.store(Out + t * s_ot + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -741,7 +752,6 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # MAXNREG_UP / MAXNREG_DOWN (a launch sweep's options, unset by default): a register cap per thread, so more
     # programs fit an SM (65,536 registers ÷ (cap · 32 · num_warps)), at the price of spills where the cap is low
@@ -766,16 +776,19 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
                                                        SPLIT_K=splits, BLOCK_I=BLOCK_I, num_warps=4)
     down_w, down_s, down_z, *down_strides = down_args
-    _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]))](
-        h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, h.stride(0),
-        *down_strides, y.stride(0), IEEE=ieee, **down_const, EVEN_K=down_const["INT4"] and I % down_k == 0,
-        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"],
-        BLOCK_K=down_k, **down_opts)
+    down_splits, down_chunk = _k_splits(I, down_k, cfg.get("SPLIT_K_DOWN", 1))
+    y = torch.empty(down_splits, P, H, dtype=torch.float32, device=x.device)  # each K split's partial sums
+    _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]), down_splits)](
+        h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, down_chunk,
+        h.stride(0), *down_strides, y.stride(0), y.stride(1), IEEE=ieee, **down_const,
+        EVEN_K=down_const["INT4"] and I % down_k == 0, SPLIT_K=down_splits, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, **down_opts)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)
-    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, ids, out, H, E, y.stride(0), out.stride(0), TOP_K=top_k,
-                                                  ELSEWHERE=elsewhere is not None, BLOCK_H=BLOCK_H, num_warps=4)
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, ids, out, H, E, y.stride(0), y.stride(1), out.stride(0),
+                                                  TOP_K=top_k, ELSEWHERE=elsewhere is not None, SPLIT_K=down_splits,
+                                                  BLOCK_H=BLOCK_H, num_warps=4)
     return out
 
 

@@ -43,7 +43,8 @@ TOKENS = (1, 8, 16, 65, 129, 1025)
 SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 # --config keys besides the BLOCK_… tiles
-CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP", "MAXNREG_UP", "MAXNREG_DOWN")
+CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP", "SPLIT_K_DOWN", "MAXNREG_UP",
+               "MAXNREG_DOWN")
 FLAG_KEYS = ("fuse_route", "paired")  # those that are on or off
 
 

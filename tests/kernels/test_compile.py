@@ -51,7 +51,8 @@ GATE_UP_SIGNATURE = {
 DOWN_SIGNATURE = {
     "Hbuf": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Y": "*fp32", "Weights": "*fp32",
     "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32",
-    "S": "i32", "E": "i32", **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yt")}}
+    "S": "i32", "E": "i32", "K_CHUNK": "i32",
+    **{s: "i32" for s in ("s_ht", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_yk", "s_yt")}}
 DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K": False}
 
 # the routing kernel: a mode's unread pointers are passed the logits'
@@ -124,11 +125,13 @@ CASES = [
     ("fused_moe", "_count_kernel",
      {"Ids": "*i32", "ChunkCounts": "*i32", "P": "i32", "CHUNK": "i32"}, {"BLOCK_P": 128, "BLOCK_E": 128}),
     ("fused_moe", "_combine_kernel",
-     {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yt": "i32", "s_ot": "i32"},
-     {"TOP_K": 8, "ELSEWHERE": False, "BLOCK_H": 1024}),
-    ("fused_moe", "_combine_kernel",  # an expert-parallel share: pairs held elsewhere left out
-     {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yt": "i32", "s_ot": "i32"},
-     {"TOP_K": 8, "ELSEWHERE": True, "BLOCK_H": 1024}),
+     {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yk": "i32", "s_yt": "i32",
+      "s_ot": "i32"},
+     {"TOP_K": 8, "ELSEWHERE": False, "SPLIT_K": 1, "BLOCK_H": 1024}),
+    ("fused_moe", "_combine_kernel",  # an expert-parallel share: pairs held elsewhere left out, the down split
+     {"Y": "*fp32", "Ids": "*i32", "Out": "*bf16", "H": "i32", "E": "i32", "s_yk": "i32", "s_yt": "i32",
+      "s_ot": "i32"},
+     {"TOP_K": 8, "ELSEWHERE": True, "SPLIT_K": 2, "BLOCK_H": 1024}),
     ("fused_moe", "_gate_up_kernel", GATE_UP_SIGNATURE,
      {"TOP_K": 8, "IEEE": False, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16,
       "BLOCK_N": 64, "BLOCK_K": 128}),
@@ -150,9 +153,14 @@ CASES = [
     ("fused_moe", "_down_kernel",  # INT4 with zero points, a group as wide as the tile
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "PAIRED": False, "EVEN_K": False,
-      "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
+      "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
     ("fused_moe", "_down_kernel", DOWN_SIGNATURE,
-     {"IEEE": False, **DENSE, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
+     {"IEEE": False, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64,
+      "BLOCK_K": 128}),
+    ("fused_moe", "_down_kernel",  # a Kimi EP8 rank's AR step, its walk over I split in two (SPLIT_K_DOWN)
+     {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True, "SPLIT_K": 2,
+      "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     ("commit", "_advance_kernel", ADVANCE_SIGNATURE, {"BLOCK": 16}),
     ("auto_budget", "_auto_kernel", AUTO_SIGNATURE,
      {"J": 8, "NB": 8, "BLOCK_P": 16, "BLOCK_C": 1024, "BLOCK_J": 8, "BLOCK_R": 16}),
@@ -317,7 +325,7 @@ INT4_LOOP = {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRE
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
     ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "BLOCK_S": 128, "BLOCK_N": 64}),
+     {**INT4_LOOP, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
 ], ids=["ar_gate_up_split_k", "tree_gate_up", "down"])
 def test_an_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, constexprs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -176,6 +176,24 @@ def test_split_k_gate_up_sums_its_pieces(splits, H):
     assert torch.allclose(out, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits,I", [(2, 40), (3, 48), (4, 32)])  # 2 of 40 at steps of 16: 2 steps and 1
+def test_split_k_down_sums_its_pieces(splits, I):
+    """The down's walk over I split (the SPLIT_K_DOWN override): each split's partial sums land in y[split] and the
+    combine adds them in order, pair by pair: the unsplit block to rounding; experts held elsewhere add nothing."""
+    x, router, w_gate_up, w_down = make_block(3, 8, 64, I, torch.float32, seed=splits + I)
+    cfg = dict(BLOCK_K_DOWN=16, SPLIT_K_DOWN=splits)
+    one, _ = fused_moe(x, router, w_gate_up, w_down, 2, True, config=dict(BLOCK_K_DOWN=16))
+    out, counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=cfg)
+    want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, 2, True)
+    assert torch.equal(counts, want_counts) and torch.allclose(out, want, atol=1e-5)
+    assert torch.allclose(out, one, atol=1e-6)
+    weights, ids = route_reference(F.linear(x, router), 2, True)
+    ids = torch.where(ids >= 4, 8, ids)  # experts 4-7 another rank's
+    out, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=cfg, elsewhere=True)
+    want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up[:4], w_down[:4], elsewhere=True)
+    assert torch.allclose(out, want, atol=1e-5)
+
+
 def test_launch_splits_k_for_an_ar_step_on_a_long_hidden_only(monkeypatch):
     """An AR step of a Kimi layer (K 7,168: 56 steps of 128) splits into pieces of SPLIT_K_STEPS steps; a tree's
     tokens, or a short K (Qwen3-30B-A3B's 2,048), keep one walk."""

@@ -187,6 +187,21 @@ def test_int4_split_k_gate_up(symmetric):
     assert ok, err
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_split_k_down(symmetric):
+    """The down's walk over I split too (the SPLIT_K_DOWN override, for an EP rank's AR step, whose live programs
+    are few): its pieces, added in order by the combine, give the unsplit block."""
+    gen = torch.Generator().manual_seed(31 + symmetric)
+    T, E, k, H, I = 2, 8, 4, 64, 128
+    x = torch.randn(T, H, generator=gen).to(DEVICE)
+    w_gate_up, w_down = random_int4(E, 2 * I, H, 32, symmetric, gen), random_int4(E, H, I, 32, symmetric, gen)
+    weights, ids = routing(T, E, k, gen)
+    out, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config=dict(BLOCK_K_DOWN=32, SPLIT_K_DOWN=3))
+    want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)
+    ok, err = close(out, want, 1e-5)
+    assert ok, err
+
+
 def test_int4_equals_its_dense_dequantized_form():
     """The same weights, INT4 or dequantized to dense fp32: the kernels agree (and so do the grouped router's
     int64 ids, given as they come from torch)."""
