@@ -173,30 +173,17 @@ def test_int4_tiles_inside_and_across_groups(block_k, G):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_split_k_gate_up(symmetric):
-    """An AR step's gate-up with its K walk split (a Kimi layer's launch, SPLIT_K_UP): the pieces, added in order,
-    give the unsplit block."""
-    gen = torch.Generator().manual_seed(21 + symmetric)
-    T, E, k, H, I = 2, 8, 4, 256, 64
+@pytest.mark.parametrize("H, I, config", [(256, 64, dict(BLOCK_K_UP=32, SPLIT_K_UP=3)),
+                                          (64, 128, dict(BLOCK_K_DOWN=32, SPLIT_K_DOWN=3))], ids=["gate_up", "down"])
+def test_int4_split_k(symmetric, H, I, config):
+    """An AR step's gate-up with its K walk split (a Kimi layer's launch, SPLIT_K_UP), or the down's walk over I
+    (the SPLIT_K_DOWN override): the pieces, added in order, give the unsplit block."""
+    gen = torch.Generator().manual_seed(21 + symmetric + I)
+    T, E, k = 2, 8, 4
     x = torch.randn(T, H, generator=gen).to(DEVICE)
     w_gate_up, w_down = random_int4(E, 2 * I, H, 32, symmetric, gen), random_int4(E, H, I, 32, symmetric, gen)
     weights, ids = routing(T, E, k, gen)
-    out, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config=dict(BLOCK_K_UP=32, SPLIT_K_UP=3))
-    want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)
-    ok, err = close(out, want, 1e-5)
-    assert ok, err
-
-
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_split_k_down(symmetric):
-    """The down's walk over I split too (the SPLIT_K_DOWN override, for an EP rank's AR step, whose live programs
-    are few): its pieces, added in order by the combine, give the unsplit block."""
-    gen = torch.Generator().manual_seed(31 + symmetric)
-    T, E, k, H, I = 2, 8, 4, 64, 128
-    x = torch.randn(T, H, generator=gen).to(DEVICE)
-    w_gate_up, w_down = random_int4(E, 2 * I, H, 32, symmetric, gen), random_int4(E, H, I, 32, symmetric, gen)
-    weights, ids = routing(T, E, k, gen)
-    out, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config=dict(BLOCK_K_DOWN=32, SPLIT_K_DOWN=3))
+    out, _ = fused_moe_routed(x, weights, ids, w_gate_up, w_down, config=config)
     want, _ = fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down)
     ok, err = close(out, want, 1e-5)
     assert ok, err
