@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..atomic import atomic_write_json
 from ..pairs.random import DEPTH_SEPARATOR
 
 SAME = ("dtype", "attention", "compile", "prompt_len", "tree_kernels", "routing")  # settings both profiles share
@@ -97,7 +98,7 @@ def main(argv=None) -> dict:
         ap.error(str(e))
     print(table(result), file=sys.stderr)
     if a.out:
-        Path(a.out).write_text(json.dumps({"shallow": a.shallow, "deep": a.deep, **result}, indent=1))
+        atomic_write_json(a.out, {"shallow": a.shallow, "deep": a.deep, **result})
     return result
 
 
