@@ -29,6 +29,7 @@ from .declared_routing import routing_name
 from .drafter import Drafter
 from .kernels.int4 import VALUES_PER_WORD
 from .model import Target
+from .moe import narrow_routers
 from . import parallel
 from .names import DTYPE_NAMES
 
@@ -331,6 +332,7 @@ def _load(kind, directory, device, dtype, read_config, model_cls, mapping, shard
     wanted = mapping(cfg, reader)
     _check_all_used(reader, wanted, cfg, skipped=_skipped_tensors(reader, raw, cfg, wrapped) | int4_checked)
     _fill(model, reader, wanted)
+    narrow_routers(model)  # a router stored in bf16 stays bf16 (exact), halving what a step reads of it
     model.rotary = type(model.rotary)(cfg.rope_dim, cfg.rope, model.rotary.max_positions)  # not in checkpoints
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

@@ -120,23 +120,48 @@ def moe_torch_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
 
 
 class Float32Router(nn.Module):
-    """A router that stays fp32 whatever dtype the model moves to: DeepSeek's reference routes in fp32, and a
-    bf16 router would pick other experts near ties. `weight` [E, H]; `e_score_correction_bias` [E] (a parameter
-    so checkpoints fill it as any tensor)."""
+    """A router whose logits are fp32 whatever dtype the model moves to: DeepSeek's reference routes in fp32, and a
+    bf16 product would pick other experts near ties. `weight` [E, H] keeps the dtype its values need: fp32, or
+    bf16 once `narrow()` finds every value a bf16 (a checkpoint stored in bf16, as DeepSeek-V3's and Kimi K2's
+    are). Either way each product is exact in fp32 and the sums run in fp32; the bf16 copy reads half the bytes
+    and takes the tensor cores. `e_score_correction_bias` [E] fp32 (a parameter so checkpoints fill it as any
+    tensor)."""
 
     def __init__(self, hidden: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, H] -> logits [T, E] fp32
+        w = self.weight
+        if w.dtype == x.dtype == torch.bfloat16 and x.is_cuda:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)  # bf16 products, fp32 sums
+        return F.linear(x.float(), w.float())
+
+    def narrow(self) -> bool:
+        """Keep `weight` in bf16 when that loses nothing (every value a bf16); True if it is bf16 now."""
+        w = self.weight.data
+        if w.dtype == torch.float32 and not w.is_meta and torch.equal(w.to(torch.bfloat16).float(), w):
+            self.weight = nn.Parameter(w.to(torch.bfloat16), requires_grad=self.weight.requires_grad)
+        return self.weight.dtype == torch.bfloat16
+
     def _apply(self, fn, recurse=True):
-        # take fn's device, never its dtype (fn of an empty tensor shows where it sends tensors)
+        # take fn's device, never its dtype: each parameter keeps its own (fn of an empty tensor shows where it
+        # sends tensors)
         for name, p in self._parameters.items():
             device = fn(p.new_empty(0)).device
-            data = (torch.empty(p.shape, dtype=torch.float32, device=device) if p.is_meta
-                    else p.data.to(device=device, dtype=torch.float32))
+            data = (torch.empty(p.shape, dtype=p.dtype, device=device) if p.is_meta
+                    else p.data.to(device=device))
             self._parameters[name] = nn.Parameter(data, requires_grad=p.requires_grad)
         return self
+
+
+def narrow_routers(model: nn.Module) -> None:
+    """Each fp32 router whose weights are all bf16 values keeps them in bf16 (Float32Router.narrow)."""
+    for m in model.modules():
+        if isinstance(m, Float32Router):
+            m.narrow()
 
 
 class Int4Experts(nn.Module):
@@ -228,7 +253,7 @@ class SparseMoE(nn.Module):
         r = self.routing
         place = self.local_index if local and self.held else None
         # [T, E]: a grouped router's in fp32 (Float32Router), a softmax router's in the weights' dtype
-        logits = F.linear(x, self.router.weight) if r is None else F.linear(x.float(), self.router.weight)
+        logits = F.linear(x, self.router.weight) if r is None else self.router(x)
         if self.declared is not None:
             scoring, scaling = ("softmax", 1.0) if r is None else (r.scoring, r.scaling)
             return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype)

@@ -144,7 +144,7 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     from ..checkpoint import Pair, torch_dtype
     from ..drafter import Drafter
     from ..model import Target
-    from ..moe import Int4Experts, SparseMoE
+    from ..moe import Float32Router, Int4Experts, SparseMoE
 
     if shape_entry(shape) is None:
         raise ValueError(unknown_shape_message(shape))
@@ -164,6 +164,8 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
                 p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
             for block in (b for b in m.modules() if isinstance(b, SparseMoE)):  # buffers to_empty left unset
                 block.fill_local_index()
+                if isinstance(block.router, Float32Router):  # in bf16, as checkpoints store it (still fp32 sums)
+                    block.router.weight = torch.nn.Parameter(block.router.weight.to(torch.bfloat16))
             for experts in (e for e in m.modules() if isinstance(e, Int4Experts)):  # random nibbles, about N(0, 0.02)
                 experts.packed.random_(-2**31, 2**31 - 1)
                 experts.scale.fill_(0.02 / INT4_VALUE_STD)

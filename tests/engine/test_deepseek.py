@@ -11,6 +11,7 @@ from ddtree_lab.checkpoint import load_target, save_drafter
 from ddtree_lab.config import ConfigError, target_config_from_hf
 from ddtree_lab.drafter import Drafter
 from ddtree_lab.kernels.moe_layout import route_grouped_reference
+from ddtree_lab.moe import Float32Router
 from ddtree_lab.testing import random_init, tiny_drafter_config
 from ddtree_lab.tree import ancestor_matrix
 
@@ -317,3 +318,62 @@ def test_int4_refusals(hf_pair, tmp_path):
     with pytest.raises(ConfigError, match="quantization_config") as err:
         load_target(tmp_path / "scale")
     assert "\n" not in str(err.value)
+
+
+def test_a_router_stored_in_bf16_stays_bf16_and_routes_as_transformers(tmp_path):
+    """A checkpoint's bf16 router (every value a bf16) loads as bf16, half the bytes; its logits are the fp32
+    router's (same products, fp32 sums), so the model still matches transformers."""
+    ref = hf_deepseek(seed=3)
+    with torch.no_grad():
+        for layer in ref.model.layers[1:]:
+            layer.mlp.gate.weight.copy_(layer.mlp.gate.weight.to(torch.bfloat16))
+    ref.save_pretrained(tmp_path)
+    ours = load_target(tmp_path)
+    routers = [m for m in ours.modules() if isinstance(m, Float32Router)]
+    assert len(routers) == 2 and all(r.weight.dtype == torch.bfloat16 for r in routers)
+    assert all(r.e_score_correction_bias.dtype == torch.float32 for r in routers)
+    T = 40
+    tokens = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(tokens[None]).logits[0]
+        ours.setup_cache(T)
+        logits, _ = ours(tokens, torch.arange(T), 0, TreeMask.causal(T, "cpu"))
+    assert (logits - want).abs().max() < 2e-4
+
+
+def test_a_router_narrows_only_when_exact_and_keeps_its_dtype_through_moves():
+    router = Float32Router(64, 8)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 64, generator=g))
+    assert not router.narrow() and router.weight.dtype == torch.float32  # fp32 values: nothing to lose
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.copy_(router.weight.to(torch.bfloat16))
+        before = router(x)
+        assert router.narrow() and router.weight.dtype == torch.bfloat16
+        after = router(x)
+    assert before.dtype == after.dtype == torch.float32 and torch.equal(before, after)
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        router.to(dtype)
+        assert router.weight.dtype == torch.bfloat16 and router.e_score_correction_bias.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core product runs on a GPU; its CPU twin: "
+                    "test_a_router_narrows_only_when_exact_and_keeps_its_dtype_through_moves")
+@pytest.mark.parametrize("T", [1, 17, 257])
+def test_a_bf16_router_on_the_gpu_sums_its_exact_products_in_fp32(T):
+    g = torch.Generator().manual_seed(T)
+    router = Float32Router(7168, 384)
+    with torch.no_grad():
+        router.weight.copy_(0.02 * torch.randn(384, 7168, generator=g))
+        router.weight.copy_(router.weight.to(torch.bfloat16))
+    assert router.narrow()
+    router.cuda()
+    x = torch.randn(T, 7168, generator=g).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        got = router(x)
+        want = x.double() @ router.weight.double().t()  # the exact sums of the same products
+    assert got.dtype == torch.float32 and got.shape == (T, 384)
+    scale = x.double().abs() @ router.weight.double().abs().t()
+    assert ((got.double() - want).abs() <= 1e-5 * scale).all()  # fp32 sums over 7168 products
