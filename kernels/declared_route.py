@@ -68,6 +68,16 @@ def _float_order(v):
 
 
 @triton.jit
+def _score(logits, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr):
+    """The router's scores of logits [BT, n]: sigmoid, or softmax given its row's max and sum of exponentials."""
+    if SIGMOID:
+        if PRECISE:  # as torch computes it on a GPU: expf, then a correctly rounded division (the same bits)
+            return tl.math.div_rn(1.0, 1.0 + tl.extra.libdevice.exp(-logits))
+        return 1.0 / (1.0 + tl.exp(-logits))
+    return tl.exp(logits - row_max[:, None]) / row_sum[:, None]
+
+
+@triton.jit
 def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s_lt, layer_term, M0, M2, M3,
                            scaling, group_size,
                            PRIME: tl.constexpr, HASH: tl.constexpr, CHOOSE: tl.constexpr, SIGMOID: tl.constexpr,
@@ -83,14 +93,13 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
     row = tl.minimum(t, T - 1)  # rows past T repeat the last (stored nowhere): no -inf row to make NaN of
     logits = tl.load(Logits + row[:, None] * s_lt + e[None, :], mask=e[None, :] < E,
                      other=float("-inf")).to(tl.float32)                         # [BT, BE]
-    if SIGMOID:
-        if PRECISE:  # as torch computes it on a GPU: expf, then a correctly rounded division (the same bits)
-            scores = tl.math.div_rn(1.0, 1.0 + tl.extra.libdevice.exp(-logits))
-        else:
-            scores = 1.0 / (1.0 + tl.exp(-logits))
-    else:
-        z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        scores = z / tl.sum(z, axis=1)[:, None]
+    row_max = tl.zeros([BLOCK_T], dtype=tl.float32)                               # [BT]: softmax's only
+    row_sum = row_max + 1.0
+    if not SIGMOID:
+        row_max = tl.max(logits, axis=1)
+        row_sum = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
+    if CHOOSE:  # the choice compares every expert's score
+        scores = _score(logits, row_max, row_sum, SIGMOID, PRECISE)              # [BT, BE]
     picks = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     if HASH or CHOOSE:
         if HASH:  # uniform: the hash of (key, layer, expert), a residue below 2^31
@@ -135,11 +144,11 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
         out = tl.load(Local + picks) if LOCAL else picks                         # [BT, BK]
         tl.store(Out + t[:, None] * TOP_K + j[None, :], out.to(Out.dtype.element_ty),
                  mask=live[:, None] & (j[None, :] < TOP_K))
-    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pick = tl.sum(tl.where(j[None, :] == k, picks, 0), axis=1)                # [BT]
-        score = tl.sum(tl.where(e[None, :] == pick[:, None], scores, 0.0), axis=1)
-        w = tl.where(j[None, :] == k, score[:, None], w)
+    # each pick's score from its own logit, as the row's scores are computed (the same bits): a gather, not a
+    # reduction over the experts for each of the top_k
+    kept = live[:, None] & (j[None, :] < TOP_K) & (picks >= 0) & (picks < E)     # [BT, BK]: else 0, as no expert
+    picked = tl.load(Logits + row[:, None] * s_lt + picks, mask=kept, other=0.0).to(tl.float32)
+    w = tl.where(kept, _score(picked, row_max, row_sum, SIGMOID, PRECISE), 0.0)  # [BT, BK]
     if RENORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     tl.store(Weights + t[:, None] * TOP_K + j[None, :], w * scaling, mask=live[:, None] & (j[None, :] < TOP_K))
