@@ -262,12 +262,19 @@ def _align_kernel(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S,
 
 
 @triton.jit
-def _row_block(Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _grid_place(COLS_FIRST: tl.constexpr):
+    """(row block, column tile) of this program: grid axes 0 and 1, or 1 and 0 when COLS_FIRST."""
+    if COLS_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _row_block(b, Counts, SlotExpert, S, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """This program's row block -> (slot, its expert, first row m0 within the slot); slot = -1 past the last
     block. Blocks are numbered slot by slot (each slot's ceil(count / BLOCK_M) in turn), so the blocks of one
     expert run side by side and share its weight tiles in L2. ONE_BLOCK (T ≤ BLOCK_M: no expert can fill
     two blocks): block b is slot b, with no search (two dependent loads fewer, which a small tree notices)."""
-    b = tl.program_id(0)
     if ONE_BLOCK:
         e = tl.load(SlotExpert + b)
         return tl.where(e >= 0, b, -1), e, 0
@@ -434,15 +441,16 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
                     IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
                     PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) and leaves the gate
     # and up partial sums in Part [SPLIT_K, T·top_k, 2I] fp32 for `_silu_mul_kernel`'s ordered sum
-    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
+    b, c = _grid_place(COLS_FIRST)
+    slot, e, m0 = _row_block(b, Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
         return
     start = tl.load(SlotStart + slot)
     count = tl.load(Counts + e)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < count
@@ -493,15 +501,16 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
                  s_ht, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_yk, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr,
                  HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) into Y[ks], for
     # `_combine_kernel`'s ordered sum
-    slot, e, m0 = _row_block(Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
+    b, c = _grid_place(COLS_FIRST)
+    slot, e, m0 = _row_block(b, Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
         return
     start = tl.load(SlotStart + slot)
     count = tl.load(Counts + e)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                # output columns (of H)
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)                               # output columns (of H)
     cmask = cols < H
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < count
@@ -766,11 +775,16 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     splits, k_chunk = _k_splits(H, up_k, cfg.get("SPLIT_K_UP", 1))
     part = torch.empty(splits, P, 2 * I, dtype=torch.float32, device=x.device) if splits > 1 else h  # (unread at 1)
-    _gate_up_kernel[(blocks, triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)](
+    cols_first = bool(cfg.get("COLS_FIRST", 0))
+
+    def grid(cols: int, k_splits: int) -> tuple[int, int, int]:
+        return (cols, blocks, k_splits) if cols_first else (blocks, cols, k_splits)
+
+    _gate_up_kernel[grid(triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)](
         x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
         s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
         IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits,
-        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, **up_opts)
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, COLS_FIRST=cols_first, **up_opts)
     if splits > 1:
         BLOCK_I = min(1024, _pow2(I, 16))
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
@@ -778,11 +792,11 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     down_w, down_s, down_z, *down_strides = down_args
     down_splits, down_chunk = _k_splits(I, down_k, cfg.get("SPLIT_K_DOWN", 1))
     y = torch.empty(down_splits, P, H, dtype=torch.float32, device=x.device)  # each K split's partial sums
-    _down_kernel[(blocks, triton.cdiv(H, cfg["BLOCK_N_DOWN"]), down_splits)](
+    _down_kernel[grid(triton.cdiv(H, cfg["BLOCK_N_DOWN"]), down_splits)](
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, down_chunk,
         h.stride(0), *down_strides, y.stride(0), y.stride(1), IEEE=ieee, **down_const,
         EVEN_K=down_const["INT4"] and I % down_k == 0, SPLIT_K=down_splits, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, **down_opts)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, COLS_FIRST=cols_first, **down_opts)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)

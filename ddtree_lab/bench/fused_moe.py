@@ -44,8 +44,8 @@ SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 # --config keys besides the BLOCK_… tiles
 CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP", "SPLIT_K_DOWN", "MAXNREG_UP",
-               "MAXNREG_DOWN")
-FLAG_KEYS = ("fuse_route", "paired")  # those that are on or off
+               "MAXNREG_DOWN", "COLS_FIRST")
+FLAG_KEYS = ("fuse_route", "paired", "COLS_FIRST")  # those that are on or off
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):

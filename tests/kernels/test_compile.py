@@ -134,33 +134,36 @@ CASES = [
      {"TOP_K": 8, "ELSEWHERE": True, "SPLIT_K": 2, "BLOCK_H": 1024}),
     ("fused_moe", "_gate_up_kernel", GATE_UP_SIGNATURE,
      {"TOP_K": 8, "IEEE": False, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16,
-      "BLOCK_N": 64, "BLOCK_K": 128}),
+      "BLOCK_N": 64, "BLOCK_K": 128, "COLS_FIRST": False}),
     ("fused_moe", "_gate_up_kernel",  # fp32 weights: IEEE dot products
      {**GATE_UP_SIGNATURE, "X": "*fp32", "W": "*fp32", "Scale": "*fp32", "Zero": "*fp32", "Hbuf": "*fp32"},
      {"TOP_K": 8, "IEEE": True, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64,
-      "BLOCK_N": 32, "BLOCK_K": 64}),
+      "BLOCK_N": 32, "BLOCK_K": 64, "COLS_FIRST": False}),
     ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile; bf16 pairs (inline assembly)
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+      "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+      "COLS_FIRST": False}),
     ("fused_moe", "_gate_up_kernel",  # a Kimi AR step: INT4, its K walk split in seven
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+      "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+      "COLS_FIRST": True}),
     ("fused_moe", "_silu_mul_kernel",
      {"Part": "*fp32", "Hbuf": "*bf16", "I": "i32", "s_pk": "i32", "s_pp": "i32", "s_ht": "i32"},
      {"SPLIT_K": 7, "BLOCK_I": 1024}),
     ("fused_moe", "_down_kernel",  # INT4 with zero points, a group as wide as the tile
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"IEEE": False, "INT4": True, "HAS_ZERO": True, "GROUP": 128, "PAIRED": False, "EVEN_K": False,
-      "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128}),
+      "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128,
+      "COLS_FIRST": False}),
     ("fused_moe", "_down_kernel", DOWN_SIGNATURE,
      {"IEEE": False, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64, "BLOCK_N": 64,
-      "BLOCK_K": 128}),
+      "BLOCK_K": 128, "COLS_FIRST": False}),
     ("fused_moe", "_down_kernel",  # a Kimi EP8 rank's AR step, its walk over I split in two (SPLIT_K_DOWN)
      {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True, "SPLIT_K": 2,
-      "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+      "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "COLS_FIRST": True}),
     ("commit", "_advance_kernel", ADVANCE_SIGNATURE, {"BLOCK": 16}),
     ("auto_budget", "_auto_kernel", AUTO_SIGNATURE,
      {"J": 8, "NB": 8, "BLOCK_P": 16, "BLOCK_C": 1024, "BLOCK_J": 8, "BLOCK_R": 16}),
@@ -321,11 +324,11 @@ INT4_LOOP = {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRE
 
 @pytest.mark.parametrize("kernel, signature, constexprs", [
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 7, "BLOCK_S": 16, "BLOCK_N": 64}),
+     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 7, "BLOCK_S": 16, "BLOCK_N": 64, "COLS_FIRST": True}),
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
+     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64, "COLS_FIRST": False}),
     ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64}),
+     {**INT4_LOOP, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64, "COLS_FIRST": False}),
 ], ids=["ar_gate_up_split_k", "tree_gate_up", "down"])
 def test_an_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, constexprs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -194,6 +194,24 @@ def test_split_k_down_sums_its_pieces(splits, I):
     assert torch.allclose(out, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("T,I,split", [(1, 48, 1), (1, 48, 3), (5, 40, 2), (40, 32, 1)])
+def test_the_grid_with_its_column_tiles_first_changes_no_bit(T, I, split):
+    """COLS_FIRST swaps the expert kernels' first two grid axes (column tiles first, so the programs of a live
+    slot launch one after another); every program computes what it did, so the output is the same bits, the
+    K splits and experts held elsewhere included."""
+    x, router, w_gate_up, w_down = make_block(T, 8, 64, I, torch.float32, seed=T + I)
+    base = dict(BLOCK_K_UP=16, BLOCK_K_DOWN=16, SPLIT_K_UP=split, SPLIT_K_DOWN=split)
+    want, want_counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=base)
+    got, counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=dict(base, COLS_FIRST=1))
+    assert torch.equal(got, want) and torch.equal(counts, want_counts)
+    weights, ids = route_reference(F.linear(x, router), 2, True)
+    ids = torch.where(ids >= 4, 8, ids)  # experts 4-7 another rank's
+    want, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=base, elsewhere=True)
+    got, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=dict(base, COLS_FIRST=1),
+                              elsewhere=True)
+    assert torch.equal(got, want)
+
+
 def test_launch_splits_k_for_an_ar_step_on_a_long_hidden_only(monkeypatch):
     """An AR step of a Kimi layer (K 7,168: 56 steps of 128) splits into pieces of SPLIT_K_STEPS steps; a tree's
     tokens, or a short K (Qwen3-30B-A3B's 2,048), keep one walk."""
