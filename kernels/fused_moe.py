@@ -41,6 +41,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   5. `_down_kernel`, grid (row blocks, H / BLOCK_N, K splits): h times the down rows, scaled by the routing
      weight, into y [K splits, T·top_k, H] fp32 in pair order (one split unless the launch option SPLIT_K_DOWN
      asks for more: a walk over I in pieces, as the gate-up's, for calls whose live programs are few);
+     (4 and 5 take their first two grid axes the other way round, column tiles first, where `columns_first` says:
+     an expert-parallel share's AR steps and small trees);
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j Σ_split y[split, t·top_k + j] in a fixed order
      (deterministic, no atomics), cast to x's dtype.
 fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
@@ -775,7 +777,7 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     up_w, up_s, up_z, s_we, s_wn, *up_strides = up_args
     splits, k_chunk = _k_splits(H, up_k, cfg.get("SPLIT_K_UP", 1))
     part = torch.empty(splits, P, 2 * I, dtype=torch.float32, device=x.device) if splits > 1 else h  # (unread at 1)
-    cols_first = bool(cfg.get("COLS_FIRST", 0))
+    cols_first = columns_first(cfg, one_block, elsewhere is not None)
 
     def grid(cols: int, k_splits: int) -> tuple[int, int, int]:
         return (cols, blocks, k_splits) if cols_first else (blocks, cols, k_splits)
@@ -784,7 +786,8 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
         s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
         IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits,
-        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k, COLS_FIRST=cols_first, **up_opts)
+        BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k,
+        COLS_FIRST=cols_first, **up_opts)
     if splits > 1:
         BLOCK_I = min(1024, _pow2(I, 16))
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
@@ -796,7 +799,8 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, down_chunk,
         h.stride(0), *down_strides, y.stride(0), y.stride(1), IEEE=ieee, **down_const,
         EVEN_K=down_const["INT4"] and I % down_k == 0, SPLIT_K=down_splits, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, COLS_FIRST=cols_first, **down_opts)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, COLS_FIRST=cols_first,
+        **down_opts)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)
@@ -804,6 +808,16 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
                                                   TOP_K=top_k, ELSEWHERE=elsewhere is not None, SPLIT_K=down_splits,
                                                   BLOCK_H=BLOCK_H, num_warps=4)
     return out
+
+
+def columns_first(cfg: dict, one_block: bool, expert_parallel: bool) -> bool:
+    """The expert kernels' grid order (override COLS_FIRST): column tiles first for an expert-parallel share's
+    calls whose experts fit one row block each. Row blocks first, most programs of such a call belong to slots
+    with nothing here (experts held elsewhere, slots past the last) and sit between the few live ones, so the live
+    ones start late; column tiles first, a live slot's programs launch one after another. Timed only there
+    (docs/performance.md, "Session 22"); where an expert has several row blocks, row blocks first keep its
+    blocks side by side, sharing its weight tiles in L2."""
+    return bool(cfg.get("COLS_FIRST", one_block and expert_parallel))
 
 
 def _config(x, top_k: int, E: int, I: int, config: dict | None, w_gate_up) -> dict:

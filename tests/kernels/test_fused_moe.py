@@ -212,6 +212,16 @@ def test_the_grid_with_its_column_tiles_first_changes_no_bit(T, I, split):
     assert torch.equal(got, want)
 
 
+def test_column_tiles_go_first_for_an_expert_parallel_call_of_one_block_an_expert_unless_told():
+    from ddtree_lab.kernels.fused_moe import columns_first
+
+    assert columns_first({}, one_block=True, expert_parallel=True)
+    assert not columns_first({}, one_block=False, expert_parallel=True)  # an expert's blocks stay side by side
+    assert not columns_first({}, one_block=True, expert_parallel=False)  # untimed there: the order it had
+    assert not columns_first({"COLS_FIRST": False}, one_block=True, expert_parallel=True)
+    assert columns_first({"COLS_FIRST": True}, one_block=False, expert_parallel=False)
+
+
 def test_launch_splits_k_for_an_ar_step_on_a_long_hidden_only(monkeypatch):
     """An AR step of a Kimi layer (K 7,168: 56 steps of 128) splits into pieces of SPLIT_K_STEPS steps; a tree's
     tokens, or a short K (Qwen3-30B-A3B's 2,048), keep one walk."""
