@@ -20,6 +20,9 @@ INT4 (`--int4 G`, w4a16): the experts are random INT4 in groups of G with bf16 s
 dequantized to bf16 run through the dense kernel side by side (bf16_us, int4_speedup = bf16_us / triton_us); the
 floor counts the packed words and scales. `--shape` takes an MoE random shape's block (pairs/random.py:
 qwen3-30b-a3b, kimi-k2.6, kimi-k2.6-tp8-rank…); inputs are drawn on the device (a Kimi block's experts are GBs).
+An expert-parallel rank's shape (kimi-k2.6-ep8-rank) routes each token over all the model's experts and runs the
+pairs its stack holds, the rest marked held elsewhere, as the engine runs a share (`all_experts`; rows time the
+expert stage alone and count `pairs_here`).
 
 Command line (GPU): python -m ddtree_lab.bench.fused_moe --out fused_moe.json [--similarity 0.9]
                     [--shape kimi-k2.6 --int4 32]
@@ -48,16 +51,17 @@ CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP", 
 FLAG_KEYS = ("fuse_route", "paired", "COLS_FIRST")  # those that are on or off
 
 
-def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0):
-    """x [T, H], router [E, H], and the experts: dense [E, 2I, H], [E, H, I] in dtype, or (int4_group) Int4Weights
-    of random nibbles with scales giving about N(0, 0.02), as random shapes draw them. Drawn on `device`."""
+def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0, router_experts=None):
+    """x [T, H], router [router_experts or E, H], and the experts: dense [E, 2I, H], [E, H, I] in dtype, or
+    (int4_group) Int4Weights of random nibbles with scales giving about N(0, 0.02), as random shapes draw them.
+    Drawn on `device`."""
     from ..kernels.int4 import VALUES_PER_WORD, Int4Weights
     from ..pairs.random import INT4_VALUE_STD
 
     g = torch.Generator(device=device).manual_seed(seed)
     base = torch.randn(1, hidden, generator=g, device=device)
     x = similarity ** 0.5 * base + (1 - similarity) ** 0.5 * torch.randn(T, hidden, generator=g, device=device)
-    router = torch.randn(experts, hidden, generator=g, device=device) * 0.02
+    router = torch.randn(router_experts or experts, hidden, generator=g, device=device) * 0.02
 
     def stack(N, K):
         if not int4_group:
@@ -93,41 +97,63 @@ def touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize=None)
 def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768, layers=48, similarity=0.0,
                     dtype=torch.bfloat16, device="cuda", reps=20, copy_gbps=None, progress=True,
                     config: dict | None = None, baseline=None, int4_group: int = 0,
-                    sweep: list[dict] | None = None) -> list[dict]:
+                    sweep: list[dict] | None = None, all_experts: int | None = None) -> list[dict]:
     """`baseline`: another fused_moe module (e.g. `load_baseline(PATH)` of an earlier commit's kernel file),
     timed in the same run on the same inputs: rows gain baseline_us, over_baseline, equal_to_baseline.
     `int4_group`: INT4 experts, beside the dense kernel on the same experts dequantized (bf16_us, int4_speedup);
     the dense kernel's output is then the one compared with. `sweep`: more launch overrides timed on the same inputs
-    (rows gain `sweep`: each config's us, ÷ floor, and whether its output equals the row's own bit for bit)."""
-    from ..kernels.fused_moe import fused_moe, fused_moe_reference, launch_config
+    (rows gain `sweep`: each config's us, ÷ floor, and whether its output equals the row's own bit for bit).
+    `all_experts` (an expert-parallel share): tokens route over that many experts, of which the stack holds the
+    first `experts` (the placement's rank 0); the rest are held elsewhere. The block then runs as the engine runs
+    a share, `fused_moe_routed(…, elsewhere=True)` after a routing in torch, so rows time the expert stage alone
+    (no router, its bytes not in the floor) and gain `pairs_here`; the torch path is not timed."""
+    from ..kernels import fused_moe as fm
+    from ..kernels.moe_layout import route_reference
     from ..moe import _grouped_mm_fits, moe_torch
 
+    share = all_experts is not None and all_experts > experts
     elsize = torch.empty((), dtype=dtype).element_size()
     rows = []
     for T in tokens:
         x, router, w_gate_up, w_down = block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=T,
-                                                    int4_group=int4_group)
-        counts = torch.zeros(experts, dtype=torch.int32, device=device)
-        out, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts, config=config)
+                                                    int4_group=int4_group, router_experts=all_experts)
+        if share:  # the pairs of experts past the stack's are another rank's: id `experts` marks them
+            weights, ids = route_reference(torch.nn.functional.linear(x, router), top_k, True)
+            ids = torch.where(ids < experts, ids, experts)
+
+        def block(module, gate_up, down, counts=None, cfg=config):
+            """out, counts: the block of `module` (a fused_moe.py) on these inputs."""
+            if share:
+                return module.fused_moe_routed(x, weights, ids, gate_up, down, counts=counts, config=cfg,
+                                               elsewhere=True)
+            return module.fused_moe(x, router, gate_up, down, top_k, True, counts=counts, config=cfg)
+
+        counts = torch.zeros(experts + share, dtype=torch.int32, device=device)
+        out, _ = block(fm, w_gate_up, w_down, counts)
         dense = (dense_copy(w_gate_up, dtype), dense_copy(w_down, dtype)) if int4_group else None
-        if dense is None:  # the reference (a loop over the experts); INT4: the dense kernel on the same values
-            want, want_counts = fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
+        if dense is not None:  # INT4: the dense kernel on the same values
+            want, want_counts = block(fm, *dense, cfg=None)
+            expert_elsize = (w_gate_up.nbytes + w_down.nbytes) / (dense[0].numel() + dense[1].numel())
+        elif share:  # the reference (a loop over the experts)
+            want, want_counts = fm.fused_moe_routed_reference(x, weights, ids, w_gate_up, w_down, elsewhere=True)
             expert_elsize = elsize
         else:
-            want, want_counts = fused_moe(x, router, *dense, top_k, True)
-            expert_elsize = (w_gate_up.nbytes + w_down.nbytes) / (dense[0].numel() + dense[1].numel())
-        nbytes = touched_bytes(counts, T, experts, hidden, width, elsize, expert_elsize)
-        launch = {**launch_config(T, top_k, experts, hidden, width, x.device, elsize, bool(int4_group)),
+            want, want_counts = fm.fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
+            expert_elsize = elsize
+        held = counts[:experts]
+        nbytes = touched_bytes(held, T, 0 if share else experts, hidden, width, elsize, expert_elsize)
+        launch = {**fm.launch_config(T, top_k, experts + share, hidden, width, x.device, elsize, bool(int4_group)),
                   **(config or {})}
-        row = dict(T=T, **routing_stats(counts), row_blocks=int(blocks_at_height(counts, launch["BLOCK_M"])),
+        row = dict(T=T, **routing_stats(held), row_blocks=int(blocks_at_height(held, launch["BLOCK_M"])),
                    touched_bytes=nbytes, launch={k: v for k, v in launch.items() if k.startswith("BLOCK")},
                    counts_equal_reference=bool(torch.equal(counts, want_counts)),
                    max_abs_diff=float((out.float() - want.float()).abs().max()),
                    floor_us=None if copy_gbps is None else nbytes / (copy_gbps * 1e3))
-        row["triton_us"] = time_call_us(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, counts=counts,
-                                                   config=config), device, reps)
+        if share:
+            row["pairs_here"] = int(held.sum())
+        row["triton_us"] = time_call_us(lambda: block(fm, w_gate_up, w_down, counts), device, reps)
         if dense is not None:
-            row["bf16_us"] = time_call_us(lambda: fused_moe(x, router, *dense, top_k, True, config=config), device, reps)
+            row["bf16_us"] = time_call_us(lambda: block(fm, *dense), device, reps)
             row["int4_speedup"] = row["bf16_us"] / row["triton_us"]
             dense_bytes = touched_bytes(counts, T, experts, hidden, width, elsize)
             row["bf16_floor_us"] = None if copy_gbps is None else dense_bytes / (copy_gbps * 1e3)
@@ -136,18 +162,19 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
             row["sweep"] = []
             for extra in sweep:
                 cfg = {**(config or {}), **extra}
-                got, _ = fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg)
-                us = time_call_us(lambda: fused_moe(x, router, w_gate_up, w_down, top_k, True, config=cfg), device, reps)
+                got, _ = block(fm, w_gate_up, w_down, cfg=cfg)
+                us = time_call_us(lambda: block(fm, w_gate_up, w_down, cfg=cfg), device, reps)
                 row["sweep"].append(dict(config=extra, us=us, equal=bool(torch.equal(got, out)),
                                          over_floor=None if not row["floor_us"] else us / row["floor_us"]))
         if baseline is not None:
-            base_out, base_counts = baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True)
+            base_out, base_counts = block(baseline, w_gate_up, w_down, cfg=None)
             row["equal_to_baseline"] = bool(torch.equal(base_out, out) and torch.equal(base_counts, counts))
-            row["baseline_us"] = time_call_us(lambda: baseline.fused_moe(x, router, w_gate_up, w_down, top_k, True),
-                                       device, reps)
+            row["baseline_us"] = time_call_us(lambda: block(baseline, w_gate_up, w_down, cfg=None), device, reps)
             row["over_baseline"] = row["triton_us"] / row["baseline_us"]
         gather = gather_bytes(T, top_k, hidden, width, elsize)
-        if int4_group:
+        if share:
+            row["torch_us"], row["torch_error"] = None, "skipped: an expert-parallel share (the expert stage alone)"
+        elif int4_group:
             row["torch_us"], row["torch_error"] = None, 'skipped: INT4 experts (the dense kernel runs beside)'
         elif not _grouped_mm_fits(x, width) and gather > GATHER_LIMIT_BYTES:  # moe_torch would refuse it
             row["torch_us"], row["torch_error"] = None, f"skipped: the per-token gather needs {gather / 2**30:.0f} GiB"
@@ -189,9 +216,12 @@ def block_shape(name: str) -> dict:
     cfg = shape_configs(name)[0]
     if not cfg.is_moe:
         raise ValueError(f"{name} is not an MoE shape")
-    return dict(experts=cfg.experts_here, top_k=min(cfg.num_experts_per_tok, cfg.experts_here),
-                hidden=cfg.hidden_size, width=cfg.moe_intermediate_size,
-                layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+    shape = dict(experts=cfg.experts_here, top_k=min(cfg.num_experts_per_tok, cfg.experts_here),
+                 hidden=cfg.hidden_size, width=cfg.moe_intermediate_size,
+                 layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+    if cfg.experts_here < cfg.num_experts:  # an expert-parallel share: tokens route over every expert
+        shape["all_experts"] = cfg.num_experts
+    return shape
 
 
 def load_baseline(path: str):

@@ -331,8 +331,34 @@ def test_bench_int4_runs_beside_the_dense_kernel_on_the_same_experts(tmp_path):
         assert r["int4_speedup"] == pytest.approx(r["bf16_us"] / r["triton_us"]) and r["torch_us"] is None
     assert bench_fused_moe.block_shape("kimi-k2.6-tp8-rank") == dict(experts=384, top_k=8, hidden=7168, width=256,
                                                                     layers=60)
+    assert bench_fused_moe.block_shape("kimi-k2.6-ep8-rank") == dict(experts=48, top_k=8, hidden=7168, width=2048,
+                                                                    layers=60, all_experts=384)
     with pytest.raises(ValueError, match="not an MoE shape"):
         bench_fused_moe.block_shape("qwen3-8b")
+
+
+@pytest.mark.parametrize("int4", [0, 32])
+def test_bench_of_an_expert_parallel_share_routes_over_every_expert_and_runs_its_own(int4, tmp_path):
+    """A share's bench (`all_experts`, as an EP rank's shape gives): tokens route over all the experts, the stack
+    runs the pairs it holds (the rest marked held elsewhere), and the row counts them: pairs_here equals the
+    routing's own count, the experts touched are the stack's, the floor has no router in it."""
+    from ddtree_lab.bench import fused_moe as bench_fused_moe
+    from ddtree_lab.kernels.moe_layout import route_reference
+
+    shape = dict(experts=4, all_experts=16, top_k=2, hidden=64, width=32, layers=1)
+    rows = bench_fused_moe.bench_fused_moe([1, 6], **shape, dtype=torch.float32, device="cpu", reps=1,
+                                           progress=False, int4_group=int4)
+    for r in rows:
+        x, router, *_ = bench_fused_moe.block_inputs(r["T"], 4, 64, 32, torch.float32, "cpu", 0.0, seed=r["T"],
+                                                     int4_group=int4, router_experts=16)
+        _, ids = route_reference(F.linear(x, router), 2, True)
+        here = ids[ids < 4]
+        assert r["pairs_here"] == here.numel() and r["experts_touched"] == here.unique().numel()
+        assert r["counts_equal_reference"] and r["max_abs_diff"] < 1e-4 and r["torch_us"] is None
+        if not int4:  # the touched experts' weights and x in and out: no router [16, 64]
+            assert r["touched_bytes"] == bench_fused_moe.touched_bytes(torch.ones(r["experts_touched"]), r["T"], 0,
+                                                                       64, 32, 4)
+    assert any(r["pairs_here"] < 2 * r["T"] for r in rows)  # some pairs went elsewhere
 
 
 @pytest.mark.parametrize("T,k,E", [(1, 8, 49), (2, 8, 385), (2, 3, 24), (17, 3, 24), (300, 2, 40)])

@@ -919,3 +919,17 @@ def test_int4_unpacking_moves_to_another_machine_by_its_fp32_rate():
     assert str(held_out.relative_to(REPO)) not in A.machines_data()["calibration"]["int4_from"]
     rows = A.price_int4_bench(held_out)
     assert len(rows) == 2 and all(abs(r["error"]) <= 0.10 for r in rows), rows
+
+
+def test_the_moe_fits_refuse_an_expert_parallel_shares_bench(tmp_path):
+    """A share's fused-MoE bench times the expert stage alone (routed over every expert, no router in the block):
+    the block terms price whole blocks, so both fits name the file and refuse it."""
+    share = {"shape": {"experts": 48, "all_experts": 384, "top_k": 8, "hidden": 7168, "width": 2048},
+             "rows": [{"T": 1, "row_blocks": 1, "experts_touched": 1, "touched_bytes": 1, "triton_us": 10.0}]}
+    dense, int4 = tmp_path / "share.json", tmp_path / "share_int4.json"
+    dense.write_text(json.dumps(share))
+    int4.write_text(json.dumps({**share, "int4_group": 32}))
+    with pytest.raises(A.AdvisorError, match="share.json: an expert-parallel share's bench"):
+        A.calibrate_moe([dense])
+    with pytest.raises(A.AdvisorError, match="share_int4.json: an expert-parallel share's bench"):
+        A.calibrate_int4([int4])

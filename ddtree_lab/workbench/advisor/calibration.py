@@ -180,7 +180,7 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
     m = get_machine(machine)
     xs, ys = [], []
     for path in fused_moe_paths:
-        d = json.loads(Path(path).read_text())
+        d = _whole_block_bench(path)
         if d.get("int4_group"):
             raise AdvisorError(f"{path}: an INT4 bench (int4_group {d['int4_group']}); its term is calibrate_int4's")
         sh = d["shape"]
@@ -202,8 +202,18 @@ def calibrate_moe(fused_moe_paths: Sequence[str | Path], cal: Calibration | None
             "moe_sort_seconds": max(0.0, float(sort)), "moe_reread_over_bandwidth": _positive_inverse(reread)}
 
 
-def _int4_bench(path) -> dict:
+def _whole_block_bench(path) -> dict:
+    """A fused-MoE bench of the whole block (router and routing in the kernel), as the MoE terms price it; an
+    expert-parallel share's bench times its expert stage alone, so it is refused."""
     d = json.loads(Path(path).read_text())
+    if (d.get("shape") or {}).get("all_experts"):
+        raise AdvisorError(f"{path}: an expert-parallel share's bench (the expert stage alone, routed over "
+                           f"{d['shape']['all_experts']} experts); the MoE fits take whole blocks")
+    return d
+
+
+def _int4_bench(path) -> dict:
+    d = _whole_block_bench(path)
     if not int(d.get("int4_group") or 0):
         raise AdvisorError(f"{path}: not an INT4 bench (no int4_group); a dense block's terms are calibrate_moe's")
     if any("row_blocks" not in r for r in d["rows"]):
