@@ -228,7 +228,19 @@ def main(argv=None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # nothing half-written is kept (writes are atomic); one line, not a traceback
         print("ddtree-lab: interrupted", file=sys.stderr)
-        return 130
+        _exit_interrupted()
+
+
+def _exit_interrupted() -> None:
+    """Exit 130 now. An interrupt that lands inside a library's own nested run of Python code (torch's import
+    does that) is remembered by the interpreter, which would end the process by SIGINT after main returns, exit
+    −2 despite the handled interrupt. So the exit handlers run here and the process leaves at once."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _out_of_memory() -> tuple:

@@ -123,16 +123,19 @@ def test_ctrl_c_is_one_line_whenever_it_comes():
 
     cmd = [sys.executable, "-m", "ddtree_lab.cli", "generate", "def parse(line):", "--max-new-tokens", "900"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    during_imports = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    time.sleep(0.3)  # torch alone takes longer than this to import
-    during_imports.send_signal(signal.SIGINT)
+    during_imports = []
+    for delay in (0.3, 0.9):  # torch alone takes longer than either to import; an interrupt inside its import
+        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        time.sleep(delay)  # once ended the process by SIGINT (exit -2) after the one line
+        p.send_signal(signal.SIGINT)
+        during_imports.append(p)
     decoding = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     for line in decoding.stderr:
         if line.startswith("--- generating"):
             break
     time.sleep(0.5)
     decoding.send_signal(signal.SIGINT)
-    for p in (during_imports, decoding):
+    for p in (*during_imports, decoding):
         _, err = p.communicate(timeout=120)
         lines = err.strip().splitlines()
         assert p.returncode == 130 and "Traceback" not in err and lines[-1] == "ddtree-lab: interrupted", err
