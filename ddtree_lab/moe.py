@@ -143,8 +143,12 @@ class Float32Router(nn.Module):
         """Keep `weight` in bf16 when that loses nothing (every value a bf16); True if it is bf16 now."""
         w = self.weight.data
         if w.dtype == torch.float32 and not w.is_meta and torch.equal(w.to(torch.bfloat16).float(), w):
-            self.weight = nn.Parameter(w.to(torch.bfloat16), requires_grad=self.weight.requires_grad)
+            self.keep_bf16()
         return self.weight.dtype == torch.bfloat16
+
+    def keep_bf16(self) -> None:
+        """`weight` in bf16 from now on, rounded where a value was not one (a random shape's router)."""
+        self.weight = nn.Parameter(self.weight.data.to(torch.bfloat16), requires_grad=self.weight.requires_grad)
 
     def _apply(self, fn, recurse=True):
         # take fn's device, never its dtype: each parameter keeps its own (fn of an empty tensor shows where it

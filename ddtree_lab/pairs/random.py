@@ -165,7 +165,7 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
             for block in (b for b in m.modules() if isinstance(b, SparseMoE)):  # buffers to_empty left unset
                 block.fill_local_index()
                 if isinstance(block.router, Float32Router):  # in bf16, as checkpoints store it (still fp32 sums)
-                    block.router.weight = torch.nn.Parameter(block.router.weight.to(torch.bfloat16))
+                    block.router.keep_bf16()
             for experts in (e for e in m.modules() if isinstance(e, Int4Experts)):  # random nibbles, about N(0, 0.02)
                 experts.packed.random_(-2**31, 2**31 - 1)
                 experts.scale.fill_(0.02 / INT4_VALUE_STD)
