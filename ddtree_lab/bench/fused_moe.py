@@ -140,8 +140,9 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
         else:
             want, want_counts = fm.fused_moe_reference(x, router, w_gate_up, w_down, top_k, True)
             expert_elsize = elsize
-        held = counts[:experts]
-        nbytes = touched_bytes(held, T, 0 if share else experts, hidden, width, elsize, expert_elsize)
+        held = counts[:experts]  # a share's last count is its pairs held elsewhere
+        router_rows = 0 if share else experts  # a share's block reads no router
+        nbytes = touched_bytes(held, T, router_rows, hidden, width, elsize, expert_elsize)
         launch = {**fm.launch_config(T, top_k, experts + share, hidden, width, x.device, elsize, bool(int4_group)),
                   **(config or {})}
         row = dict(T=T, **routing_stats(held), row_blocks=int(blocks_at_height(held, launch["BLOCK_M"])),
@@ -155,7 +156,7 @@ def bench_fused_moe(tokens=TOKENS, experts=128, top_k=8, hidden=2048, width=768,
         if dense is not None:
             row["bf16_us"] = time_call_us(lambda: block(fm, *dense), device, reps)
             row["int4_speedup"] = row["bf16_us"] / row["triton_us"]
-            dense_bytes = touched_bytes(counts, T, experts, hidden, width, elsize)
+            dense_bytes = touched_bytes(held, T, router_rows, hidden, width, elsize)
             row["bf16_floor_us"] = None if copy_gbps is None else dense_bytes / (copy_gbps * 1e3)
             del dense
         if sweep:
