@@ -81,25 +81,38 @@ class DeclaredRouting(torch.nn.Module):
         return self.table[rows]
 
     def route(self, logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float,
-              local_index: torch.Tensor | None = None,
-              ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+              local_index: torch.Tensor | None = None, ids_dtype: torch.dtype = torch.int64,
+              routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k] ids_dtype): the declared experts, weighted
         by the router's scores at them (moe_layout.declared_weights_reference), the ids mapped through
-        `local_index` when given (an expert-parallel rank's places). One launch where the Triton kernels run
-        (kernels/declared_route.py; options.declared_routing chooses), a trace's ids looked up first."""
+        `local_index` when given (an expert-parallel rank's places). One launch where `routing_kernel_runs`
+        (kernels/declared_route.py), a trace's ids looked up first; `routed` (there only) is filled with the pairs'
+        sort in the same launch (declared_route's)."""
         T, E = logits.shape
-        choice = options.current().declared_routing
-        if choice == "triton" or (choice is None and use_triton(logits.device)):
+        if routing_kernel_runs(E, logits.device):
             from .kernels import declared_route
 
-            if E <= declared_route.MAX_EXPERTS:
-                given = None if self.model == "uniform" else self.ids(T, E, top_k, logits.device)
-                return declared_route.declared_route(logits, top_k, scoring, renormalize, scaling,
-                                                     keys=self.keys if given is None else None, layer=self.layer,
-                                                     ids=given, local_index=local_index, ids_dtype=ids_dtype)
+            given = None if self.model == "uniform" else self.ids(T, E, top_k, logits.device)
+            return declared_route.declared_route(logits, top_k, scoring, renormalize, scaling,
+                                                 keys=self.keys if given is None else None, layer=self.layer,
+                                                 ids=given, local_index=local_index, ids_dtype=ids_dtype,
+                                                 routed=routed)
+        if routed is not None:
+            raise ValueError("routed= sorts the pairs in the routing kernel's launch, which does not run here")
         ids = self.ids(T, E, top_k, logits.device)
         weights = declared_weights_reference(logits, ids, scoring, renormalize, scaling)
         return weights, (ids if local_index is None else local_index[ids]).to(ids_dtype)
+
+
+def routing_kernel_runs(experts: int, device) -> bool:
+    """Whether a declared routing, or a grouped router, over `experts` experts runs as kernels/declared_route.py's
+    one launch rather than in torch: options.declared_routing chooses, else wherever the Triton kernels run."""
+    choice = options.current().declared_routing
+    if not (choice == "triton" or (choice is None and use_triton(device))):
+        return False
+    from .kernels.declared_route import MAX_EXPERTS
+
+    return experts <= MAX_EXPERTS
 
 
 def token_keys(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

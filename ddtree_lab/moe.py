@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from . import options
 from .kernels.int4 import VALUES_PER_WORD, Int4Weights, check_group, dequantize
-from .kernels.moe_layout import (GATHER_LIMIT_BYTES, gather_bytes, route_grouped_reference, route_reference,
-                                 routing_stats)
+from .declared_routing import routing_kernel_runs
+from .kernels.moe_layout import (GATHER_LIMIT_BYTES, ROUTE_IN_ALIGN_MAX_T, gather_bytes, route_grouped_reference,
+                                 route_reference, routing_stats)
 from .layers import GatedMLP
 from .tree import use_triton
 
@@ -248,30 +249,39 @@ class SparseMoE(nn.Module):
         """[experts_here] tokens per expert held here in the last forward (the pairs routed elsewhere left out)."""
         return self.counts[:self.experts_here]
 
-    def route(self, x: torch.Tensor, local: bool = False,
-              ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    def routing_kernel_runs(self, device) -> bool:
+        """Whether route() runs as one launch of kernels/declared_route.py (a declared routing or a grouped
+        router, where declared_routing.routing_kernel_runs), which can also sort the pairs (`routed`)."""
+        return ((self.declared is not None or self.routing is not None)
+                and routing_kernel_runs(self.num_experts, device))
+
+    def route(self, x: torch.Tensor, local: bool = False, ids_dtype: torch.dtype = torch.int64,
+              routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, ids [T, k] ids_dtype) in fixed shapes: a grouped router's (torch), or
         the declared experts weighted by the router's own scores at them, normalised as the model does (one launch
         where Triton runs). `local`: the ids as places in the stack held here (experts_here: held elsewhere), else
-        the experts' own."""
+        the experts' own. `routed` (where routing_kernel_runs, up to ROUTE_IN_ALIGN_MAX_T tokens): fused_moe's
+        align_outputs, filled with the pairs' sort in the routing's launch."""
         r = self.routing
         place = self.local_index if local and self.held else None
         # [T, E]: a grouped router's in fp32 (Float32Router), a softmax router's in the weights' dtype
         logits = F.linear(x, self.router.weight) if r is None else self.router(x)
         if self.declared is not None:
             scoring, scaling = ("softmax", 1.0) if r is None else (r.scoring, r.scaling)
-            return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype)
+            return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype,
+                                       routed)
+        if routed is not None and not self.routing_kernel_runs(x.device):
+            raise ValueError("routed= sorts the pairs in the routing kernel's launch, which does not run here")
         if r is None:
             weights, ids = route_reference(logits, self.top_k, self.renormalize)
             return weights, (ids if place is None else place[ids]).to(ids_dtype)
         bias = self.router.e_score_correction_bias
-        choice = options.current().declared_routing
-        if choice == "triton" or (choice is None and use_triton(x.device)):
-            from .kernels.declared_route import MAX_EXPERTS, grouped_route
+        if self.routing_kernel_runs(x.device):
+            from .kernels.declared_route import grouped_route
 
-            if self.num_experts <= MAX_EXPERTS:  # one launch, the places and their dtype included
-                return grouped_route(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring, self.renormalize,
-                                     r.scaling, local_index=place, ids_dtype=ids_dtype)
+            # one launch, the places, their dtype and the sort included
+            return grouped_route(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring, self.renormalize,
+                                 r.scaling, local_index=place, ids_dtype=ids_dtype, routed=routed)
         weights, ids = route_grouped_reference(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring,
                                                self.renormalize, r.scaling)
         return weights, (ids if place is None else place[ids]).to(ids_dtype)
@@ -296,14 +306,22 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
     config = dict(options.current().moe_launch) or None  # launch overrides for the run (bench --moe-config)
     if moe.routing is not None or moe.declared is not None or moe.held:
-        # [T, k] places in the stack (experts_here: held elsewhere), int32 as the kernels take them
-        weights, ids = moe.route(x, local=True, ids_dtype=torch.int32 if triton else torch.int64)
         elsewhere = bool(moe.held)
+        routed = None
+        if (triton and x.shape[0] <= ROUTE_IN_ALIGN_MAX_T and moe.routing_kernel_runs(x.device)
+                and (config or {}).get("fuse_route", True)):
+            # AR's few pairs: the routing kernel sorts them in its own launch (one launch fewer); the sort covers
+            # the stack's experts and, with expert parallelism, the bucket of those held elsewhere
+            from .kernels.fused_moe import align_outputs
+
+            routed = align_outputs(x.shape[0] * moe.top_k, moe.counts.numel(), x.device, moe.counts)
+        # [T, k] places in the stack (experts_here: held elsewhere), int32 as the kernels take them
+        weights, ids = moe.route(x, local=True, ids_dtype=torch.int32 if triton else torch.int64, routed=routed)
         if triton:
             from .kernels.fused_moe import fused_moe_routed
 
             return fused_moe_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere,
-                                    config=config)[0]
+                                    config=config, routed=routed)[0]
         return moe_torch_routed(x, weights, ids, gate_up, down, counts=moe.counts, elsewhere=elsewhere)
     if triton:
         from .kernels.fused_moe import fused_moe

@@ -35,11 +35,13 @@ import triton
 import triton.language as tl
 
 try:
-    from .moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
+    from .fused_moe import _align_pairs, align_blocks
+    from .moe_layout import ROUTE_IN_ALIGN_MAX_T, UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
     from .moe_layout import declared_weights_reference, route_grouped_reference, uniform_ids_reference  # noqa: F401
     from .tree_attention import _interpret
 except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): its neighbours
-    from moe_layout import UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
+    from fused_moe import _align_pairs, align_blocks
+    from moe_layout import ROUTE_IN_ALIGN_MAX_T, UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
     from moe_layout import declared_weights_reference, route_grouped_reference, uniform_ids_reference  # noqa: F401
     from tree_attention import _interpret
 
@@ -79,13 +81,15 @@ def _score(logits, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexp
 
 @triton.jit
 def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s_lt, layer_term, M0, M2, M3,
-                           scaling, group_size,
+                           scaling, group_size, Counts, SlotExpert, SlotStart, SortedPairs, E_SORT, S_SORT,
                            PRIME: tl.constexpr, HASH: tl.constexpr, CHOOSE: tl.constexpr, SIGMOID: tl.constexpr,
                            RENORM: tl.constexpr, LOCAL: tl.constexpr, STORE: tl.constexpr, TOP_K: tl.constexpr,
                            N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, PRECISE: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_G: tl.constexpr):
-    # one program: BLOCK_T tokens × every expert
+                           BLOCK_G: tl.constexpr, SORT: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_SE: tl.constexpr):
+    # one program: BLOCK_T tokens × every expert; SORT (one program holding all T tokens): then the pairs' ids as
+    # stored (Out) sorted over E_SORT experts, as fused_moe's moe_align sorts them, in the same launch
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                       # [BT]
     e = tl.arange(0, BLOCK_E).to(tl.int64)                                        # [BE]
     j = tl.arange(0, BLOCK_K)                                                     # [BK]
@@ -144,6 +148,10 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
         out = tl.load(Local + picks) if LOCAL else picks                         # [BT, BK]
         tl.store(Out + t[:, None] * TOP_K + j[None, :], out.to(Out.dtype.element_ty),
                  mask=live[:, None] & (j[None, :] < TOP_K))
+    if SORT:
+        tl.debug_barrier()  # the ids stored above are read back by other threads of this program
+        _align_pairs(Out, Counts, SlotExpert, SlotStart, SortedPairs, T * TOP_K, E_SORT, S_SORT,
+                     BLOCK_P, BLOCK_SE, BLOCK_SE)
     # each pick's score from its own logit, as the row's scores are computed (the same bits): a gather, not a
     # reduction over the experts for each of the top_k
     kept = live[:, None] & (j[None, :] < TOP_K) & (picks >= 0) & (picks < E)     # [BT, BK]: else 0, as no expert
@@ -156,13 +164,15 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
 
 def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float = 1.0, *,
                    keys: torch.Tensor | None = None, layer: int = 0, ids: torch.Tensor | None = None,
-                   local_index: torch.Tensor | None = None,
-                   ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+                   local_index: torch.Tensor | None = None, ids_dtype: torch.dtype = torch.int64,
+                   routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (the router's) -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype). The experts are uniform
     routing's for `keys` [T] int64 (≥ 0) at `layer`, or the given `ids` [T, top_k]; the weights are their
     scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. `local_index` [E]
     int64 (an expert-parallel rank's place for each expert) maps the ids returned, in the same launch (reference:
-    local_index[ids]); the weights stay the routed experts'. Fixed shapes, no host read (graph-safe)."""
+    local_index[ids]); the weights stay the routed experts'. `routed` (up to ROUTE_IN_ALIGN_MAX_T tokens):
+    fused_moe.align_outputs' four tensors, filled with the sort of the ids returned, as moe_align(ids, E') would
+    (E' = their counts' length), in the same launch. Fixed shapes, no host read (graph-safe)."""
     assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
     T = logits.shape[0]
     if keys is not None:
@@ -170,34 +180,40 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     else:
         assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
     return _route(logits, top_k, scoring, renormalize, scaling, keys=keys, layer=layer, ids=ids,
-                  local_index=local_index, ids_dtype=ids_dtype)
+                  local_index=local_index, ids_dtype=ids_dtype, routed=routed)
 
 
 def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                   scoring: str, renormalize: bool, scaling: float = 1.0, *, local_index: torch.Tensor | None = None,
-                  ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+                  ids_dtype: torch.dtype = torch.int64,
+                  routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's grouped router in one launch (reference: moe_layout.route_grouped_reference): logits [T, E]
     fp32, correction bias [E] -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype, best first). The experts
     are the top_k of scores + bias among the topk_group groups whose best two sum highest, ties to the lower
-    index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index` as
-    for declared_route. The choice compares the kernel's scores, which round as torch's may not: experts within
-    an ulp of each other can swap places."""
+    index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index` and
+    `routed` as for declared_route. The choice compares the kernel's scores, which round as torch's may not:
+    experts within an ulp of each other can swap places."""
     E = logits.shape[1]
     assert bias.shape == (E,), (tuple(bias.shape), E)
     assert n_group >= 1 and E % n_group == 0, f"{E} experts do not split into {n_group} groups"
     assert 1 <= topk_group <= n_group and topk_group * (E // n_group) >= top_k, \
         f"{topk_group} of {n_group} groups hold fewer than top_k={top_k} experts"
     return _route(logits, top_k, scoring, renormalize, scaling, bias=bias.contiguous(), n_group=n_group,
-                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype)
+                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype, routed=routed)
 
 
 def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, ids=None, bias=None, n_group=1,
-           topk_group=1, local_index=None, ids_dtype=torch.int64):
-    """One launch of the kernel: experts hashed (keys), chosen (bias) or given (ids), then their weights."""
+           topk_group=1, local_index=None, ids_dtype=torch.int64, routed=None):
+    """One launch of the kernel: experts hashed (keys), chosen (bias) or given (ids), then their weights (and with
+    `routed`, the pairs sorted)."""
     T, E = logits.shape
     assert scoring in SCORINGS, f"scoring={scoring!r} is not one of {SCORINGS}"
     assert 1 <= top_k <= E <= MAX_EXPERTS, (top_k, E)
     assert local_index is None or local_index.shape == (E,), "local_index: one place for each of the E experts"
+    if routed is not None:
+        assert T <= ROUTE_IN_ALIGN_MAX_T, f"routed=: one program sorts up to {ROUTE_IN_ALIGN_MAX_T} tokens, not {T}"
+        assert len(routed) == 4 and routed[3].numel() == T * top_k and routed[1].numel() == min(
+            routed[0].numel(), T * top_k), "routed: fused_moe.align_outputs(T·top_k, experts) for these tokens"
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     picked = ids is None  # hashed (keys) or chosen (bias) here, else given
     ids = None if ids is None else ids.contiguous()
@@ -207,19 +223,29 @@ def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, 
     out = torch.empty(T, top_k, dtype=ids_dtype, device=x.device) if store else ids
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     if T == 0:
+        if routed is not None:
+            routed[0].zero_()  # no pairs: every count 0, the rest empty
         return weights, out
     BLOCK_E = triton.next_power_of_2(E)
     # a token a program, in one warp up to 512 experts: the top-k's reductions stay inside a warp, and a tree's
     # tokens run side by side
     M = UNIFORM_MIX
     unused = x  # the pointers a mode does not read: the logits, which nothing writes
-    _declared_route_kernel[(T,)](
+    if routed is None:  # (the sort's arguments fixed, so they compile no variant)
+        sort_args, sort_const, block_t = (unused,) * 4 + (1, 1), dict(SORT=False, BLOCK_P=16, BLOCK_SE=16), 1
+    else:  # one program holds every token, then sorts their pairs
+        e_sort, s_sort = routed[0].numel(), routed[1].numel()
+        blocks = align_blocks(T * top_k, e_sort)
+        sort_args = (*routed, e_sort, s_sort)
+        sort_const, block_t = dict(SORT=True, BLOCK_P=blocks["BLOCK_P"], BLOCK_SE=blocks["BLOCK_E"]), \
+            triton.next_power_of_2(T)
+    _declared_route_kernel[(triton.cdiv(T, block_t),)](
         x, keys if keys is not None else unused, ids if ids is not None else unused, weights,
         local_index if local_index is not None else unused, out, bias if bias is not None else unused,
-        T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling), E // n_group,
+        T, E, x.stride(0), (layer + 1) * M[1], M[0], M[2], M[3], float(scaling), E // n_group, *sort_args,
         PRIME=UNIFORM_PRIME, HASH=keys is not None, CHOOSE=bias is not None,
         SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), LOCAL=local_index is not None, STORE=store,
-        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, PRECISE=not _interpret(), BLOCK_T=1, BLOCK_E=BLOCK_E,
-        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(n_group),
-        num_warps=min(8, max(1, BLOCK_E // 512)))
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, PRECISE=not _interpret(), BLOCK_T=block_t,
+        BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(n_group),
+        **sort_const, num_warps=min(8, max(1, BLOCK_E // 512)))
     return weights, out

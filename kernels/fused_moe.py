@@ -35,7 +35,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   4. `_gate_up_kernel`, grid (row blocks, I / BLOCK_N, K splits): one BLOCK_M block of a slot's tokens times
      its expert's gate and up rows, SiLU·mul, into h [T·top_k, I] in sorted order (`row_blocks` bounds the
      blocks any routing can need; each program finds its slot from the counts). An AR step on a long K splits
-     it: each split leaves partial sums, and `_silu_mul_kernel` adds them in order, then SiLU·mul. Both expert
+     it: each split leaves partial sums, and `_silu_mul_kernel` adds them in order, then SiLU·mul (with the launch
+     option LAST_SPLIT_SUMS the tile's last split to finish does that itself, one launch fewer). Both expert
      kernels take their K steps through `_dot_tile`: dense tiles, or INT4 words unpacked a nibble at a time into
      the activations' dtype (bf16: two values an instruction) for the dot (accumulated in fp32 either way);
   5. `_down_kernel`, grid (row blocks, H / BLOCK_N, K splits): h times the down rows, scaled by the routing
@@ -46,7 +47,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
   6. `_combine_kernel`, grid (T, H / BLOCK_H): out[t] = Σ_j Σ_split y[split, t·top_k + j] in a fixed order
      (deterministic, no atomics), cast to x's dtype.
 fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
-3-6 run as above; up to ROUTE_IN_ALIGN_MAX_T tokens `_align_kernel` counts and sorts in one program. Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
+3-6 run as above; up to ROUTE_IN_ALIGN_MAX_T tokens `_align_kernel` counts and sorts in one program, or the
+routing kernel that chose the ids already did (`routed`: kernels/declared_route.py, the same `_align_pairs`). Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
 the combine leaves them out.
 
 Why this shape: decode and verify are bound by the weights' bytes, and a tree's tokens route alike (related
@@ -251,7 +253,15 @@ def _route_align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, Sor
 def _align_kernel(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S,
                   BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     # given ids (moe_align), few of them: the count, the slots and the placing in one program, serially: one
-    # launch instead of three (AR's step under a declared routing or expert parallelism)
+    # launch instead of three (AR's step under a given routing or expert parallelism)
+    _align_pairs(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S, BLOCK_P, BLOCK_E, BLOCK_S)
+
+
+@triton.jit
+def _align_pairs(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S,
+                 BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The P pairs' ids (in memory) counted, slotted and placed by one program: `_align_kernel`'s body, and the
+    end of kernels/declared_route.py's when it sorts the pairs it routed (`routed=`)."""
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
@@ -438,14 +448,15 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E, K_CHUNK,
-                    s_xt, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_ht, s_pk, s_pp, TOP_K: tl.constexpr,
+def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Arrivals, Counts, SlotExpert, SlotStart, SortedPairs, H, I, S, E,
+                    K_CHUNK, s_xt, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_ht, s_pk, s_pp, TOP_K: tl.constexpr,
                     IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SPLIT_SUMS: tl.constexpr,
                     BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) and leaves the gate
-    # and up partial sums in Part [SPLIT_K, T·top_k, 2I] fp32 for `_silu_mul_kernel`'s ordered sum
+    # and up partial sums in Part [SPLIT_K, T·top_k, 2I] fp32 for `_silu_mul_kernel`'s ordered sum, or, with
+    # LAST_SPLIT_SUMS, for the tile's last split to finish, which sums them the same way (`_sum_splits`)
     b, c = _grid_place(COLS_FIRST)
     slot, e, m0 = _row_block(b, Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
@@ -479,6 +490,32 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Counts, SlotExpert, SlotStart
         part = Part + tl.program_id(2) * s_pk + (start + rows)[:, None] * s_pp + cols[None, :]
         tl.store(part, acc_g, mask=out_mask)
         tl.store(part + I, acc_u, mask=out_mask)
+        if LAST_SPLIT_SUMS:
+            # the tile's arrival count: the split that makes it SPLIT_K is the last, and every other split's
+            # partials are stored by then (the barrier puts this program's stores before its count; the count
+            # releases them to the GPU, and the last split's count acquires them). It sums them in order, as
+            # _silu_mul_kernel would, and sets the count back to 0 for the next call (a graph's replay included)
+            tl.debug_barrier()
+            tile = Arrivals + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                rows_at = Part + (start + rows)[:, None] * s_pp + cols[None, :]                 # [BM, BN]
+                h = _sum_splits(rows_at, out_mask, I, s_pk, SPLIT_K)
+                tl.store(Hbuf + (start + rows)[:, None] * s_ht + cols[None, :], h.to(Hbuf.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _sum_splits(at, mask, I, s_pk, SPLIT_K: tl.constexpr):
+    """silu(Σ_ks gate partials) · Σ_ks up partials at `at` (the gate's; the up's I further), the splits added in
+    order from zero: the same bits wherever it runs (`_silu_mul_kernel`, or a gate-up's last split). The loads
+    bypass L1 (.cg): other programs wrote these partials during this launch."""
+    g = tl.zeros(at.shape, dtype=tl.float32)
+    u = tl.zeros(at.shape, dtype=tl.float32)
+    for ks in tl.static_range(SPLIT_K):
+        g += tl.load(at + ks * s_pk, mask=mask, other=0.0, cache_modifier=".cg")
+        u += tl.load(at + ks * s_pk + I, mask=mask, other=0.0, cache_modifier=".cg")
+    return _silu_mul(g, u)
 
 
 @triton.jit
@@ -488,13 +525,7 @@ def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLO
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     cmask = cols < I
-    g = tl.zeros([BLOCK_I], dtype=tl.float32)
-    u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for ks in tl.static_range(SPLIT_K):
-        row = Part + ks * s_pk + p * s_pp
-        g += tl.load(row + cols, mask=cmask, other=0.0)
-        u += tl.load(row + I + cols, mask=cmask, other=0.0)
-    h = _silu_mul(g, u)
+    h = _sum_splits(Part + p * s_pp + cols, cmask, I, s_pk, SPLIT_K)
     tl.store(Hbuf + p * s_ht + cols, h.to(Hbuf.dtype.element_ty), mask=cmask)
 
 
@@ -564,6 +595,8 @@ def launch_config(T: int, top_k: int, E: int, H: int, I: int, device, elsize: in
     SPLIT_K_STEPS steps when a call has at most SPLIT_K_MAX_PAIRS pairs and K is long (a Kimi layer's 7,168: 56
     steps one after another in each of a few programs; with expert parallelism most slots are another rank's).
     The down's walk over I may split the same way (override SPLIT_K_DOWN; unset, one walk, until a sweep times it).
+    LAST_SPLIT_SUMS (override; off until a GPU times it): the gate-up's last split of a tile sums the splits and
+    applies SiLU·mul, instead of `_silu_mul_kernel`'s launch.
     An INT4 gate-up takes INT4_BLOCK_N_UP columns at every T: its unpacking, not a lack of programs, sets its pace,
     and at that width its scales stream ahead of each K step (docs/kernels.md).
     fp32 takes half the K depth and two stages, so its tiles fit shared memory.
@@ -623,13 +656,20 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     return _route(logits, top_k, renormalize)[:2]
 
 
-def _align_outputs(ids, E, counts):
-    P = ids.numel()
+def align_outputs(P: int, E: int, device, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """moe_align's four outputs for P pairs over E experts, empty (`counts`, if given, is used in place):
+    what `moe_align(out=)` and declared_route's `routed=` fill."""
     S = min(E, P)
-    counts = torch.empty(E, dtype=torch.int32, device=ids.device) if counts is None else counts
+    counts = torch.empty(E, dtype=torch.int32, device=device) if counts is None else counts
     assert counts.shape == (E,) and counts.dtype == torch.int32 and counts.is_contiguous()
-    return (counts, torch.empty(S, dtype=torch.int32, device=ids.device),
-            torch.empty(S, dtype=torch.int32, device=ids.device), torch.empty(P, dtype=torch.int32, device=ids.device))
+    return (counts, torch.empty(S, dtype=torch.int32, device=device),
+            torch.empty(S, dtype=torch.int32, device=device), torch.empty(P, dtype=torch.int32, device=device))
+
+
+def align_blocks(P: int, E: int) -> dict:
+    """The one-program sort's tiles for P pairs over E experts (`_align_pairs`, wherever it runs)."""
+    BLOCK_E = _route_blocks(1, E)[0]
+    return dict(BLOCK_P=max(16, min(_pow2(P), 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E)
 
 
 def _align_chunks(ids, E, counts, chunk_counts):
@@ -637,7 +677,7 @@ def _align_chunks(ids, E, counts, chunk_counts):
     chunks placed side by side."""
     T, top_k = ids.shape
     chunk_tokens = _route_blocks(T, E)[1]
-    counts, slot_expert, slot_start, sorted_pairs = out = _align_outputs(ids, E, counts)
+    counts, slot_expert, slot_start, sorted_pairs = out = align_outputs(ids.numel(), E, ids.device, counts)
     C, BLOCK_E = chunk_counts.shape
     chunk_base = torch.empty_like(chunk_counts)
     _scan_kernel[(1,)](chunk_counts, chunk_base, counts, slot_expert, slot_start, C, E, slot_expert.numel(),
@@ -648,18 +688,21 @@ def _align_chunks(ids, E, counts, chunk_counts):
     return out
 
 
-def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None, fuse: bool | None = None):
+def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None, fuse: bool | None = None,
+              out: tuple[torch.Tensor, ...] | None = None):
     """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
     slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k).
-    With `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T, as moe_route_align's) one program does it, in one launch."""
+    With `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T, as moe_route_align's) one program does it, in one launch.
+    `out`: align_outputs' four tensors to fill (then `counts` is its first)."""
     T, top_k = ids.shape
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
     if T <= ROUTE_IN_ALIGN_MAX_T if fuse is None else fuse:
-        out = _align_outputs(ids, E, counts)
+        out = align_outputs(ids.numel(), E, ids.device, counts) if out is None else out
         P, S = ids.numel(), out[1].numel()
-        _align_kernel[(1,)](ids, *out, P, E, S, BLOCK_P=max(16, min(_pow2(P), 8192 // BLOCK_E)), BLOCK_E=BLOCK_E,
-                            BLOCK_S=BLOCK_E, num_warps=4)
+        _align_kernel[(1,)](ids, *out, P, E, S, **align_blocks(P, E), num_warps=4)
         return out
+    if out is not None:
+        raise ValueError("moe_align(out=) fills the one-program sort's outputs: give fuse=True or few tokens")
     chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=ids.device)
     chunk = BLOCK_T * top_k
     _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
@@ -679,13 +722,12 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts:
         weights, ids, chunk_counts = _route(logits, top_k, renormalize)
         return (weights, ids, *_align_chunks(ids, E, counts, chunk_counts))
     x, weights, ids = _route_buffers(logits, top_k)
-    counts, slot_expert, slot_start, sorted_pairs = out = _align_outputs(ids, E, counts)
+    counts, slot_expert, slot_start, sorted_pairs = out = align_outputs(ids.numel(), E, ids.device, counts)
     P, S = ids.numel(), slot_expert.numel()
-    BLOCK_E, BLOCK_T = _route_blocks(T, E)
+    BLOCK_T = _route_blocks(T, E)[1]
     _route_align_kernel[(1,)](x, weights, ids, counts, slot_expert, slot_start, sorted_pairs, T, P, E, S,
                               x.stride(0), TOP_K=top_k, RENORM=bool(renormalize), BLOCK_T=BLOCK_T,
-                              BLOCK_K=_pow2(top_k), BLOCK_P=max(16, min(_pow2(P), 8192 // BLOCK_E)),
-                              BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
+                              BLOCK_K=_pow2(top_k), **align_blocks(P, E), num_warps=4)
     return (weights, ids, *out)
 
 
@@ -782,13 +824,16 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     def grid(cols: int, k_splits: int) -> tuple[int, int, int]:
         return (cols, blocks, k_splits) if cols_first else (blocks, cols, k_splits)
 
-    _gate_up_kernel[grid(triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)](
-        x, up_w, up_s, up_z, h, part, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, k_chunk, x.stride(0),
-        s_we, s_wn, *up_strides, h.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0, TOP_K=top_k,
-        IEEE=ieee, **up_const, EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits,
+    up_grid = grid(triton.cdiv(I, cfg["BLOCK_N_UP"]), splits)
+    arrivals = _arrivals(x.device, up_grid[0] * up_grid[1]) if splits > 1 and cfg.get("LAST_SPLIT_SUMS") else None
+    _gate_up_kernel[up_grid](
+        x, up_w, up_s, up_z, h, part, counts if arrivals is None else arrivals, counts, slot_expert, slot_start,
+        sorted_pairs, H, I, S, E, k_chunk, x.stride(0), s_we, s_wn, *up_strides, h.stride(0), part.stride(0),
+        part.stride(1) if splits > 1 else 0, TOP_K=top_k, IEEE=ieee, **up_const,
+        EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits, LAST_SPLIT_SUMS=arrivals is not None,
         BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k,
         COLS_FIRST=cols_first, **up_opts)
-    if splits > 1:
+    if splits > 1 and arrivals is None:
         BLOCK_I = min(1024, _pow2(I, 16))
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
                                                        SPLIT_K=splits, BLOCK_I=BLOCK_I, num_warps=4)
@@ -808,6 +853,23 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
                                                   TOP_K=top_k, ELSEWHERE=elsewhere is not None, SPLIT_K=down_splits,
                                                   BLOCK_H=BLOCK_H, num_warps=4)
     return out
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The gate-up tiles' arrival counts for LAST_SPLIT_SUMS: int32 zeros on `device`, kept for the process (each
+    launch leaves them at zero) and shared by every call, one launch at a time on the stream. None where they would
+    first be made inside a CUDA graph's capture (the warm-up before it makes them): the splits then sum in a
+    launch of their own, the same bits."""
+    device = torch.device(device)
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = _ARRIVALS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return have
 
 
 def columns_first(cfg: dict, one_block: bool, expert_parallel: bool) -> bool:
@@ -843,12 +905,15 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
 
 def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
                      w_down: torch.Tensor | Int4Weights, counts: torch.Tensor | None = None,
-                     config: dict | None = None, elsewhere: bool = False):
+                     config: dict | None = None, elsewhere: bool = False,
+                     routed: tuple[torch.Tensor, ...] | None = None):
     """The experts for routing computed elsewhere (DeepSeek-V3's grouped router runs in torch): x [T, H],
     weights [T, k] (fp32: each pair's factor, as given; no renormalisation here), ids [T, k] expert indices in
     [0, E) (any int dtype; best first, though the order only fixes the sum's) -> (out [T, H] in x's dtype,
-    counts [E] int32). moe_align sorts the pairs; the expert launches are fused_moe's. With `elsewhere` an id may
-    also be E: a pair whose expert another rank holds, which adds nothing (counts then [E + 1])."""
+    counts [E] int32). moe_align sorts the pairs, unless `routed` holds its four outputs for these ids already
+    (kernels/declared_route.py sorts the pairs it routes: one launch fewer); the expert launches are fused_moe's.
+    With `elsewhere` an id may also be E: a pair whose expert another rank holds, which adds nothing (counts then
+    [E + 1])."""
     E, I = _expert_shapes(x, w_gate_up, w_down, "fused_moe_routed")
     T, top_k = ids.shape
     assert weights.shape == ids.shape and T == x.shape[0], (
@@ -858,7 +923,12 @@ def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     sorted_experts = E + 1 if elsewhere else E  # pairs held elsewhere sort as one more expert, past the last
     cfg = _config(x, top_k, sorted_experts, I, config, w_gate_up)
     ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
-    routed = moe_align(ids, sorted_experts, counts, cfg.get("fuse_route"))
+    if routed is None:
+        routed = moe_align(ids, sorted_experts, counts, cfg.get("fuse_route"))
+    else:
+        assert routed[0].shape == (sorted_experts,) and routed[3].shape == (ids.numel(),), (
+            f"fused_moe_routed: routed holds the sort of {routed[3].numel()} pairs over {routed[0].numel()} "
+            f"experts, not of {ids.numel()} over {sorted_experts}")
     out = _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg,
                    ids if elsewhere else None)
     return out, routed[0]

@@ -21,6 +21,23 @@ MLA_CONTEXTS = (4096, 32768)
 MLA_HEADS = (64, 8)  # Kimi K2's heads on one GPU; a TP8 rank's
 
 
+def smoke_device(ap) -> str:
+    """A `--smoke` run's device: the GPU, else the CPU with the kernels under Triton's interpreter (set here, before
+    triton first loads; refused in one line where it already has)."""
+    import os
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:  # (the interpreter is chosen as triton first loads)
+            ap.error("--smoke on the CPU runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
+        os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
 def load_kernel_file(path: str, name: str):
     """A kernel file from elsewhere (`git show REV:kernels/X.py > old.py`) as a module of its own, `name`. A
     neighbour it imports as a lone file (`from auto_budget import …`) is found beside it, else it is this

@@ -7,10 +7,14 @@ checkpoint's routing="router").
 
     python -m ddtree_lab.bench.declared_route --shape kimi-k2.6-ep8-rank --tokens 1 9 17 65 257 \\
         [--baseline old_declared_route.py] [--router] --out declared_route_kimi.json
+    python -m ddtree_lab.bench.declared_route --shape kimi-k2.6-ep8-rank --tokens 1 2 --sort   (AR's steps)
     python -m ddtree_lab.bench.declared_route --smoke --out /tmp/declared_route_smoke.json   (CPU, the interpreter)
 
 Rows: T, triton_us, torch_us, torch_over_triton, per_forward_ms (the kernel's time × the shape's MoE layers), and
-with a baseline baseline_us, over_baseline, equal_to_baseline. Every row first checks the kernel's experts against
+with a baseline baseline_us, over_baseline, equal_to_baseline. `--sort` (up to ROUTE_IN_ALIGN_MAX_T tokens: AR's
+steps) times instead what the engine runs there: the routing that also sorts the pairs in its launch (`routed=`,
+sorted_us) against the routing, then fused_moe.moe_align's launch (then_align_us), over the places of the experts
+the shape holds (a rank's, plus the bucket of those held elsewhere), the sorts checked equal. Every row first checks the kernel's experts against
 torch's, exactly (a mismatch stops the bench: its time would describe another routing). Timing as
 bench/fused_moe.py's: calls in a CUDA graph on a GPU; on the CPU one call's wall clock, a check that it runs.
 """
@@ -23,12 +27,13 @@ import torch
 
 from .. import options
 from ..declared_routing import DeclaredRouting, token_keys
-from . import load_kernel_file, write_bench_json
+from ..kernels.moe_layout import ROUTE_IN_ALIGN_MAX_T
+from . import load_kernel_file, smoke_device, write_bench_json
 from .timing import time_call_us
 
 TOKENS = (1, 9, 17, 33, 65, 129, 257)
 SMOKE = dict(experts=24, top_k=3, scoring="sigmoid", renormalize=True, scaling=2.5, layers=2, n_group=4,
-             topk_group=2)
+             topk_group=2, held=tuple(range(6, 12)))  # held: a rank's share, for --sort
 SMOKE_TOKENS = (1, 5)
 
 
@@ -42,11 +47,12 @@ def router_shape(name: str) -> dict:
     return dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
                 renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
                 layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)), n_group=cfg.n_group,
-                topk_group=cfg.topk_group)
+                topk_group=cfg.topk_group, held=tuple(cfg.experts_held))
 
 
 def bench_grouped_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
-                        layers=1, n_group=1, topk_group=1, device="cuda", reps=20, progress=True) -> list[dict]:
+                        layers=1, n_group=1, topk_group=1, device="cuda", reps=20, progress=True,
+                        held=()) -> list[dict]:
     """Per T, a grouped router's choice of one layer both ways (a random correction bias), its experts checked
     equal first."""
     from ..kernels.declared_route import grouped_route
@@ -72,9 +78,52 @@ def bench_grouped_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", 
     return rows
 
 
+def bench_sorted_route(tokens=(1,), experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
+                       layers=1, held=(), device="cuda", reps=20, progress=True, **_router) -> list[dict]:
+    """Per T, uniform routing of one layer that sorts its pairs in the same launch, against the routing and then
+    moe_align's own launch: the places of `held` (() = every expert), the sorts checked equal first."""
+    from ..kernels.declared_route import declared_route
+    from ..kernels.fused_moe import align_outputs, moe_align
+
+    local, sorted_experts = None, experts
+    if held:
+        local = torch.full((experts,), len(held), dtype=torch.int64)
+        local[list(held)] = torch.arange(len(held))
+        local, sorted_experts = local.to(device), len(held) + 1
+    rows = []
+    for T in tokens:
+        g = torch.Generator().manual_seed(T)
+        keys = token_keys(torch.randint(0, 163_840, (T,), generator=g), torch.arange(4096, 4096 + T)).to(device)
+        logits = (torch.randn(T, experts, generator=g) * 2).to(device)
+        routed = align_outputs(T * top_k, sorted_experts, device)
+        args = (logits, top_k, scoring, renormalize, scaling)
+        kw = dict(keys=keys, layer=layers - 1, local_index=local, ids_dtype=torch.int32)
+
+        def sorted_in_route():
+            return declared_route(*args, **kw, routed=routed)
+
+        def then_align():
+            _, ids = declared_route(*args, **kw)
+            return moe_align(ids, sorted_experts, fuse=True)
+
+        sorted_in_route()
+        apart = then_align()
+        valid = apart[1] >= 0  # a slot's start is defined where the slot holds an expert
+        if not (all(torch.equal(a, b) for a, b in zip(routed[:2] + routed[3:], apart[:2] + apart[3:]))
+                and torch.equal(routed[2][valid], apart[2][valid])):
+            raise RuntimeError(f"T={T}: the sort in the routing's launch differs from moe_align's; no timing")
+        row = {"T": T, "sorted_experts": sorted_experts, "sorted_us": time_call_us(sorted_in_route, device, reps),
+               "then_align_us": time_call_us(then_align, device, reps)}
+        row["sorted_over_then_align"] = row["sorted_us"] / row["then_align_us"]
+        rows.append(row)
+        if progress:
+            print(row, flush=True)
+    return rows
+
+
 def bench_declared_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
                          layers=1, n_group=1, topk_group=1, device="cuda", reps=20, baseline=None,
-                         progress=True) -> list[dict]:
+                         progress=True, held=()) -> list[dict]:
     """Per T, the declared routing of one layer (the shape's last MoE layer's index) both ways; `baseline`:
     another declared_route module (`load_kernel_file(PATH, …)`), timed on the same inputs. (A declared routing
     has no groups: n_group and topk_group are the router's, for bench_grouped_route.)"""
@@ -121,6 +170,9 @@ def main(argv=None):
                     help="another declared_route.py (e.g. an earlier commit's), timed side by side")
     ap.add_argument("--router", action="store_true",
                     help="the shape's own grouped router (grouped_route) instead of declared uniform routing")
+    ap.add_argument("--sort", action="store_true",
+                    help="AR's steps: the routing that sorts its pairs in the same launch against it and then "
+                         "moe_align's launch")
     ap.add_argument("--smoke", action="store_true", help="a tiny router (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -128,7 +180,7 @@ def main(argv=None):
         ap.error(f"--baseline {a.baseline}: no such file")
     if a.smoke:
         shape, tokens = SMOKE, a.tokens or SMOKE_TOKENS
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = smoke_device(ap)
     else:
         if not torch.cuda.is_available():
             ap.error("needs a CUDA GPU (--smoke runs a tiny router on the CPU)")
@@ -137,18 +189,27 @@ def main(argv=None):
         except ValueError as e:
             ap.error(f"--shape: {e}")
         tokens, device = a.tokens or TOKENS, "cuda"
+    if a.sort and not a.tokens:
+        tokens = tuple(range(1, ROUTE_IN_ALIGN_MAX_T + 1))
     if any(t < 1 for t in tokens):
         ap.error(f"--tokens {tokens}: each at least 1")
     if a.router and a.baseline:
         ap.error("--baseline times the declared routing's kernel; --router times the grouped router's")
+    if a.sort and (a.router or a.baseline):
+        ap.error("--sort times declared uniform routing's two ways of sorting; leave out --router and --baseline")
+    if a.sort and max(tokens) > ROUTE_IN_ALIGN_MAX_T:
+        ap.error(f"--sort --tokens {tokens}: the routing sorts in its own launch up to {ROUTE_IN_ALIGN_MAX_T} tokens")
     baseline = load_kernel_file(a.baseline, "declared_route_baseline") if a.baseline else None
-    if a.router:
+    if a.sort:
+        rows = bench_sorted_route(tokens, **shape, device=device)
+    elif a.router:
         rows = bench_grouped_route(tokens, **shape, device=device)
     else:
         rows = bench_declared_route(tokens, **shape, device=device, baseline=baseline)
     if a.out:
         write_bench_json(a.out, rows, __name__, argv, shape=shape, shape_name=None if a.smoke else a.shape,
-                         baseline=a.baseline, smoke=a.smoke, routing="router" if a.router else "uniform")
+                         baseline=a.baseline, smoke=a.smoke, routing="router" if a.router else "uniform",
+                         sort=a.sort)
     return rows
 
 

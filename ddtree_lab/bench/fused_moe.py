@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.moe_layout import GATHER_LIMIT_BYTES, blocks_at_height, gather_bytes, moe_weight_bytes, routing_stats
-from . import load_kernel_file, write_bench_json
+from . import load_kernel_file, smoke_device, write_bench_json
 from .timing import time_call_us
 
 TOKENS = (1, 8, 16, 65, 129, 1025)
@@ -47,8 +47,8 @@ SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 # --config keys besides the BLOCK_… tiles
 CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP", "SPLIT_K_DOWN", "MAXNREG_UP",
-               "MAXNREG_DOWN", "COLS_FIRST")
-FLAG_KEYS = ("fuse_route", "paired", "COLS_FIRST")  # those that are on or off
+               "MAXNREG_DOWN", "COLS_FIRST", "LAST_SPLIT_SUMS")
+FLAG_KEYS = ("fuse_route", "paired", "COLS_FIRST", "LAST_SPLIT_SUMS")  # those that are on or off
 
 
 def block_inputs(T, experts, hidden, width, dtype, device, similarity, seed=0, int4_group=0, router_experts=None):
@@ -257,7 +257,7 @@ def main(argv=None):
         ap.error(f"--sweep {e}")
     if a.smoke:
         # tiny shapes: the interpreter on the CPU, the compiled kernels on a GPU (a correctness run, not a timing)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = smoke_device(ap)
         shape, tokens, dtype, bw = SMOKE, a.tokens or SMOKE_TOKENS, torch.float32, None
     else:
         from .timing import device_copy_gbps

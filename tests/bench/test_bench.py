@@ -430,3 +430,19 @@ def test_moe_counting_reads_the_expert_counts_of_a_traced_round(tmp_path, tmp_pa
                                                 + sorted(r["share"] for r in res["rows"])[1] / 2)
     with pytest.raises(ValueError, match="no MoE layer"):
         bench(tmp_path, "moe-counting", "--model", str(tiny_dir), "--device", "cpu")
+
+
+def test_a_kernel_bench_smoke_run_needs_no_interpreter_flag_from_the_user(tmp_path):
+    """`python -m ddtree_lab.bench.fused_moe --smoke` on a machine without a GPU runs the kernels under Triton's
+    interpreter without being told to (the README's CPU machine), and writes its rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "smoke.json"
+    run = subprocess.run([sys.executable, "-m", "ddtree_lab.bench.fused_moe", "--smoke", "--tokens", "1", "--out",
+                          str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert [r["T"] for r in json.loads(out.read_text())["rows"]] == [1]

@@ -34,14 +34,18 @@ def pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("routing", ["router", "uniform"])
-def test_the_ranks_blocks_sum_to_the_whole_block(pair, routing):
+@pytest.mark.parametrize("tokens,kernels", [(9, "torch"), (9, "triton"), (1, "triton")])
+def test_the_ranks_blocks_sum_to_the_whole_block(pair, use_options, routing, tokens, kernels):
+    """Each rank's share of the block, summed, is the whole block: in torch, and in the kernels (the GPU's path,
+    here under the interpreter), where one token's pairs are sorted in the routing kernel's own launch."""
+    use_options(tree_kernels=kernels)
     full = pair.target
     E, k = full.cfg.num_experts, full.cfg.num_experts_per_tok
     ranks = [rank_copy(full, expert_rank_share(E, RANKS, r)) for r in range(RANKS)]
     for m in (full, *ranks):
         m.set_routing(routing)
-    x = torch.randn(1, 9, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    keys = torch.arange(9) * 7919
+    x = torch.randn(1, tokens, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    keys = torch.arange(tokens) * 7919
     blocks = [[blk for blk in m.modules() if isinstance(blk, SparseMoE)] for m in (full, *ranks)]
     for layer, (whole, *shares) in enumerate(zip(*blocks)):
         for b in (whole, *shares):
@@ -56,7 +60,7 @@ def test_the_ranks_blocks_sum_to_the_whole_block(pair, routing):
         for r, b in enumerate(shares):  # a rank's counts: the whole block's at its experts, then the pairs sent away
             held = list(expert_rank_share(E, RANKS, r))
             assert torch.equal(b.counts_here(), whole.counts[held])
-            assert int(b.counts[-1]) == 9 * k - int(whole.counts[held].sum())
+            assert int(b.counts[-1]) == tokens * k - int(whole.counts[held].sum())
 
 
 def test_a_rank_decodes_losslessly_and_traces_its_own_experts(pair):

@@ -44,7 +44,8 @@ CHAIN_ATTN_SIGNATURE = {
     "qk_scale": "fp32"}
 # the expert kernels: dense weights pass themselves where the INT4 scales and zero points go (never read)
 GATE_UP_SIGNATURE = {
-    "X": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Hbuf": "*bf16", "Part": "*fp32", "Counts": "*i32",
+    "X": "*bf16", "W": "*bf16", "Scale": "*bf16", "Zero": "*bf16", "Hbuf": "*bf16", "Part": "*fp32", "Arrivals": "*i32",
+    "Counts": "*i32",
     "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "H": "i32", "I": "i32", "S": "i32",
     "E": "i32", "K_CHUNK": "i32",
     **{s: "i32" for s in ("s_xt", "s_we", "s_wn", "s_se", "s_sn", "s_ze", "s_zn", "s_ht", "s_pk", "s_pp")}}
@@ -57,10 +58,12 @@ DENSE = {"INT4": False, "HAS_ZERO": False, "GROUP": 1, "PAIRED": False, "EVEN_K"
 
 # the routing kernel: a mode's unread pointers are passed the logits'
 ROUTE_SIGNATURE = {"Weights": "*fp32", "Out": "*i32", "Bias": "*fp32", "T": "i32", "E": "i32", "s_lt": "i32",
-                   "layer_term": "i32", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32", "group_size": "i32"}
+                   "layer_term": "i32", "M0": "i32", "M2": "i32", "M3": "i32", "scaling": "fp32", "group_size": "i32",
+                   "Counts": "*i32", "SlotExpert": "*i32", "SlotStart": "*i32", "SortedPairs": "*i32", "E_SORT": "i32",
+                   "S_SORT": "i32"}
 ROUTE_MODES = {"PRIME": 2_147_483_647, "HASH": False, "CHOOSE": False, "SIGMOID": False, "RENORM": True,
                "LOCAL": False, "STORE": True, "TOP_K": 8, "N_GROUP": 1, "TOPK_GROUP": 1, "PRECISE": True,
-               "BLOCK_T": 1, "BLOCK_K": 8, "BLOCK_G": 1}
+               "BLOCK_T": 1, "BLOCK_K": 8, "BLOCK_G": 1, "SORT": False, "BLOCK_P": 16, "BLOCK_SE": 16}
 
 MLA_FWD_SIGNATURE = {
     "Q": "*bf16", "Cache": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
@@ -103,6 +106,11 @@ CASES = [
      {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
       "layer_term": "i64"},
      {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512}),
+    ("declared_route", "_declared_route_kernel",  # the EP8 rank's AR step: its two tokens' pairs sorted as well,
+     {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
+      "layer_term": "i64"},                       # over its 48 places and the bucket of experts held elsewhere
+     {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512, "BLOCK_T": 2, "SORT": True,
+      "BLOCK_P": 16, "BLOCK_SE": 64}),
     ("declared_route", "_declared_route_kernel",  # Qwen3-30B-A3B from a trace: given experts, softmax, bf16 logits
      {**ROUTE_SIGNATURE, "Logits": "*bf16", "Keys": "*bf16", "Ids": "*i64", "Local": "*bf16", "Bias": "*bf16"},
      {**ROUTE_MODES, "BLOCK_E": 128}),
@@ -133,22 +141,27 @@ CASES = [
       "s_ot": "i32"},
      {"TOP_K": 8, "ELSEWHERE": True, "SPLIT_K": 2, "BLOCK_H": 1024}),
     ("fused_moe", "_gate_up_kernel", GATE_UP_SIGNATURE,
-     {"TOP_K": 8, "IEEE": False, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16,
+     {"TOP_K": 8, "IEEE": False, **DENSE, "SPLIT_K": 1, "LAST_SPLIT_SUMS": False, "BLOCK_S": 128, "ONE_BLOCK": True, "BLOCK_M": 16,
       "BLOCK_N": 64, "BLOCK_K": 128, "COLS_FIRST": False}),
     ("fused_moe", "_gate_up_kernel",  # fp32 weights: IEEE dot products
      {**GATE_UP_SIGNATURE, "X": "*fp32", "W": "*fp32", "Scale": "*fp32", "Zero": "*fp32", "Hbuf": "*fp32"},
-     {"TOP_K": 8, "IEEE": True, **DENSE, "SPLIT_K": 1, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64,
+     {"TOP_K": 8, "IEEE": True, **DENSE, "SPLIT_K": 1, "LAST_SPLIT_SUMS": False, "BLOCK_S": 128, "ONE_BLOCK": False, "BLOCK_M": 64,
       "BLOCK_N": 32, "BLOCK_K": 64, "COLS_FIRST": False}),
     ("fused_moe", "_gate_up_kernel",  # INT4 experts, groups of 32: four a tile; bf16 pairs (inline assembly)
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SPLIT_K": 1, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+      "SPLIT_K": 1, "LAST_SPLIT_SUMS": False, "BLOCK_S": 64, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
       "COLS_FIRST": False}),
     ("fused_moe", "_gate_up_kernel",  # a Kimi AR step: INT4, its K walk split in seven
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-      "SPLIT_K": 7, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+      "SPLIT_K": 7, "LAST_SPLIT_SUMS": False, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
       "COLS_FIRST": True}),
+    ("fused_moe", "_gate_up_kernel",  # the same, its last split to finish summing the splits (LAST_SPLIT_SUMS)
+     {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
+     {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
+      "SPLIT_K": 7, "LAST_SPLIT_SUMS": True, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64,
+      "BLOCK_K": 128, "COLS_FIRST": True}),
     ("fused_moe", "_silu_mul_kernel",
      {"Part": "*fp32", "Hbuf": "*bf16", "I": "i32", "s_pk": "i32", "s_pp": "i32", "s_ht": "i32"},
      {"SPLIT_K": 7, "BLOCK_I": 1024}),
@@ -324,9 +337,11 @@ INT4_LOOP = {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRE
 
 @pytest.mark.parametrize("kernel, signature, constexprs", [
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 7, "BLOCK_S": 16, "BLOCK_N": 64, "COLS_FIRST": True}),
+     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 7, "LAST_SPLIT_SUMS": False, "BLOCK_S": 16, "BLOCK_N": 64,
+      "COLS_FIRST": True}),
     ("_gate_up_kernel", {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
-     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64, "COLS_FIRST": False}),
+     {**INT4_LOOP, "TOP_K": 8, "SPLIT_K": 1, "LAST_SPLIT_SUMS": False, "BLOCK_S": 128, "BLOCK_N": 64,
+      "COLS_FIRST": False}),
     ("_down_kernel", {**DOWN_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {**INT4_LOOP, "SPLIT_K": 1, "BLOCK_S": 128, "BLOCK_N": 64, "COLS_FIRST": False}),
 ], ids=["ar_gate_up_split_k", "tree_gate_up", "down"])

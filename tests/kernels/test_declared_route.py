@@ -106,6 +106,55 @@ def test_an_expert_parallel_ranks_places_come_from_the_same_launch(given):
     assert same is given_ids  # given ids, neither mapped nor converted, come back as they were (nothing written)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("mode", ["uniform", "given", "grouped"])
+@pytest.mark.parametrize("places", [False, True])
+def test_the_routing_launch_sorts_its_pairs_as_moe_align_does(T, mode, places):
+    """`routed=` (AR's few tokens): the same launch leaves the sort of the ids it returns, equal to
+    fused_moe.align_reference's, over an EP8 rank's 48 places plus the bucket of experts held elsewhere (places)
+    or over all 384 experts; the weights and ids are those of the launch without it."""
+    from ddtree_lab.kernels.fused_moe import align_outputs, align_reference
+
+    E, k = 384, 8
+    keys, logits = inputs(T, E, 5 + T)
+    local = None
+    if places:
+        local = torch.full((E,), 48, dtype=torch.int64)
+        local[torch.arange(96, 144)] = torch.arange(48)
+        local = local.to(DEVICE)
+    sorted_experts = 49 if places else E
+    if mode == "grouped":
+        logits, bias = separated_choices(T, E, 3 + T)
+        call = lambda **kw: grouped_route(logits, bias, k, 1, 1, "sigmoid", True, 2.827, local_index=local,  # noqa: E731
+                                          ids_dtype=torch.int32, **kw)
+    else:
+        route = dict(keys=keys, layer=4) if mode == "uniform" else dict(ids=uniform_ids_reference(keys, 4, E, k))
+        call = lambda **kw: declared_route(logits, k, "sigmoid", True, 2.5, local_index=local,  # noqa: E731
+                                           ids_dtype=torch.int32, **route, **kw)
+    want_w, want_ids = call()
+    routed = align_outputs(T * k, sorted_experts, DEVICE)
+    for t in routed:
+        t.fill_(-7)  # garbage where the launch must write
+    weights, ids = call(routed=routed)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    want = align_reference(ids, sorted_experts)
+    valid = want[1] >= 0  # a slot's start means something where the slot holds an expert
+    assert torch.equal(routed[0], want[0]) and torch.equal(routed[1], want[1]) and torch.equal(routed[3], want[3])
+    assert torch.equal(routed[2][valid], want[2][valid])
+
+
+def test_the_routing_launch_sorts_only_a_few_tokens():
+    from ddtree_lab.kernels.fused_moe import align_outputs
+
+    keys, logits = inputs(3, 16, 2)
+    with pytest.raises(AssertionError, match="up to 2 tokens"):
+        declared_route(logits, 2, "softmax", True, keys=keys, routed=align_outputs(6, 16, DEVICE))
+    empty = align_outputs(0, 16, DEVICE)
+    empty[0].fill_(5)
+    declared_route(logits[:0], 2, "softmax", True, keys=keys[:0], routed=empty)
+    assert not empty[0].any()  # no pairs: every count 0
+
+
 def separated_choices(T, E, seed):
     """Sigmoid logits [T, E] and a correction bias [E] whose corrected scores sit about 1e-3 apart, each token in
     its own order, so that a rounding of the sigmoid cannot reorder two experts (nor two groups' sums)."""
@@ -194,6 +243,13 @@ def test_the_engine_routes_through_the_kernel_where_triton_runs(tmp_path, use_op
     assert calls and all(kw["ids_dtype"] == torch.int32 for kw in calls)
     if routing == "uniform":
         assert all(kw["keys"] is not None and kw["ids"] is None for kw in calls)
+    # AR's steps (one token) have their pairs sorted in the routing launch; a prompt or a tree's do not
+    assert any(kw["routed"] is not None for kw in calls) and any(kw["routed"] is None for kw in calls)
+    use_options(moe_launch=(("fuse_route", 0),))  # the sort in its own launches instead: the same tokens
+    before = len(calls)
+    assert dl.generate(pair, [5, 9, 2, 7], method="ar", max_new_tokens=12, stop=[]).tokens == ar.tokens
+    assert len(calls) > before and all(kw["routed"] is None for kw in calls[before:])
+    use_options(moe_launch=())
     seen = len(calls)
     use_options(declared_routing="torch")  # the references instead, for a side-by-side timing: the same tokens
     assert dl.generate(pair, [5, 9, 2, 7], budget=8, max_new_tokens=12, stop=[]).tokens == ar.tokens
@@ -219,6 +275,25 @@ def test_the_bench_times_kernel_and_torch_on_the_same_routing_and_a_baseline_sid
     assert saved["rows"] == rows and saved["baseline"] == kernel_file.__file__ and saved["smoke"] is True
     for argv, words in ((["--smoke", "--baseline", str(Path(tmp_path) / "none.py")], "no such file"),
                         (["--smoke", "--tokens", "0"], "each at least 1")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert words in capsys.readouterr().err
+
+
+def test_the_bench_times_the_sort_in_the_routings_launch_against_its_own_launch(tmp_path, capsys):
+    """`--sort`: AR's steps, the routing that sorts its pairs (over a rank's places and the bucket of experts held
+    elsewhere) against the routing then moe_align, the sorts found equal first; refusals in one line."""
+    import json
+
+    from ddtree_lab.bench import declared_route as bench
+
+    out = tmp_path / "sorted.json"
+    rows = bench.main(["--smoke", "--sort", "--out", str(out)])
+    assert [r["T"] for r in rows] == [1, 2]
+    assert all(r["sorted_experts"] == 7 and r["sorted_us"] > 0 and r["then_align_us"] > 0 for r in rows)
+    assert json.loads(out.read_text())["sort"] is True
+    for argv, words in ((["--smoke", "--sort", "--tokens", "3"], "up to 2 tokens"),
+                        (["--smoke", "--sort", "--router"], "leave out --router")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert words in capsys.readouterr().err

@@ -212,6 +212,34 @@ def test_the_grid_with_its_column_tiles_first_changes_no_bit(T, I, split):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("T,I,split,cols_first", [(1, 48, 3, 0), (1, 48, 3, 1), (2, 40, 2, 1), (5, 40, 4, 0)])
+def test_the_last_split_to_finish_sums_the_splits_to_the_same_bits(monkeypatch, T, I, split, cols_first):
+    """LAST_SPLIT_SUMS: each gate-up tile's last split to arrive (its count in `_arrivals`) adds the splits'
+    partials in order and applies SiLU·mul, so `_silu_mul_kernel` does not launch and the block is the same bits
+    as with it; the counts are back at zero after every call, so the next call (a graph's replay) starts clean."""
+    from ddtree_lab.kernels import fused_moe as fm
+
+    x, router, w_gate_up, w_down = make_block(T, 8, 64, I, torch.float32, seed=T + I + split)
+    base = dict(BLOCK_K_UP=16, SPLIT_K_UP=split, COLS_FIRST=cols_first)
+    want, want_counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=base)
+    weights, ids = route_reference(F.linear(x, router), 2, True)
+    ids = torch.where(ids >= 4, 8, ids)  # experts 4-7 another rank's
+    want_ep, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=base, elsewhere=True)
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("the splits' own launch ran")
+
+    monkeypatch.setattr(fm, "_silu_mul_kernel", NotLaunched())
+    for _ in range(2):  # the second call finds the counts the first left
+        got, counts = fused_moe(x, router, w_gate_up, w_down, 2, True, config=dict(base, LAST_SPLIT_SUMS=1))
+        assert torch.equal(got, want) and torch.equal(counts, want_counts)
+        assert not fm._ARRIVALS[x.device].any()
+        got, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=dict(base, LAST_SPLIT_SUMS=1),
+                                  elsewhere=True)
+        assert torch.equal(got, want_ep) and not fm._ARRIVALS[x.device].any()
+
+
 def test_column_tiles_go_first_for_an_expert_parallel_call_of_one_block_an_expert_unless_told():
     from ddtree_lab.kernels.fused_moe import columns_first
 
