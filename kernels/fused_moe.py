@@ -805,11 +805,13 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
     S, P = cfg["S"], T * top_k
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    common = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    # MAXNREG_UP / MAXNREG_DOWN (a launch sweep's options, unset by default): a register cap per thread, so more
-    # programs fit an SM (65,536 registers ÷ (cap · 32 · num_warps)), at the price of spills where the cap is low
-    up_opts = dict(common, **({"maxnreg": cfg["MAXNREG_UP"]} if cfg.get("MAXNREG_UP") else {}))
-    down_opts = dict(common, **({"maxnreg": cfg["MAXNREG_DOWN"]} if cfg.get("MAXNREG_DOWN") else {}))
+    # a launch sweep's options for one expert kernel, unset by default: MAXNREG_UP / MAXNREG_DOWN, a register cap per
+    # thread, so more programs fit an SM (65,536 registers ÷ (cap · 32 · num_warps)), at the price of spills where
+    # the cap is low; STAGES_UP / STAGES_DOWN, the K steps loaded ahead (num_stages) for that kernel alone: a
+    # program of an AR step's few has only its own loads in flight to hide the memory's latency
+    up_opts, down_opts = ({"num_warps": cfg["num_warps"], "num_stages": cfg.get(f"STAGES_{which}") or cfg["num_stages"],
+                           **({"maxnreg": cfg[f"MAXNREG_{which}"]} if cfg.get(f"MAXNREG_{which}") else {})}
+                          for which in ("UP", "DOWN"))
     one_block = T <= cfg["BLOCK_M"]
     blocks = S if one_block else row_blocks(P, S, cfg["BLOCK_M"])
     BLOCK_S = _pow2(S, 16)

@@ -47,7 +47,7 @@ SMOKE = dict(experts=8, top_k=2, hidden=64, width=32, layers=2)
 SMOKE_TOKENS = (1, 3, 17)
 # --config keys besides the BLOCK_… tiles
 CONFIG_KEYS = ("num_warps", "num_stages", "fuse_route", "paired", "SPLIT_K_UP", "SPLIT_K_DOWN", "MAXNREG_UP",
-               "MAXNREG_DOWN", "COLS_FIRST", "LAST_SPLIT_SUMS")
+               "MAXNREG_DOWN", "STAGES_UP", "STAGES_DOWN", "COLS_FIRST", "LAST_SPLIT_SUMS")
 FLAG_KEYS = ("fuse_route", "paired", "COLS_FIRST", "LAST_SPLIT_SUMS")  # those that are on or off
 
 

@@ -439,18 +439,47 @@ def test_bench_times_a_baseline_kernel_side_by_side(tmp_path):
         bench_fused_moe.main(["--smoke", "--baseline", str(tmp_path / "missing.py")])
 
 
+def test_each_expert_kernel_takes_its_own_stage_count_and_register_cap(monkeypatch):
+    """STAGES_UP / STAGES_DOWN and MAXNREG_UP / MAXNREG_DOWN reach their own kernel's launch only; unset, both take
+    the config's num_stages and no cap."""
+    from ddtree_lab.kernels import fused_moe as fm
+
+    launched = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched[self.name] = {k: kw.get(k) for k in ("num_stages", "num_warps", "maxnreg")}
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        monkeypatch.setattr(fm, name, Recorder(name, getattr(fm, name)))
+    x, router, w_gate_up, w_down = make_block(3, 8, 64, 32, torch.float32, seed=1)
+    fused_moe(x, router, w_gate_up, w_down, 2, True, config=dict(num_stages=2, STAGES_DOWN=5, MAXNREG_UP=96))
+    assert launched["_gate_up_kernel"] == dict(num_stages=2, num_warps=4, maxnreg=96)
+    assert launched["_down_kernel"] == dict(num_stages=5, num_warps=4, maxnreg=None)
+    fused_moe(x, router, w_gate_up, w_down, 2, True, config=dict(num_stages=2))
+    assert launched["_gate_up_kernel"]["num_stages"] == launched["_down_kernel"]["num_stages"] == 2
+
+
 def test_bench_sweeps_launch_overrides_on_the_same_inputs():
     """`--sweep`: each group of overrides timed on the row's own inputs, its output compared with the row's; a
     key the launch does not take is refused in one line."""
     from ddtree_lab.bench import fused_moe as bench_fused_moe
 
     rows = bench_fused_moe.main(["--smoke", "--int4", "32", "--tokens", "3", "--sweep",
-                                 "BLOCK_N_UP=16,BLOCK_N_DOWN=16", "BLOCK_M=32", "MAXNREG_UP=96,MAXNREG_DOWN=80"])
+                                 "BLOCK_N_UP=16,BLOCK_N_DOWN=16", "BLOCK_M=32", "MAXNREG_UP=96,MAXNREG_DOWN=80",
+                                 "STAGES_DOWN=5"])
     sweep = rows[0]["sweep"]
     assert [c["config"] for c in sweep] == [dict(BLOCK_N_UP=16, BLOCK_N_DOWN=16), dict(BLOCK_M=32),
-                                            dict(MAXNREG_UP=96, MAXNREG_DOWN=80)]
+                                            dict(MAXNREG_UP=96, MAXNREG_DOWN=80), dict(STAGES_DOWN=5)]
     assert all(c["us"] > 0 and isinstance(c["equal"], bool) for c in sweep)
-    assert sweep[2]["equal"]  # a register cap changes where values live, never a bit of the result
+    # a register cap changes where values live, loads ahead when they arrive: never a bit of the result
+    assert sweep[2]["equal"] and sweep[3]["equal"]
     with pytest.raises(SystemExit):
         bench_fused_moe.main(["--smoke", "--sweep", "BLOCK_N_UP=16,warps=2"])
 
