@@ -143,7 +143,9 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, past_len, mask: TreeMask
     if backend == "triton":
         from .kernels.mla_attention import mla_tree_attention
 
-        return mla_tree_attention(q, cache, past_len, mask.bits, latent_dim, scale, max_past_len=max_past)
+        launch = {"pdl": True} if options.current().launch_pdl else None
+        return mla_tree_attention(q, cache, past_len, mask.bits, latent_dim, scale, max_past_len=max_past,
+                                  config=launch)
     T = q.shape[1]
     if isinstance(past_len, torch.Tensor):
         kv_len = cache.shape[0] if max_past is None else min(cache.shape[0], max_past + T)

@@ -82,12 +82,12 @@ class DeclaredRouting(torch.nn.Module):
 
     def route(self, logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float,
               local_index: torch.Tensor | None = None, ids_dtype: torch.dtype = torch.int64,
-              routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              routed: tuple[torch.Tensor, ...] | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k] ids_dtype): the declared experts, weighted
         by the router's scores at them (moe_layout.declared_weights_reference), the ids mapped through
         `local_index` when given (an expert-parallel rank's places). One launch where `routing_kernel_runs`
         (kernels/declared_route.py), a trace's ids looked up first; `routed` (there only) is filled with the pairs'
-        sort in the same launch (declared_route's)."""
+        sort in the same launch (declared_route's); `pdl`: that launch a programmatic dependent (kernels/pdl.py)."""
         T, E = logits.shape
         if routing_kernel_runs(E, logits.device):
             from .kernels import declared_route
@@ -96,7 +96,7 @@ class DeclaredRouting(torch.nn.Module):
             return declared_route.declared_route(logits, top_k, scoring, renormalize, scaling,
                                                  keys=self.keys if given is None else None, layer=self.layer,
                                                  ids=given, local_index=local_index, ids_dtype=ids_dtype,
-                                                 routed=routed)
+                                                 routed=routed, pdl=pdl)
         if routed is not None:
             raise ValueError("routed= sorts the pairs in the routing kernel's launch, which does not run here")
         ids = self.ids(T, E, top_k, logits.device)

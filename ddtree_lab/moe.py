@@ -269,7 +269,7 @@ class SparseMoE(nn.Module):
         if self.declared is not None:
             scoring, scaling = ("softmax", 1.0) if r is None else (r.scoring, r.scaling)
             return self.declared.route(logits, self.top_k, scoring, self.renormalize, scaling, place, ids_dtype,
-                                       routed)
+                                       routed, pdl=options.current().launch_pdl)
         if routed is not None and not self.routing_kernel_runs(x.device):
             raise ValueError("routed= sorts the pairs in the routing kernel's launch, which does not run here")
         if r is None:
@@ -281,7 +281,8 @@ class SparseMoE(nn.Module):
 
             # one launch, the places, their dtype and the sort included
             return grouped_route(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring, self.renormalize,
-                                 r.scaling, local_index=place, ids_dtype=ids_dtype, routed=routed)
+                                 r.scaling, local_index=place, ids_dtype=ids_dtype, routed=routed,
+                                 pdl=options.current().launch_pdl)
         weights, ids = route_grouped_reference(logits, bias, self.top_k, r.n_group, r.topk_group, r.scoring,
                                                self.renormalize, r.scaling)
         return weights, (ids if place is None else place[ids]).to(ids_dtype)
@@ -304,7 +305,8 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     triton = use_triton(x.device)
     if not triton:  # the torch path multiplies dense weights: INT4 experts dequantized (CPU-sized models)
         gate_up, down = (dequantize(w, x.dtype) if isinstance(w, Int4Weights) else w for w in (gate_up, down))
-    config = dict(options.current().moe_launch) or None  # launch overrides for the run (bench --moe-config)
+    # launch overrides for the run (bench --moe-config), and whether the kernels launch as programmatic dependents
+    config = dict(options.current().moe_launch, **({"PDL": True} if options.current().launch_pdl else {})) or None
     if moe.routing is not None or moe.declared is not None or moe.held:
         elsewhere = bool(moe.held)
         routed = None

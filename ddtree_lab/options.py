@@ -43,6 +43,9 @@ class Options:
     attention_launch: tuple = ()
     # kernels/fused_moe.launch_config overrides for every MoE block (e.g. SPLIT_K_UP), as sorted (key, value) pairs.
     moe_launch: tuple = ()
+    # The MoE block's and MLA's Triton kernels launched as programmatic dependents of the kernel before them (Hopper
+    # and later; kernels/pdl.py): each may start while that one finishes. False: plain launches.
+    launch_pdl: bool = False
     # budget="auto"'s captured candidates: "each" keeps its graphs' memory in a pool of its own, "shared" puts all
     # of them in one (they never run at once); None: each.
     candidate_pools: str | None = None
@@ -54,6 +57,8 @@ class Options:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)} (or None)")
+        if not isinstance(self.launch_pdl, bool):
+            raise ValueError(f"launch_pdl={self.launch_pdl!r} must be True or False")
         lag = self.host_read_lag
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
             raise ValueError(f"host_read_lag={lag!r} must be an integer ≥ 0 (or None)")

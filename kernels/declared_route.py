@@ -36,11 +36,13 @@ import triton.language as tl
 
 try:
     from .fused_moe import _align_pairs, align_blocks
+    from .pdl import _pdl_start, launch_options, pdl_applies
     from .moe_layout import ROUTE_IN_ALIGN_MAX_T, UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
     from .moe_layout import declared_weights_reference, route_grouped_reference, uniform_ids_reference  # noqa: F401
     from .tree_attention import _interpret
 except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): its neighbours
     from fused_moe import _align_pairs, align_blocks
+    from pdl import _pdl_start, launch_options, pdl_applies
     from moe_layout import ROUTE_IN_ALIGN_MAX_T, UNIFORM_MIX, UNIFORM_PRIME  # noqa: F401
     from moe_layout import declared_weights_reference, route_grouped_reference, uniform_ids_reference  # noqa: F401
     from tree_attention import _interpret
@@ -87,9 +89,10 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
                            N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, PRECISE: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_G: tl.constexpr, SORT: tl.constexpr, BLOCK_P: tl.constexpr,
-                           BLOCK_SE: tl.constexpr):
+                           BLOCK_SE: tl.constexpr, PDL: tl.constexpr):
     # one program: BLOCK_T tokens × every expert; SORT (one program holding all T tokens): then the pairs' ids as
     # stored (Out) sorted over E_SORT experts, as fused_moe's moe_align sorts them, in the same launch
+    _pdl_start(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                       # [BT]
     e = tl.arange(0, BLOCK_E).to(tl.int64)                                        # [BE]
     j = tl.arange(0, BLOCK_K)                                                     # [BK]
@@ -165,14 +168,16 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
 def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float = 1.0, *,
                    keys: torch.Tensor | None = None, layer: int = 0, ids: torch.Tensor | None = None,
                    local_index: torch.Tensor | None = None, ids_dtype: torch.dtype = torch.int64,
-                   routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed: tuple[torch.Tensor, ...] | None = None,
+                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (the router's) -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype). The experts are uniform
     routing's for `keys` [T] int64 (≥ 0) at `layer`, or the given `ids` [T, top_k]; the weights are their
     scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. `local_index` [E]
     int64 (an expert-parallel rank's place for each expert) maps the ids returned, in the same launch (reference:
     local_index[ids]); the weights stay the routed experts'. `routed` (up to ROUTE_IN_ALIGN_MAX_T tokens):
     fused_moe.align_outputs' four tensors, filled with the sort of the ids returned, as moe_align(ids, E') would
-    (E' = their counts' length), in the same launch. Fixed shapes, no host read (graph-safe)."""
+    (E' = their counts' length), in the same launch. `pdl`: launched as a programmatic dependent of the kernel
+    before (kernels/pdl.py), on a GPU. Fixed shapes, no host read (graph-safe)."""
     assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
     T = logits.shape[0]
     if keys is not None:
@@ -180,18 +185,18 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     else:
         assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
     return _route(logits, top_k, scoring, renormalize, scaling, keys=keys, layer=layer, ids=ids,
-                  local_index=local_index, ids_dtype=ids_dtype, routed=routed)
+                  local_index=local_index, ids_dtype=ids_dtype, routed=routed, pdl=pdl)
 
 
 def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                   scoring: str, renormalize: bool, scaling: float = 1.0, *, local_index: torch.Tensor | None = None,
-                  ids_dtype: torch.dtype = torch.int64,
-                  routed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  ids_dtype: torch.dtype = torch.int64, routed: tuple[torch.Tensor, ...] | None = None,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's grouped router in one launch (reference: moe_layout.route_grouped_reference): logits [T, E]
     fp32, correction bias [E] -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype, best first). The experts
     are the top_k of scores + bias among the topk_group groups whose best two sum highest, ties to the lower
-    index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index` and
-    `routed` as for declared_route. The choice compares the kernel's scores, which round as torch's may not:
+    index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index`,
+    `routed` and `pdl` as for declared_route. The choice compares the kernel's scores, which round as torch's may not:
     experts within an ulp of each other can swap places."""
     E = logits.shape[1]
     assert bias.shape == (E,), (tuple(bias.shape), E)
@@ -199,11 +204,11 @@ def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group:
     assert 1 <= topk_group <= n_group and topk_group * (E // n_group) >= top_k, \
         f"{topk_group} of {n_group} groups hold fewer than top_k={top_k} experts"
     return _route(logits, top_k, scoring, renormalize, scaling, bias=bias.contiguous(), n_group=n_group,
-                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype, routed=routed)
+                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype, routed=routed, pdl=pdl)
 
 
 def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, ids=None, bias=None, n_group=1,
-           topk_group=1, local_index=None, ids_dtype=torch.int64, routed=None):
+           topk_group=1, local_index=None, ids_dtype=torch.int64, routed=None, pdl=False):
     """One launch of the kernel: experts hashed (keys), chosen (bias) or given (ids), then their weights (and with
     `routed`, the pairs sorted)."""
     T, E = logits.shape
@@ -231,6 +236,7 @@ def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, 
     # tokens run side by side
     M = UNIFORM_MIX
     unused = x  # the pointers a mode does not read: the logits, which nothing writes
+    pdl = pdl_applies(pdl, x)
     if routed is None:  # (the sort's arguments fixed, so they compile no variant)
         sort_args, sort_const, block_t = (unused,) * 4 + (1, 1), dict(SORT=False, BLOCK_P=16, BLOCK_SE=16), 1
     else:  # one program holds every token, then sorts their pairs
@@ -247,5 +253,5 @@ def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, 
         SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), LOCAL=local_index is not None, STORE=store,
         TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, PRECISE=not _interpret(), BLOCK_T=block_t,
         BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(n_group),
-        **sort_const, num_warps=min(8, max(1, BLOCK_E // 512)))
+        **sort_const, PDL=pdl, num_warps=min(8, max(1, BLOCK_E // 512)), **launch_options(pdl))
     return weights, out

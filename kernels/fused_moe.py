@@ -48,7 +48,8 @@ round that calls it can be captured once as a CUDA graph for each tree size:
      (deterministic, no atomics), cast to x's dtype.
 fused_moe_routed skips 1 and 2: `_count_kernel` counts each chunk's pairs per expert from the given ids, then
 3-6 run as above; up to ROUTE_IN_ALIGN_MAX_T tokens `_align_kernel` counts and sorts in one program, or the
-routing kernel that chose the ids already did (`routed`: kernels/declared_route.py, the same `_align_pairs`). Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
+routing kernel that chose the ids already did (`routed`: kernels/declared_route.py, the same `_align_pairs`).
+Pairs held elsewhere sort as an expert E past the last: its slot's programs exit at once, and
 the combine leaves them out.
 
 Why this shape: decode and verify are bound by the weights' bytes, and a tree's tokens route alike (related
@@ -73,9 +74,11 @@ import triton.language as tl
 try:
     from .int4 import NIBBLE_OFFSET, VALUES_PER_WORD, Int4Weights, dequantize
     from .moe_layout import ROUTE_IN_ALIGN_MAX_T, route_reference, row_blocks, row_height
+    from .pdl import _pdl_start, launch_options, pdl_applies
 except ImportError:  # loaded as a lone file (bench's --baseline, tests/kernels/test_compile.py): its neighbours
     from int4 import NIBBLE_OFFSET, VALUES_PER_WORD, Int4Weights, dequantize
     from moe_layout import ROUTE_IN_ALIGN_MAX_T, route_reference, row_blocks, row_height
+    from pdl import _pdl_start, launch_options, pdl_applies
 
 
 _WORD = tl.constexpr(VALUES_PER_WORD)  # int4.py's layout, for the kernels: 4-bit values a packed int32
@@ -189,8 +192,9 @@ def _place_chunk(Ids, SortedPairs, p0, p1, base, BLOCK_P: tl.constexpr, BLOCK_E:
 
 @triton.jit
 def _route_kernel(Logits, Weights, Ids, ChunkCounts, T, E, s_row, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # chunk c = tokens [c·BLOCK_T, (c+1)·BLOCK_T): route them and keep how many chose each expert
+    _pdl_start(PDL)
     c = tl.program_id(0)
     counts = _route_block(Logits, Weights, Ids, c * BLOCK_T + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
                           BLOCK_T, BLOCK_E, BLOCK_K)
@@ -198,8 +202,9 @@ def _route_kernel(Logits, Weights, Ids, ChunkCounts, T, E, s_row, TOP_K: tl.cons
 
 
 @triton.jit
-def _count_kernel(Ids, ChunkCounts, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(Ids, ChunkCounts, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     # ids routed elsewhere (moe_align): chunk c = pairs [c·CHUNK, (c+1)·CHUNK), counted per expert
+    _pdl_start(PDL)
     c = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     offs = c * CHUNK + tl.arange(0, BLOCK_P)
@@ -209,9 +214,10 @@ def _count_kernel(Ids, ChunkCounts, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl
 
 @triton.jit
 def _scan_kernel(ChunkCounts, ChunkBase, Counts, SlotExpert, SlotStart, C, E, S, BLOCK_C: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                 BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # one program over the [C, E] chunk counts: the experts' totals and slots, then where each chunk's first
     # pair of each expert goes (the expert's start plus the earlier chunks' pairs of it)
+    _pdl_start(PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c0 in range(0, C, BLOCK_C):
@@ -228,7 +234,9 @@ def _scan_kernel(ChunkCounts, ChunkBase, Counts, SlotExpert, SlotStart, C, E, S,
 
 
 @triton.jit
-def _place_kernel(Ids, ChunkBase, SortedPairs, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _place_kernel(Ids, ChunkBase, SortedPairs, P, CHUNK, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr):
+    _pdl_start(PDL)
     c = tl.program_id(0)
     base = tl.load(ChunkBase + c * BLOCK_E + tl.arange(0, BLOCK_E))
     _place_chunk(Ids, SortedPairs, c * CHUNK, tl.minimum((c + 1) * CHUNK, P), base, BLOCK_P, BLOCK_E)
@@ -237,8 +245,9 @@ def _place_kernel(Ids, ChunkBase, SortedPairs, P, CHUNK, BLOCK_P: tl.constexpr, 
 @triton.jit
 def _route_align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, SortedPairs, T, P, E, S, s_row,
                         TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # the whole of routing and the sort in one program, serially: one launch instead of three (AR's step)
+    _pdl_start(PDL)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
         counts += _route_block(Logits, Weights, Ids, t0 + tl.arange(0, BLOCK_T), T, E, s_row, TOP_K, RENORM,
@@ -251,9 +260,10 @@ def _route_align_kernel(Logits, Weights, Ids, Counts, SlotExpert, SlotStart, Sor
 
 @triton.jit
 def _align_kernel(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S,
-                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # given ids (moe_align), few of them: the count, the slots and the placing in one program, serially: one
     # launch instead of three (AR's step under a given routing or expert parallelism)
+    _pdl_start(PDL)
     _align_pairs(Ids, Counts, SlotExpert, SlotStart, SortedPairs, P, E, S, BLOCK_P, BLOCK_E, BLOCK_S)
 
 
@@ -453,10 +463,11 @@ def _gate_up_kernel(X, W, Scale, Zero, Hbuf, Part, Arrivals, Counts, SlotExpert,
                     IEEE: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
                     PAIRED: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SPLIT_SUMS: tl.constexpr,
                     BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr):
+                    BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr, PDL: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) and leaves the gate
     # and up partial sums in Part [SPLIT_K, T·top_k, 2I] fp32 for `_silu_mul_kernel`'s ordered sum, or, with
     # LAST_SPLIT_SUMS, for the tile's last split to finish, which sums them the same way (`_sum_splits`)
+    _pdl_start(PDL)
     b, c = _grid_place(COLS_FIRST)
     slot, e, m0 = _row_block(b, Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:  # past the last row block, or the pairs of experts held elsewhere
@@ -519,9 +530,11 @@ def _sum_splits(at, mask, I, s_pk, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLOCK_I: tl.constexpr):
+def _silu_mul_kernel(Part, Hbuf, I, s_pk, s_pp, s_ht, SPLIT_K: tl.constexpr, BLOCK_I: tl.constexpr,
+                     PDL: tl.constexpr):
     # row p of h = silu(Σ_ks gate partials) · Σ_ks up partials, the splits summed in order (deterministic); rows
     # no expert here wrote hold garbage that nothing reads
+    _pdl_start(PDL)
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     cmask = cols < I
@@ -534,9 +547,11 @@ def _down_kernel(Hbuf, W, Scale, Zero, Y, Weights, Counts, SlotExpert, SlotStart
                  s_ht, s_we, s_wn, s_se, s_sn, s_ze, s_zn, s_yk, s_yt, IEEE: tl.constexpr, INT4: tl.constexpr,
                  HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, PAIRED: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS_FIRST: tl.constexpr,
+                 PDL: tl.constexpr):
     # SPLIT_K > 1: program (·, ·, ks) sums K from ks·K_CHUNK for K_CHUNK (a multiple of BLOCK_K) into Y[ks], for
     # `_combine_kernel`'s ordered sum
+    _pdl_start(PDL)
     b, c = _grid_place(COLS_FIRST)
     slot, e, m0 = _row_block(b, Counts, SlotExpert, S, BLOCK_M, BLOCK_S, ONE_BLOCK)
     if slot < 0 or e >= E:
@@ -640,14 +655,14 @@ def _route_buffers(logits, top_k):
             torch.empty(T, top_k, dtype=torch.int32, device=x.device))
 
 
-def _route(logits, top_k, renormalize):
+def _route(logits, top_k, renormalize, pdl=False):
     T, E = logits.shape
     x, weights, ids = _route_buffers(logits, top_k)
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
     chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=x.device)
     _route_kernel[(chunk_counts.shape[0],)](x, weights, ids, chunk_counts, T, E, x.stride(0), TOP_K=top_k,
                                             RENORM=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-                                            BLOCK_K=_pow2(top_k), num_warps=4)
+                                            BLOCK_K=_pow2(top_k), PDL=pdl, num_warps=4, **launch_options(pdl))
     return weights, ids, chunk_counts
 
 
@@ -672,7 +687,7 @@ def align_blocks(P: int, E: int) -> dict:
     return dict(BLOCK_P=max(16, min(_pow2(P), 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E)
 
 
-def _align_chunks(ids, E, counts, chunk_counts):
+def _align_chunks(ids, E, counts, chunk_counts, pdl=False):
     """The sort from per-chunk counts (a chunk: `_route_blocks`' BLOCK_T tokens' pairs): a scan, then the
     chunks placed side by side."""
     T, top_k = ids.shape
@@ -681,37 +696,39 @@ def _align_chunks(ids, E, counts, chunk_counts):
     C, BLOCK_E = chunk_counts.shape
     chunk_base = torch.empty_like(chunk_counts)
     _scan_kernel[(1,)](chunk_counts, chunk_base, counts, slot_expert, slot_start, C, E, slot_expert.numel(),
-                       BLOCK_C=_pow2(C, 1, max(1, 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, num_warps=4)
+                       BLOCK_C=_pow2(C, 1, max(1, 8192 // BLOCK_E)), BLOCK_E=BLOCK_E, BLOCK_S=BLOCK_E, PDL=pdl,
+                       num_warps=4, **launch_options(pdl))
     chunk = chunk_tokens * top_k
     _place_kernel[(C,)](ids, chunk_base, sorted_pairs, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
-                        BLOCK_E=BLOCK_E, num_warps=4)
+                        BLOCK_E=BLOCK_E, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 
 def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None, fuse: bool | None = None,
-              out: tuple[torch.Tensor, ...] | None = None):
+              out: tuple[torch.Tensor, ...] | None = None, pdl: bool = False):
     """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
     slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k).
     With `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T, as moe_route_align's) one program does it, in one launch.
-    `out`: align_outputs' four tensors to fill (then `counts` is its first)."""
+    `out`: align_outputs' four tensors to fill (then `counts` is its first). `pdl`: launched as programmatic
+    dependents (kernels/pdl.py; pdl_applies decides)."""
     T, top_k = ids.shape
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
     if T <= ROUTE_IN_ALIGN_MAX_T if fuse is None else fuse:
         out = align_outputs(ids.numel(), E, ids.device, counts) if out is None else out
         P, S = ids.numel(), out[1].numel()
-        _align_kernel[(1,)](ids, *out, P, E, S, **align_blocks(P, E), num_warps=4)
+        _align_kernel[(1,)](ids, *out, P, E, S, **align_blocks(P, E), PDL=pdl, num_warps=4, **launch_options(pdl))
         return out
     if out is not None:
         raise ValueError("moe_align(out=) fills the one-program sort's outputs: give fuse=True or few tokens")
     chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=ids.device)
     chunk = BLOCK_T * top_k
     _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
-                                            BLOCK_E=BLOCK_E, num_warps=4)
-    return _align_chunks(ids, E, counts, chunk_counts)
+                                            BLOCK_E=BLOCK_E, PDL=pdl, num_warps=4, **launch_options(pdl))
+    return _align_chunks(ids, E, counts, chunk_counts, pdl)
 
 
 def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None = None,
-                    fuse: bool | None = None):
+                    fuse: bool | None = None, pdl: bool = False):
     """moe_route then moe_align: -> (weights, ids, counts, slot_expert, slot_start, sorted_pairs). The routing
     programs count their chunk's pairs as they go, so the sort needs no pass over the ids of its own. With
     `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T) one program does it all, serially, in one launch."""
@@ -719,24 +736,26 @@ def moe_route_align(logits: torch.Tensor, top_k: int, renormalize: bool, counts:
     if fuse is None:
         fuse = T <= ROUTE_IN_ALIGN_MAX_T
     if not fuse:
-        weights, ids, chunk_counts = _route(logits, top_k, renormalize)
-        return (weights, ids, *_align_chunks(ids, E, counts, chunk_counts))
+        weights, ids, chunk_counts = _route(logits, top_k, renormalize, pdl)
+        return (weights, ids, *_align_chunks(ids, E, counts, chunk_counts, pdl))
     x, weights, ids = _route_buffers(logits, top_k)
     counts, slot_expert, slot_start, sorted_pairs = out = align_outputs(ids.numel(), E, ids.device, counts)
     P, S = ids.numel(), slot_expert.numel()
     BLOCK_T = _route_blocks(T, E)[1]
     _route_align_kernel[(1,)](x, weights, ids, counts, slot_expert, slot_start, sorted_pairs, T, P, E, S,
                               x.stride(0), TOP_K=top_k, RENORM=bool(renormalize), BLOCK_T=BLOCK_T,
-                              BLOCK_K=_pow2(top_k), **align_blocks(P, E), num_warps=4)
+                              BLOCK_K=_pow2(top_k), **align_blocks(P, E), PDL=pdl, num_warps=4,
+                              **launch_options(pdl))
     return (weights, ids, *out)
 
 
 @triton.jit
 def _combine_kernel(Y, Ids, Out, H, E, s_yk, s_yt, s_ot, TOP_K: tl.constexpr, ELSEWHERE: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                    SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # out[t] = y[t·k] + … + y[t·k + k-1], in that order (deterministic), each pair's SPLIT_K partials (the down's
     # K splits) in order too, cast to out's dtype; ELSEWHERE: the pairs of experts held elsewhere (id E, y never
     # written) left out
+    _pdl_start(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -795,7 +814,8 @@ def _k_splits(K: int, block_k: int, wanted: int) -> tuple[int, int]:
     return triton.cdiv(steps, chunk), chunk * block_k
 
 
-def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict, elsewhere=None) -> torch.Tensor:
+def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dict, elsewhere=None,
+             pdl: bool = False) -> torch.Tensor:
     """The expert stage after the sort (launches 4-6): x [T, H], weights [T, top_k] fp32 (pair order), routed =
     moe_align's (counts, slot_expert, slot_start, sorted_pairs), weights checked by _expert_shapes -> out [T, H]
     in x's dtype. `elsewhere`: the ids [T, top_k] int32, E marking pairs held elsewhere (left out)."""
@@ -834,11 +854,12 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         part.stride(1) if splits > 1 else 0, TOP_K=top_k, IEEE=ieee, **up_const,
         EVEN_K=up_const["INT4"] and H % up_k == 0, SPLIT_K=splits, LAST_SPLIT_SUMS=arrivals is not None,
         BLOCK_S=BLOCK_S, ONE_BLOCK=one_block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_UP"], BLOCK_K=up_k,
-        COLS_FIRST=cols_first, **up_opts)
+        COLS_FIRST=cols_first, PDL=pdl, **up_opts, **launch_options(pdl))
     if splits > 1 and arrivals is None:
         BLOCK_I = min(1024, _pow2(I, 16))
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK_I))](part, h, I, part.stride(0), part.stride(1), h.stride(0),
-                                                       SPLIT_K=splits, BLOCK_I=BLOCK_I, num_warps=4)
+                                                       SPLIT_K=splits, BLOCK_I=BLOCK_I, PDL=pdl, num_warps=4,
+                                                       **launch_options(pdl))
     down_w, down_s, down_z, *down_strides = down_args
     down_splits, down_chunk = _k_splits(I, down_k, cfg.get("SPLIT_K_DOWN", 1))
     y = torch.empty(down_splits, P, H, dtype=torch.float32, device=x.device)  # each K split's partial sums
@@ -846,14 +867,14 @@ def _experts(x, weights, routed, w_gate_up, w_down, top_k: int, I: int, cfg: dic
         h, down_w, down_s, down_z, y, weights, counts, slot_expert, slot_start, sorted_pairs, H, I, S, E, down_chunk,
         h.stride(0), *down_strides, y.stride(0), y.stride(1), IEEE=ieee, **down_const,
         EVEN_K=down_const["INT4"] and I % down_k == 0, SPLIT_K=down_splits, BLOCK_S=BLOCK_S, ONE_BLOCK=one_block,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, COLS_FIRST=cols_first,
-        **down_opts)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N_DOWN"], BLOCK_K=down_k, COLS_FIRST=cols_first, PDL=pdl,
+        **down_opts, **launch_options(pdl))
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BLOCK_H = min(1024, _pow2(H, 16))
     ids = y if elsewhere is None else elsewhere  # (never read without ELSEWHERE)
     _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, ids, out, H, E, y.stride(0), y.stride(1), out.stride(0),
                                                   TOP_K=top_k, ELSEWHERE=elsewhere is not None, SPLIT_K=down_splits,
-                                                  BLOCK_H=BLOCK_H, num_warps=4)
+                                                  BLOCK_H=BLOCK_H, PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 
@@ -900,9 +921,10 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
         f"fused_moe: router {tuple(router_weight.shape)} does not fit x {tuple(x.shape)} and {E} experts")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = _config(x, top_k, E, I, config, w_gate_up)
+    pdl = pdl_applies(cfg.get("PDL"), x)
     weights, _, *routed = moe_route_align(F.linear(x, router_weight), top_k, renormalize, counts,
-                                          cfg.get("fuse_route"))
-    return _experts(x, weights, routed, w_gate_up, w_down, top_k, I, cfg), routed[0]
+                                          cfg.get("fuse_route"), pdl)
+    return _experts(x, weights, routed, w_gate_up, w_down, top_k, I, cfg, pdl=pdl), routed[0]
 
 
 def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor | Int4Weights,
@@ -925,14 +947,15 @@ def fused_moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     sorted_experts = E + 1 if elsewhere else E  # pairs held elsewhere sort as one more expert, past the last
     cfg = _config(x, top_k, sorted_experts, I, config, w_gate_up)
     ids = ids.to(torch.int32).contiguous()  # pair p = t·k + j, as the kernels index it
+    pdl = pdl_applies(cfg.get("PDL"), x)
     if routed is None:
-        routed = moe_align(ids, sorted_experts, counts, cfg.get("fuse_route"))
+        routed = moe_align(ids, sorted_experts, counts, cfg.get("fuse_route"), pdl=pdl)
     else:
         assert routed[0].shape == (sorted_experts,) and routed[3].shape == (ids.numel(),), (
             f"fused_moe_routed: routed holds the sort of {routed[3].numel()} pairs over {routed[0].numel()} "
             f"experts, not of {ids.numel()} over {sorted_experts}")
     out = _experts(x, weights.to(torch.float32).contiguous(), routed, w_gate_up, w_down, top_k, I, cfg,
-                   ids if elsewhere else None)
+                   ids if elsewhere else None, pdl)
     return out, routed[0]
 
 

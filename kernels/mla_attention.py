@@ -19,8 +19,10 @@ import triton
 import triton.language as tl
 
 try:
+    from .pdl import _pdl_start, launch_options, pdl_applies
     from .tree_attention import LOG2E, _interpret, _sm_count, whole_wave_splits
 except ImportError:  # loaded as a lone file beside tree_attention.py (tests/kernels/test_compile.py)
+    from pdl import _pdl_start, launch_options, pdl_applies
     from tree_attention import LOG2E, _interpret, _sm_count, whole_wave_splits
 
 SMEM_BUDGET = 216 * 1024   # bytes of shared memory a block may plan on (Hopper allows 227 KiB)
@@ -118,9 +120,10 @@ def _mla_fwd(Q, Cache, Out, OPart, LPart, Mask, PastPtr,
              s_qh, s_qt, s_cs, s_oh, s_ot, qk_scale,
              H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, C_PAD: tl.constexpr, R_PAD: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-             PAST_FROM_PTR: tl.constexpr, IEEE: tl.constexpr):
+             PAST_FROM_PTR: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # grid: (cdiv(T*H, BLOCK_M), num_splits). Tile rows r = t*H + h: all heads of a query side by side, so each
     # cache block is read once for every head of the tile's queries, and a query's H rows share a mask row.
+    _pdl_start(PDL)
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     if PAST_FROM_PTR:
@@ -181,9 +184,10 @@ def _mla_fwd(Q, Cache, Out, OPart, LPart, Mask, PastPtr,
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _mla_merge(OPart, LPart, Out, M, s_oh, s_ot, num_splits,
-               H: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+               H: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     # grid: (cdiv(M, BLOCK_R), cdiv(C, BLOCK_C)): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max). Splits
     # are summed in order and empty ones (always the last) add exact zeros, so the split count changes no bit.
+    _pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] tile-row order, r = t*H + h
     rows64 = rows.to(tl.int64)  # S * M * C may pass 2^31
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
@@ -235,7 +239,8 @@ def launch_config(T: int, H: int, C: int, R: int, past_bound: int, device: torch
     """Static tile sizes and split count, from an upper bound of past_len (so graph-safe).
 
     Keys: block_m (rows = (query, head) pairs), block_n (cache slots per step; a multiple of 32), num_warps,
-    num_stages, num_splits, merge_rows / merge_cols (the merge kernel's tile); the split rule's inputs waves,
+    num_stages, num_splits, merge_rows / merge_cols (the merge kernel's tile), pdl (both kernels launched as
+    programmatic dependents, kernels/pdl.py: an override, off by default); the split rule's inputs waves,
     min_chunk and split_target mean what they do in tree_attention.launch_config. Overrides win; on a GPU the
     defaults shrink until the fp32 accumulator fits ACC_REGS registers a thread and shared_bytes SMEM_BUDGET.
     """
@@ -353,6 +358,7 @@ def mla_tree_attention(q, cache, past_len, mask_bits, latent_dim, scale, *, max_
     cfg = launch_config(T, H, C, R, bound, q.device, config, q.dtype)
     S = cfg["num_splits"]
     M = T * H
+    pdl = pdl_applies(cfg.get("pdl"), q)
     out = torch.empty(H, T, C, device=q.device, dtype=q.dtype)
     if S > 1:
         o_part = torch.empty(S, M, C, device=q.device, dtype=torch.float32)
@@ -365,12 +371,13 @@ def mla_tree_attention(q, cache, past_len, mask_bits, latent_dim, scale, *, max_
         q.stride(0), q.stride(1), cache.stride(0), out.stride(0), out.stride(1),
         float(scale) * LOG2E,
         H=H, C=C, R=R, C_PAD=_pad(C), R_PAD=_pad(R), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        SINGLE=(S == 1), PAST_FROM_PTR=from_ptr, IEEE=(q.dtype == torch.float32),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SINGLE=(S == 1), PAST_FROM_PTR=from_ptr, IEEE=(q.dtype == torch.float32), PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )
     if S > 1:
         _mla_merge[(triton.cdiv(M, cfg["merge_rows"]), triton.cdiv(C, cfg["merge_cols"]))](
             o_part, l_part, out, M, out.stride(0), out.stride(1), S,
-            H=H, C=C, BLOCK_R=cfg["merge_rows"], BLOCK_C=cfg["merge_cols"], num_warps=4,
+            H=H, C=C, BLOCK_R=cfg["merge_rows"], BLOCK_C=cfg["merge_cols"], PDL=pdl, num_warps=4,
+            **launch_options(pdl),
         )
     return out

@@ -77,6 +77,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--moe-config", nargs="*", default=[], metavar="KEY=INT",
                    help="fused-MoE launch choices for every MoE block of the run (kernels/fused_moe.py: "
                         "launch_config), e.g. SPLIT_K_UP=1 BLOCK_N_DOWN=128")
+    p.add_argument("--pdl", action="store_true",
+                   help="launch the MoE block's and MLA's Triton kernels as programmatic dependents of the kernel "
+                        "before each (Hopper and later; kernels/pdl.py)")
 
 
 def add_bench_args(p) -> None:
@@ -234,6 +237,8 @@ def run_options(args) -> dict:
     moe_config = parse_moe_config(getattr(args, "moe_config", []))
     if moe_config:
         chosen["moe_launch"] = moe_config
+    if getattr(args, "pdl", False):
+        chosen["launch_pdl"] = True
     return chosen
 
 
@@ -446,7 +451,7 @@ def run_settings(args) -> dict:
     return {"tree_build": getattr(args, "tree_build", "auto"), "tree_topk": getattr(args, "tree_topk", "auto"),
             "declared_routing": getattr(args, "declared_routing", "auto"),
             "attn_config": dict(options.current().attention_launch),
-            "moe_config": dict(options.current().moe_launch),
+            "moe_config": dict(options.current().moe_launch), "pdl": options.current().launch_pdl,
             "compile_mode": getattr(args, "compile_mode", "default"),
             "host_read_lag": host_read_lag(getattr(args, "device", "cuda"))}
 

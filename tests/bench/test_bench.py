@@ -308,8 +308,9 @@ def test_attention_launch_choices_for_a_whole_run(tmp_path, tiny_dir, monkeypatc
 
 
 def test_moe_launch_choices_for_a_whole_run(tmp_path, tiny_dir, use_options):
-    """--moe-config sets the fused-MoE launch overrides for the run (options.moe_launch), recorded in the JSON;
-    a key the kernel does not take is refused by name."""
+    """--moe-config sets the fused-MoE launch overrides for the run (options.moe_launch) and --pdl the launches as
+    programmatic dependents (options.launch_pdl), both recorded in the JSON; a key the kernel does not take is
+    refused by name."""
     from ddtree_lab.bench.cli import parse_moe_config
 
     use_options()
@@ -317,8 +318,10 @@ def test_moe_launch_choices_for_a_whole_run(tmp_path, tiny_dir, use_options):
     with pytest.raises(ValueError, match="--moe-config 'SPLIT_K=2'"):
         parse_moe_config(["SPLIT_K=2"])
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--budgets", "4", "--rounds", "2", "--prompt-len", "8",
-                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--moe-config", "SPLIT_K_UP=3")
+                "--device", "cpu", "--dtype", "float32", "--attention", "sdpa", "--moe-config", "SPLIT_K_UP=3",
+                "--pdl")
     assert res["moe_config"] == {"SPLIT_K_UP": 3} and dict(options.current().moe_launch) == {"SPLIT_K_UP": 3}
+    assert res["pdl"] is True and options.current().launch_pdl is True
 
 
 def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkeypatch, use_options):

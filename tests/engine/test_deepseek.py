@@ -377,3 +377,29 @@ def test_a_bf16_router_on_the_gpu_sums_its_exact_products_in_fp32(T):
     assert got.dtype == torch.float32 and got.shape == (T, 384)
     scale = x.double().abs() @ router.weight.double().abs().t()
     assert ((got.double() - want).abs() <= 1e-5 * scale).all()  # fp32 sums over 7168 products
+
+
+def test_launch_pdl_reaches_the_moe_and_mla_kernels_and_changes_no_token(hf_pair, use_options, monkeypatch):
+    """options.launch_pdl (bench --pdl): the MoE block's kernels get the launch option PDL, its routing kernel
+    pdl=True and MLA's kernels {"pdl": True}. Where programmatic dependent launch cannot run (here, Triton's
+    interpreter: kernels/pdl.pdl_applies) the launches stay plain, and the tokens are the same either way."""
+    from ddtree_lab.kernels import declared_route, fused_moe, mla_attention
+
+    _, tdir, ddir = hf_pair
+    pair = dl.load_pair(target=str(tdir), drafter=str(ddir), attention="triton")
+    use_options(tree_kernels="triton")  # the GPU's path, under the interpreter
+    want = dl.generate(pair, [3, 5, 7], budget=4, max_new_tokens=6, stop=[]).tokens
+    seen = []
+
+    def record(module, name, what):
+        call = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: seen.append((name, what(kw))) or call(*a, **kw))
+
+    record(fused_moe, "fused_moe_routed", lambda kw: (kw.get("config") or {}).get("PDL"))
+    record(declared_route, "grouped_route", lambda kw: kw.get("pdl"))
+    record(mla_attention, "mla_tree_attention", lambda kw: (kw.get("config") or {}).get("pdl"))
+    use_options(launch_pdl=True)
+    assert dl.generate(pair, [3, 5, 7], budget=4, max_new_tokens=6, stop=[]).tokens == want
+    assert {name for name, _ in seen} == {"fused_moe_routed", "grouped_route", "mla_tree_attention"}
+    assert all(value is True for _, value in seen)
+    assert not fused_moe.pdl_applies(True, torch.zeros(1))  # on the CPU: plain launches

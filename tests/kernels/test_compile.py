@@ -161,7 +161,7 @@ CASES = [
      {**GATE_UP_SIGNATURE, "W": "*i32", "Zero": "*i32"},
      {"TOP_K": 8, "IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
       "SPLIT_K": 7, "LAST_SPLIT_SUMS": True, "BLOCK_S": 16, "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_N": 64,
-      "BLOCK_K": 128, "COLS_FIRST": True}),
+      "BLOCK_K": 128, "COLS_FIRST": True, "PDL": True}),  # and launched as a programmatic dependent
     ("fused_moe", "_silu_mul_kernel",
      {"Part": "*fp32", "Hbuf": "*bf16", "I": "i32", "s_pk": "i32", "s_pp": "i32", "s_ht": "i32"},
      {"SPLIT_K": 7, "BLOCK_I": 1024}),
@@ -214,6 +214,14 @@ CASES = [
      {"OPart": "*fp32", "LPart": "*fp32", "Out": "*bf16", "M": "i32", "s_oh": "i32", "s_ot": "i32",
       "num_splits": "i32"}, {"H": 64, "C": 512, "BLOCK_R": 16, "BLOCK_C": 64}),
 ]
+
+# the kernels that take PDL (kernels/pdl.py: a programmatic dependent launch's wait first): off unless a case says
+PDL_KERNELS = {"_route_kernel", "_count_kernel", "_scan_kernel", "_place_kernel", "_route_align_kernel",
+               "_align_kernel", "_gate_up_kernel", "_silu_mul_kernel", "_down_kernel", "_combine_kernel",
+               "_declared_route_kernel", "_mla_fwd", "_mla_merge"}
+for _case in CASES:
+    if _case[1] in PDL_KERNELS:
+        _case[3].setdefault("PDL", False)
 
 FULL_ENV = "DDTREE_LAB_FULL_COMPILE"
 
@@ -332,7 +340,7 @@ def plain_loads_used_in_their_step(ttgir: str) -> list[str]:
 
 
 INT4_LOOP = {"IEEE": False, "INT4": True, "HAS_ZERO": False, "GROUP": 32, "PAIRED": True, "EVEN_K": True,
-             "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_K": 128}
+             "ONE_BLOCK": True, "BLOCK_M": 16, "BLOCK_K": 128, "PDL": False}
 
 
 @pytest.mark.parametrize("kernel, signature, constexprs", [
@@ -354,3 +362,42 @@ def test_an_int4_k_step_waits_on_no_plain_load_of_its_own(kernel, signature, con
     ttgir = json.loads(out.stdout.strip().splitlines()[-1])
     assert "async_copy_global_to_local" in ttgir  # the packed words and A's tile stream ahead
     assert plain_loads_used_in_their_step(ttgir) == []
+
+
+# A kernel's PTX, compiled for sm_90 as a case of CASES describes it
+PTX_OF = r"""
+import importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+kernels_dir, module, kernel = sys.argv[1:4]
+signature, constexprs = map(json.loads, sys.argv[4:6])
+sys.path.insert(0, kernels_dir)
+spec = importlib.util.spec_from_file_location("_ptx_of", f"{kernels_dir}/{module}.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+src = ASTSource(fn=getattr(mod, kernel), signature={**signature, **{k: "constexpr" for k in constexprs}},
+                constexprs=constexprs)
+print(json.dumps(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]))
+"""
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("module, kernel", [("fused_moe", "_combine_kernel"), ("mla_attention", "_mla_merge")])
+def test_a_programmatic_dependent_waits_before_it_touches_memory_or_exits(module, kernel, pdl):
+    """With PDL (kernels/pdl.py) every program's first memory access, and its exit, come after
+    `griddepcontrol.wait`, and it lets the next launch start; without it neither instruction is there."""
+    _, _, signature, constexprs, *_ = next(c for c in CASES if c[0] == module and c[1] == kernel)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", PTX_OF, str(KERNELS), module, kernel, json.dumps(signature),
+                          json.dumps({**constexprs, "PDL": pdl})], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    body = [ln.strip() for ln in json.loads(out.stdout.strip().splitlines()[-1]).splitlines()]
+    touches = [i for i, ln in enumerate(body) if any(op in ln for op in ("ld.global", "st.global", "atom.", "ret;"))]
+    waits = [i for i, ln in enumerate(body) if "griddepcontrol.wait" in ln]
+    starts = [i for i, ln in enumerate(body) if "griddepcontrol.launch_dependents" in ln]
+    if pdl:
+        assert waits and starts and waits[0] < touches[0] and waits[0] < starts[0]
+    else:
+        assert not waits and not starts

@@ -508,3 +508,37 @@ def test_pairs_held_elsewhere_add_nothing(T, E, k, held):
         assert torch.equal(counts[:held], whole_counts[mine]) and int(counts[held]) == T * k - int(counts[:held].sum())
         total += out
     assert torch.allclose(total, whole, atol=1e-5, rtol=1e-5), (total - whole).abs().max()
+
+
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_programmatic_dependent_launches_change_no_bit(T):
+    """PDL=1 (kernels/pdl.py): on a GPU every launch of an expert-parallel share's block (the sort, the split
+    gate-up, SiLU·mul, down, combine) is a programmatic dependent of the one before, called twice in a row, eagerly
+    and replayed from a CUDA graph: the same bits as plain launches. Under the interpreter (the CPU twin) the option
+    is dropped (kernels/pdl.pdl_applies) and the block is the same too."""
+    from ddtree_lab.kernels.pdl import pdl_applies
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, router, w_gate_up, w_down = make_block(T, 8, 256, 64, dtype, seed=T)
+    weights, ids = route_reference(F.linear(x.float(), router.float()), 2, True)
+    ids = torch.where(ids >= 4, 8, ids)  # experts 4-7 another rank's
+    base = dict(BLOCK_K_UP=16, SPLIT_K_UP=4)
+
+    def block(pdl):
+        cfg = dict(base, PDL=1) if pdl else base
+        first, _ = fused_moe_routed(x, weights, ids, w_gate_up[:4], w_down[:4], config=cfg, elsewhere=True)
+        second, _ = fused_moe_routed(first, weights, ids, w_gate_up[:4], w_down[:4], config=cfg, elsewhere=True)
+        return second
+
+    want = block(False)
+    assert torch.equal(block(True), want)
+    assert pdl_applies(True, x) == (DEVICE == "cuda")
+    if DEVICE == "cuda":
+        block(True)  # warm: compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = block(True)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)

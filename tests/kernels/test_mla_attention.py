@@ -303,3 +303,32 @@ def test_gpu_cuda_graph_replay_new_past_len():
         graph.replay()
         torch.cuda.synchronize()
         check(out, mla.mla_tree_attention_reference(q, cache, past, anc, C, 0.1), torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_programmatic_dependent_launches_change_no_bit(T):
+    """{"pdl": True} (kernels/pdl.py): on a GPU the attention and its merge launch as programmatic dependents,
+    eagerly and replayed from a CUDA graph after a kernel that writes the queries: the same bits as plain launches.
+    Under the interpreter (the CPU twin) the option is dropped and the result is the same too."""
+    gen = torch.Generator().manual_seed(T)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q, cache = make_inputs(8, T, 300, 64, 16, dtype, gen)
+    bits = ta.pack_mask(make_anc(T, "tree", gen))
+    split = {"num_splits": 4, "min_chunk": 64}  # the merge runs
+
+    def call(pdl):
+        q2 = q * 1.0  # a kernel before the attention, writing what it reads
+        return mla.mla_tree_attention(q2, cache, 300, bits, 64, scale_of(64, 16),
+                                      config=dict(split, pdl=True) if pdl else split)
+
+    want = call(False)
+    assert torch.equal(call(True), want)
+    if DEVICE == "cuda":
+        call(True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = call(True)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
