@@ -118,3 +118,16 @@ def exact_first_tokens(pair, prompt: list[int]):
     joint = torch.stack([p1[a] * probs(prompt + [a]) for a in range(V)])  # [V, V]
     p3 = sum(joint[a, b] * probs(prompt + [a, b]) for a in range(V) for b in range(V))
     return joint, p3
+
+
+def assert_replays_equal(fn, want: torch.Tensor, replays: int = 3) -> None:
+    """fn() on a CUDA device, warmed up, captured once as a CUDA graph and replayed `replays` times: each replay's
+    output equals `want` bit for bit (a kernel that reads what the one before it writes, replayed)."""
+    fn()  # compiled and its workspaces sized before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
