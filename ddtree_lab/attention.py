@@ -96,19 +96,17 @@ def static_cache(cache: torch.Tensor | None, shape: tuple, device, dtype) -> tor
     return cache if fits else torch.zeros(shape, device=device, dtype=dtype)
 
 
-def cache_slots(past_len, T: int, device):
-    """The slots past_len … past_len+T-1 of T new tokens, made once per forward (not per layer):
-    an int start when past_len is an int, else an index tensor [T] (past_len a device tensor)."""
-    return past_len + torch.arange(T, device=device) if isinstance(past_len, torch.Tensor) else past_len
+def cache_slots(past_len, T: int, device) -> torch.Tensor:
+    """The slots past_len … past_len+T-1 of T new tokens as an index tensor [T] (past_len an int or a device
+    tensor), made once per forward (not per layer)."""
+    return past_len + torch.arange(T, device=device)
 
 
-def write_slots(cache: torch.Tensor, slots, new: torch.Tensor) -> None:
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
     """cache [..., S, D] <- new [..., T, D] at `slots` (from cache_slots): K and V of a layer in one
-    write when both are stacked in the leading dims."""
-    if isinstance(slots, torch.Tensor):
-        cache.index_copy_(cache.dim() - 2, slots, new)
-    else:
-        cache[..., slots: slots + new.shape[-2], :] = new
+    write when both are stacked in the leading dims. An index write, so a compiled caller fuses it with what
+    computes `new` (layers.attention_inputs_into)."""
+    cache.index_copy_(cache.dim() - 2, slots, new)
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past_len,

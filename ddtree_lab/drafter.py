@@ -49,7 +49,7 @@ class Drafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
         self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
         self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
-        self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs, DecoderLayer.attention_output
+        self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs_into, DecoderLayer.attention_output
         self._context_kv = DrafterLayer.context_kv
         self._norm = RMSNorm.forward
         self.window: int | None = None  # draft_window: how many recent context positions a block sees
@@ -114,8 +114,7 @@ class Drafter(nn.Module):
         for li, layer in enumerate(self.layers):
             # the block's K/V go to scratch slots ctx_len… of the context cache, so one attention
             # call sees the committed context and the block alike
-            h, q, kv = self._attention_inputs(layer, h, delta, cos, sin)
-            write_slots(self.kv[li], slots, kv[0])
+            h, q = self._attention_inputs(layer, h, delta, cos, sin, self.kv[li], slots)
             att = tree_attention(q[0], self.kv[li, 0], self.kv[li, 1], self.ctx_len, mask, self.attention, self.window,
                                  max_past=self.max_past)
             h, delta = self._attention_output(layer, h, att[None])

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import options
-from .attention import tree_attention
+from .attention import tree_attention, write_slots
 from .config import RopeConfig, rope_inv_freq
 
 
@@ -194,6 +194,15 @@ class DecoderLayer(nn.Module):
         q, k, v = self.qkv.project(self.input_layernorm(x))
         return x, self.qkv.norm_rope_q(q, cos, sin), torch.stack([self.qkv.norm_rope_k(k, cos, sin), v], dim=1)
 
+    def attention_inputs_into(self, x, delta, cos, sin, cache, slots):
+        """attention_inputs, then the new K and V written into this layer's cache [2, Hkv, S, D] at `slots` ([T],
+        attention.cache_slots) -> (x + delta, q). Compiled as one function, the write lands in the kernel that
+        computes K (its norm and RoPE) instead of a stack and a copy launched after it (docs/performance.md,
+        "Session 23")."""
+        x, q, kv = self.attention_inputs(x, delta, cos, sin)
+        write_slots(cache, slots, kv[0])
+        return x, q
+
     def attention_output(self, x, att):
         """x [B, T, H], att [B, Hq, T, D] -> (x after attention, the MLP's output): the layer's output
         is their sum, left to the next layer's attention_inputs (or the caller) to add."""
@@ -222,8 +231,8 @@ def compile_fn(fn, **kwargs):
 
 
 def compiled_layer_ops(layer_cls=DecoderLayer, **options):
-    """(attention_inputs, attention_output, norm) compiled once, to call as fn(module, …) on any layer of
+    """(attention_inputs_into, attention_output, norm) compiled once, to call as fn(module, …) on any layer of
     `layer_cls` or RMSNorm: a norm left eager is ~7 small kernels, compiled it is one."""
-    return (compile_fn(layer_cls.attention_inputs, **options),
+    return (compile_fn(layer_cls.attention_inputs_into, **options),
             compile_fn(layer_cls.attention_output, **options),
             compile_fn(RMSNorm.forward, **options))

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import mla_attention
+from .attention import mla_attention, write_slots
 from .config import MlaConfig
 from .layers import GatedMLP, Linear, RMSNorm, apply_rope
 
@@ -137,6 +137,13 @@ class MlaBlock(nn.Module):
         x = x + delta
         q, rows = self.self_attn.queries_and_cache_rows(self.input_layernorm(x), cos, sin, expanded)
         return x, q, rows[:, None, None]
+
+    def attention_inputs_into(self, x, delta, cos, sin, cache, slots, expanded: bool = False):
+        """attention_inputs, then the new rows written into this layer's cache [1, 1, S, C + R] at `slots`, as
+        DecoderLayer.attention_inputs_into -> (x + delta, q)."""
+        x, q, rows = self.attention_inputs(x, delta, cos, sin, expanded)
+        write_slots(cache, slots, rows[0])
+        return x, q
 
     def attention_output(self, x, att, expanded: bool = False):
         """x [B, T, H], att [B, Heads, T, C] (expanded: [B, Heads, T, v]) -> (x after attention, the MLP's

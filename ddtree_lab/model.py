@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import TreeMask, cache_slots, check_backend, static_cache, write_slots
+from .attention import TreeMask, cache_slots, check_backend, static_cache
 from .config import TargetConfig
 from .layers import (ROPE_SLACK, DecoderLayer, Linear, RMSNorm, Rotary, compiled_layer_ops, invariant_linear,
                      set_batch_invariant)
@@ -66,7 +66,7 @@ class Target(nn.Module):
         self.attention = "sdpa"
         self.routing = "router"  # MoE: how tokens pick experts (set_routing)
         layer_cls = block_class(cfg)
-        self._attention_inputs, self._attention_output = layer_cls.attention_inputs, layer_cls.attention_output
+        self._attention_inputs, self._attention_output = layer_cls.attention_inputs_into, layer_cls.attention_output
         self._norm = RMSNorm.forward
 
     def compile_layers(self, **options) -> "Target":
@@ -173,10 +173,10 @@ class Target(nn.Module):
         form = {"expanded": True} if self.cfg.mla is not None and not isinstance(past_len, torch.Tensor) \
             and past_len == 0 else {}
         for li, blk in enumerate(self.layers):
-            x, q, kv = self._attention_inputs(blk, x, delta, cos, sin, **form)  # q [1, Hq, T, D], kv [1, 2, Hkv, T, D]
+            # q [1, Hq, T, D]; the new K and V written into the cache [2, Hkv, S, D] (MLA's rows [1, 1, S, C + R])
+            x, q = self._attention_inputs(blk, x, delta, cos, sin, self.kv[li], slots, **form)
             if li - 1 in wanted:  # x is now layer li-1's output
                 captured[wanted[li - 1]] = x[0]
-            write_slots(self.kv[li], slots, kv[0])  # cache [2, Hkv, S, D] (MLA [1, 1, S, C + R])
             att = blk.attend(q[0], self.kv[li], past_len, mask, self.attention, self.max_past, **form)  # [Hq, T, D or C]
             x, delta = self._attention_output(blk, x, att[None], **form)
         x = x + delta

@@ -333,7 +333,7 @@ def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkey
                 "--compile-mode", "max-autotune-no-cudagraphs")
     assert res["compile_mode"] == "max-autotune-no-cudagraphs"
     names = {name for name, _ in seen}
-    assert {"DecoderLayer.attention_inputs", "DecoderLayer.attention_output", "RMSNorm.forward",
+    assert {"DecoderLayer.attention_inputs_into", "DecoderLayer.attention_output", "RMSNorm.forward",
             "DrafterLayer.context_kv"} <= names
     assert all(kw.get("mode") == "max-autotune-no-cudagraphs" for _, kw in seen)
 
