@@ -403,3 +403,16 @@ def test_launch_pdl_reaches_the_moe_and_mla_kernels_and_changes_no_token(hf_pair
     assert {name for name, _ in seen} == {"fused_moe_routed", "grouped_route", "mla_tree_attention"}
     assert all(value is True for _, value in seen)
     assert not fused_moe.pdl_applies(True, torch.zeros(1))  # on the CPU: plain launches
+
+
+def test_compiled_layers_give_the_same_tokens(hf_pair):
+    """compile=True: each layer's compiled function computes the queries and writes the new latent rows into the
+    cache (MlaBlock.attention_inputs_into), the prompt's expanded form and the absorbed steps alike; decoding does
+    not change."""
+    _, tdir, ddir = hf_pair
+    prompt = [3, 5, 7, 11, 13]
+    eager = dl.load_pair(target=str(tdir), drafter=str(ddir))
+    fused = dl.load_pair(target=str(tdir), drafter=str(ddir), compile=True)
+    for method, budget in (("ar", None), ("ddtree", 8)):
+        want = dl.generate(eager, prompt, method=method, budget=budget, max_new_tokens=12, stop=[]).tokens
+        assert dl.generate(fused, prompt, method=method, budget=budget, max_new_tokens=12, stop=[]).tokens == want
