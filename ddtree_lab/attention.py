@@ -122,8 +122,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if backend == "triton" and window is None:
         from .kernels.tree_attention import tree_attention as triton_tree_attention
 
-        launch = dict(options.current().attention_launch) or None
-        return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits, config=launch, max_past_len=max_past)
+        launch = dict(options.current().attention_launch, **({"pdl": True} if options.current().launch_pdl else {}))
+        return triton_tree_attention(q, k_cache, v_cache, past_len, mask.bits, config=launch or None,
+                                     max_past_len=max_past)
     if backend == "invariant" and window is None:
         from .kernels.batch_invariant import chain_attention
 

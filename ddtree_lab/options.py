@@ -43,8 +43,9 @@ class Options:
     attention_launch: tuple = ()
     # kernels/fused_moe.launch_config overrides for every MoE block (e.g. SPLIT_K_UP), as sorted (key, value) pairs.
     moe_launch: tuple = ()
-    # The MoE block's and MLA's Triton kernels launched as programmatic dependents of the kernel before them (Hopper
-    # and later; kernels/pdl.py): each may start while that one finishes. False: plain launches.
+    # The MoE block's and the attention's Triton kernels (tree attention's, MLA's) launched as programmatic
+    # dependents of the kernel before them (Hopper and later; kernels/pdl.py): each may start while that one
+    # finishes. False: plain launches.
     launch_pdl: bool = False
     # budget="auto"'s captured candidates: "each" keeps its graphs' memory in a pool of its own, "shared" puts all
     # of them in one (they never run at once); None: each.

@@ -18,6 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from .pdl import _pdl_start, launch_options, pdl_applies
+except ImportError:  # loaded as a lone file (tests/kernels/test_compile.py): its neighbours
+    from pdl import _pdl_start, launch_options, pdl_applies
+
 LOG2E = 1.4426950408889634
 
 
@@ -148,9 +153,11 @@ def _tree_attn_fwd(Q, K, V, Out, OPart, LPart, Mask, PastPtr,
                    qk_scale,
                    G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-                   PAST_FROM_PTR: tl.constexpr, IEEE: tl.constexpr):
-    # grid: (cdiv(T*G, BLOCK_M), Hkv, num_splits); SINGLE = (num_splits == 1): write out directly. Tile rows r = t*G + g: the G query heads that
-    # share KV head `hkv`, for tree queries t; K/V tiles are read once for all of them.
+                   PAST_FROM_PTR: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # grid: (cdiv(T*G, BLOCK_M), Hkv, num_splits); SINGLE = (num_splits == 1): write out directly. Tile rows
+    # r = t*G + g: the G query heads that share KV head `hkv`, for tree queries t; K/V tiles are read once for all
+    # of them. PDL: a programmatic dependent launch's wait first (kernels/pdl.py)
+    _pdl_start(PDL)
     pid_m = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,8 +222,9 @@ def _tree_attn_fwd(Q, K, V, Out, OPart, LPart, Mask, PastPtr,
 
 @triton.jit(do_not_specialize=["T", "num_splits"])
 def _tree_attn_merge(OPart, LPart, Out, T, Hq, s_oh, s_ot, num_splits,
-                     HEAD_D: tl.constexpr, SPLIT_PAD: tl.constexpr):
+                     HEAD_D: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr):
     # grid: (Hq * T,), one output row each: out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max)
+    _pdl_start(PDL)
     row = tl.program_id(0)  # = h * T + t
     h = row // T
     t = row % T
@@ -264,7 +272,8 @@ def launch_config(T: int, G: int, D: int, past_bound: int, Hkv: int, device: tor
     """Static tile sizes and split count, from an upper bound of past_len (so graph-safe).
 
     Keys: block_m (rows = tree queries x packed heads), block_n (key slots per step; a multiple
-    of 32), num_warps, num_stages, num_splits (programs launched on the split axis); and the split
+    of 32), num_warps, num_stages, num_splits (programs launched on the split axis), pdl (both kernels launched
+    as programmatic dependents, kernels/pdl.py; off unless asked); and the split
     heuristic's inputs: waves (aim for this many programs per SM), min_chunk (fewest past slots worth
     a split; rounded up to whole block_ns) and split_target (the split count the chunk size aims at:
     from waves and the row tiles by whole_wave_splits, or an overridden num_splits); overrides win.
@@ -346,6 +355,7 @@ def tree_attention(q, k_cache, v_cache, past_len, mask_bits, scale=None, *,
     cfg = launch_config(T, G, D, bound, Hkv, q.device, config, q.dtype)
     assert cfg["block_n"] % 32 == 0, "block_n must be a multiple of 32 (one mask word)"
     S = cfg["num_splits"]
+    pdl = pdl_applies(cfg.get("pdl"), q)
 
     out = torch.empty_like(q)
     if S > 1:
@@ -361,13 +371,13 @@ def tree_attention(q, k_cache, v_cache, past_len, mask_bits, scale=None, *,
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scale * LOG2E,
         G=G, HEAD_D=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SINGLE=(S == 1),
-        PAST_FROM_PTR=from_ptr, IEEE=(q.dtype == torch.float32),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PAST_FROM_PTR=from_ptr, IEEE=(q.dtype == torch.float32), PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )
     if S > 1:
         _tree_attn_merge[(Hq * T,)](
             o_part, l_part, out, T, Hq, out.stride(0), out.stride(1), S,
-            HEAD_D=D, SPLIT_PAD=max(2, triton.next_power_of_2(S)),
-            num_warps=4 if D >= 128 else 2,
+            HEAD_D=D, SPLIT_PAD=max(2, triton.next_power_of_2(S)), PDL=pdl,
+            num_warps=4 if D >= 128 else 2, **launch_options(pdl),
         )
     return out

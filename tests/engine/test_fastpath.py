@@ -13,9 +13,12 @@ GRAPH_BUDGETS = [1, 2, 8, 9, 15, 16, 17, 64, 256, 1024]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
-def test_triton_attention_in_the_engine_matches_sdpa(tmp_path, arch):
+def test_triton_attention_in_the_engine_matches_sdpa(tmp_path, arch, use_options, monkeypatch):
     """CPU twin of the GPU path: the Triton kernel (interpreter here; for DeepSeek-V3 the MLA kernel, and on a GPU
-    the routed fused-MoE kernel) inside real decoding."""
+    the routed fused-MoE kernel) inside real decoding; with launch_pdl (bench --pdl) the attention kernels are
+    asked to launch as programmatic dependents (kernels/pdl.py), and the tokens stay the same."""
+    from ddtree_lab.kernels import mla_attention, tree_attention
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t, d = make_tiny_pair(tmp_path, arch=arch, seed=4, tokenizer=False)
     ref = dl.load_pair(target=t, drafter=d, device=device)
@@ -25,6 +28,13 @@ def test_triton_attention_in_the_engine_matches_sdpa(tmp_path, arch):
     for budget in (7, 40):
         got = dl.generate(tri, prompt, budget=budget, max_new_tokens=10, stop=[], cuda_graphs=False)
         assert got.tokens == want.tokens
+    asked = []
+    for module, name in ((tree_attention, "tree_attention"), (mla_attention, "mla_tree_attention")):
+        call = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _call=call, **kw: asked.append(kw["config"]) or _call(*a, **kw))
+    use_options(launch_pdl=True)
+    got = dl.generate(tri, prompt, budget=7, max_new_tokens=10, stop=[], cuda_graphs=False)
+    assert got.tokens == want.tokens and asked and all(c["pdl"] is True for c in asked)
 
 
 def test_compiled_layers_give_the_same_tokens(tmp_path):

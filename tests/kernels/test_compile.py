@@ -210,6 +210,16 @@ CASES = [
     ("mla_attention", "_mla_fwd", {**MLA_FWD_SIGNATURE, "Q": "*fp32", "Cache": "*fp32", "Out": "*fp32"},
      {"H": 4, "C": 24, "R": 8, "C_PAD": 32, "R_PAD": 16, "BLOCK_M": 64, "BLOCK_N": 64, "SINGLE": True,
       "PAST_FROM_PTR": False, "IEEE": True}),  # padded widths, fp32
+    ("tree_attention", "_tree_attn_fwd",  # the 8B's AR step: 4 query heads a KV head, head width 128, split
+     {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "OPart": "*fp32", "LPart": "*fp32", "Mask": "*i32",
+      "PastPtr": "*i64", **{s: "i32" for s in ("past_val", "T", "mask_words", "num_splits", "split_target",
+                                               "min_chunk", "s_qh", "s_qt", "s_kh", "s_ks", "s_vh", "s_vs", "s_oh",
+                                               "s_ot")}, "qk_scale": "fp32"},
+     {"G": 4, "HEAD_D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "SINGLE": False, "PAST_FROM_PTR": True, "IEEE": False},
+     {"num_warps": 4, "num_stages": 4}),
+    ("tree_attention", "_tree_attn_merge",
+     {"OPart": "*fp32", "LPart": "*fp32", "Out": "*bf16", "T": "i32", "Hq": "i32", "s_oh": "i32", "s_ot": "i32",
+      "num_splits": "i32"}, {"HEAD_D": 128, "SPLIT_PAD": 32}),
     ("mla_attention", "_mla_merge",
      {"OPart": "*fp32", "LPart": "*fp32", "Out": "*bf16", "M": "i32", "s_oh": "i32", "s_ot": "i32",
       "num_splits": "i32"}, {"H": 64, "C": 512, "BLOCK_R": 16, "BLOCK_C": 64}),
@@ -218,7 +228,7 @@ CASES = [
 # the kernels that take PDL (kernels/pdl.py: a programmatic dependent launch's wait first): off unless a case says
 PDL_KERNELS = {"_route_kernel", "_count_kernel", "_scan_kernel", "_place_kernel", "_route_align_kernel",
                "_align_kernel", "_gate_up_kernel", "_silu_mul_kernel", "_down_kernel", "_combine_kernel",
-               "_declared_route_kernel", "_mla_fwd", "_mla_merge"}
+               "_declared_route_kernel", "_mla_fwd", "_mla_merge", "_tree_attn_fwd", "_tree_attn_merge"}
 for _case in CASES:
     if _case[1] in PDL_KERNELS:
         _case[3].setdefault("PDL", False)
@@ -383,7 +393,8 @@ print(json.dumps(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("module, kernel", [("fused_moe", "_combine_kernel"), ("mla_attention", "_mla_merge")])
+@pytest.mark.parametrize("module, kernel", [("fused_moe", "_combine_kernel"), ("mla_attention", "_mla_merge"),
+                                            ("tree_attention", "_tree_attn_merge")])
 def test_a_programmatic_dependent_waits_before_it_touches_memory_or_exits(module, kernel, pdl):
     """With PDL (kernels/pdl.py) every program's first memory access, and its exit, come after
     `griddepcontrol.wait`, and it lets the next launch start; without it neither instruction is there."""

@@ -284,3 +284,24 @@ def test_gpu_cuda_graph_replay_new_past_len():
         graph.replay()
         torch.cuda.synchronize()
         check(out, ta.tree_attention_reference(q, k, v, past, anc), torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_programmatic_dependent_launches_change_no_bit(T):
+    """The verify kernel and its merge as programmatic dependents ({"pdl": True}), as the MLA test checks its pair:
+    bit for bit the plain launches' output on a GPU, eagerly and from a graph; the option dropped on the CPU."""
+    from ddtree_lab.testing import assert_replays_equal
+
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = make_inputs(8, 2, 64, T, 300, torch.bfloat16 if DEVICE == "cuda" else torch.float32, gen)
+    bits = ta.pack_mask(ancestor_matrix(random_parents(T, gen)).to(DEVICE))
+    split = {"num_splits": 4, "min_chunk": 64}  # the merge runs
+
+    def call(pdl):
+        q2 = q * 1.0  # a kernel before the attention, writing what it reads
+        return ta.tree_attention(q2, k, v, 300, bits, config=dict(split, pdl=True) if pdl else split)
+
+    want = call(False)
+    assert torch.equal(call(True), want)
+    if DEVICE == "cuda":
+        assert_replays_equal(lambda: call(True), want)
