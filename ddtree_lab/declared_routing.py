@@ -82,7 +82,8 @@ class DeclaredRouting(torch.nn.Module):
 
     def route(self, logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float,
               local_index: torch.Tensor | None = None, ids_dtype: torch.dtype = torch.int64,
-              routed: tuple[torch.Tensor, ...] | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              routed: tuple[torch.Tensor, ...] | None = None,
+              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits [T, E] -> (weights [T, k] fp32, ids [T, k] ids_dtype): the declared experts, weighted
         by the router's scores at them (moe_layout.declared_weights_reference), the ids mapped through
         `local_index` when given (an expert-parallel rank's places). One launch where `routing_kernel_runs`

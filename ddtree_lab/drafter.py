@@ -49,7 +49,8 @@ class Drafter(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position_embeddings + ROPE_SLACK)
         self.kv: torch.Tensor | None = None  # [Ld, 2, Hkv, S_max, D]: context K/V only
         self.ctx_len: torch.Tensor | None = None  # [1] long, committed context positions
-        self._attention_inputs, self._attention_output = DecoderLayer.attention_inputs_into, DecoderLayer.attention_output
+        self._attention_inputs = DecoderLayer.attention_inputs_into
+        self._attention_output = DecoderLayer.attention_output
         self._context_kv = DrafterLayer.context_kv
         self._norm = RMSNorm.forward
         self.window: int | None = None  # draft_window: how many recent context positions a block sees

@@ -196,8 +196,8 @@ def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group:
     fp32, correction bias [E] -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype, best first). The experts
     are the top_k of scores + bias among the topk_group groups whose best two sum highest, ties to the lower
     index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index`,
-    `routed` and `pdl` as for declared_route. The choice compares the kernel's scores, which round as torch's may not:
-    experts within an ulp of each other can swap places."""
+    `routed` and `pdl` as for declared_route. The choice compares the kernel's scores, which round as torch's may
+    not: experts within an ulp of each other can swap places."""
     E = logits.shape[1]
     assert bias.shape == (E,), (tuple(bias.shape), E)
     assert n_group >= 1 and E % n_group == 0, f"{E} experts do not split into {n_group} groups"

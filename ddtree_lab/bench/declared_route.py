@@ -14,8 +14,9 @@ Rows: T, triton_us, torch_us, torch_over_triton, per_forward_ms (the kernel's ti
 with a baseline baseline_us, over_baseline, equal_to_baseline. `--sort` (up to ROUTE_IN_ALIGN_MAX_T tokens: AR's
 steps) times instead what the engine runs there: the routing that also sorts the pairs in its launch (`routed=`,
 sorted_us) against the routing, then fused_moe.moe_align's launch (then_align_us), over the places of the experts
-the shape holds (a rank's, plus the bucket of those held elsewhere), the sorts checked equal. Every row first checks the kernel's experts against
-torch's, exactly (a mismatch stops the bench: its time would describe another routing). Timing as
+the shape holds (a rank's, plus the bucket of those held elsewhere), the sorts checked equal. Every row first
+checks the kernel's experts against torch's, exactly (a mismatch stops the bench: its time would describe another
+routing). Timing as
 bench/fused_moe.py's: calls in a CUDA graph on a GPU; on the CPU one call's wall clock, a check that it runs.
 """
 from __future__ import annotations
