@@ -16,8 +16,8 @@ steps) times instead what the engine runs there: the routing that also sorts the
 sorted_us) against the routing, then fused_moe.moe_align's launch (then_align_us), over the places of the experts
 the shape holds (a rank's, plus the bucket of those held elsewhere), the sorts checked equal. Every row first
 checks the kernel's experts against torch's, exactly (a mismatch stops the bench: its time would describe another
-routing). Timing as
-bench/fused_moe.py's: calls in a CUDA graph on a GPU; on the CPU one call's wall clock, a check that it runs.
+routing). Timing as bench/fused_moe.py's: calls in a CUDA graph on a GPU; on the CPU one call's wall clock, a
+check that it runs.
 """
 from __future__ import annotations
 
