@@ -165,11 +165,18 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
     tl.store(Weights + t[:, None] * TOP_K + j[None, :], w * scaling, mask=live[:, None] & (j[None, :] < TOP_K))
 
 
+def routing_warps(E: int) -> int:
+    """The routing kernel's warps for E experts: one up to 512 (a token a program, so the top-k's reductions stay
+    inside a warp and a tree's tokens run side by side), then twice as many for twice the experts, up to 8.
+    (bench/declared_route.py's `--warps` times others.)"""
+    return min(8, max(1, triton.next_power_of_2(E) // 512))
+
+
 def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float = 1.0, *,
                    keys: torch.Tensor | None = None, layer: int = 0, ids: torch.Tensor | None = None,
                    local_index: torch.Tensor | None = None, ids_dtype: torch.dtype = torch.int64,
-                   routed: tuple[torch.Tensor, ...] | None = None,
-                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed: tuple[torch.Tensor, ...] | None = None, pdl: bool = False,
+                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (the router's) -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype). The experts are uniform
     routing's for `keys` [T] int64 (≥ 0) at `layer`, or the given `ids` [T, top_k]; the weights are their
     scores (`scoring`: softmax or sigmoid), normalised when `renormalize`, times `scaling`. `local_index` [E]
@@ -177,7 +184,8 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     local_index[ids]); the weights stay the routed experts'. `routed` (up to ROUTE_IN_ALIGN_MAX_T tokens):
     fused_moe.align_outputs' four tensors, filled with the sort of the ids returned, as moe_align(ids, E') would
     (E' = their counts' length), in the same launch. `pdl`: launched as a programmatic dependent of the kernel
-    before (kernels/pdl.py), on a GPU. Fixed shapes, no host read (graph-safe)."""
+    before (kernels/pdl.py), on a GPU. `num_warps`: a launch override (default `routing_warps(E)`). Fixed shapes,
+    no host read (graph-safe)."""
     assert (keys is None) != (ids is None), "give keys (uniform routing) or ids (given experts), one of them"
     T = logits.shape[0]
     if keys is not None:
@@ -185,18 +193,18 @@ def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: 
     else:
         assert ids.shape == (T, top_k), (tuple(ids.shape), T, top_k)
     return _route(logits, top_k, scoring, renormalize, scaling, keys=keys, layer=layer, ids=ids,
-                  local_index=local_index, ids_dtype=ids_dtype, routed=routed, pdl=pdl)
+                  local_index=local_index, ids_dtype=ids_dtype, routed=routed, pdl=pdl, num_warps=num_warps)
 
 
 def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                   scoring: str, renormalize: bool, scaling: float = 1.0, *, local_index: torch.Tensor | None = None,
                   ids_dtype: torch.dtype = torch.int64, routed: tuple[torch.Tensor, ...] | None = None,
-                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  pdl: bool = False, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's grouped router in one launch (reference: moe_layout.route_grouped_reference): logits [T, E]
     fp32, correction bias [E] -> (weights [T, top_k] fp32, ids [T, top_k] ids_dtype, best first). The experts
     are the top_k of scores + bias among the topk_group groups whose best two sum highest, ties to the lower
     index; the weights are the scores at them, normalised when `renormalize`, times `scaling`; `local_index`,
-    `routed` and `pdl` as for declared_route. The choice compares the kernel's scores, which round as torch's may
+    `routed`, `pdl` and `num_warps` as for declared_route. The choice compares the kernel's scores, which round as torch's may
     not: experts within an ulp of each other can swap places."""
     E = logits.shape[1]
     assert bias.shape == (E,), (tuple(bias.shape), E)
@@ -204,17 +212,19 @@ def grouped_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group:
     assert 1 <= topk_group <= n_group and topk_group * (E // n_group) >= top_k, \
         f"{topk_group} of {n_group} groups hold fewer than top_k={top_k} experts"
     return _route(logits, top_k, scoring, renormalize, scaling, bias=bias.contiguous(), n_group=n_group,
-                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype, routed=routed, pdl=pdl)
+                  topk_group=topk_group, local_index=local_index, ids_dtype=ids_dtype, routed=routed, pdl=pdl,
+                  num_warps=num_warps)
 
 
 def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, ids=None, bias=None, n_group=1,
-           topk_group=1, local_index=None, ids_dtype=torch.int64, routed=None, pdl=False):
+           topk_group=1, local_index=None, ids_dtype=torch.int64, routed=None, pdl=False, num_warps=None):
     """One launch of the kernel: experts hashed (keys), chosen (bias) or given (ids), then their weights (and with
     `routed`, the pairs sorted)."""
     T, E = logits.shape
     assert scoring in SCORINGS, f"scoring={scoring!r} is not one of {SCORINGS}"
     assert 1 <= top_k <= E <= MAX_EXPERTS, (top_k, E)
     assert local_index is None or local_index.shape == (E,), "local_index: one place for each of the E experts"
+    assert num_warps is None or num_warps in (1, 2, 4, 8, 16), f"num_warps={num_warps}: a power of two up to 16"
     if routed is not None:
         assert T <= ROUTE_IN_ALIGN_MAX_T, f"routed=: one program sorts up to {ROUTE_IN_ALIGN_MAX_T} tokens, not {T}"
         assert len(routed) == 4 and routed[3].numel() == T * top_k and routed[1].numel() == min(
@@ -232,8 +242,6 @@ def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, 
             routed[0].zero_()  # no pairs: every count 0, the rest empty
         return weights, out
     BLOCK_E = triton.next_power_of_2(E)
-    # a token a program, in one warp up to 512 experts: the top-k's reductions stay inside a warp, and a tree's
-    # tokens run side by side
     M = UNIFORM_MIX
     unused = x  # the pointers a mode does not read: the logits, which nothing writes
     pdl = pdl_applies(pdl, x)
@@ -253,5 +261,5 @@ def _route(logits, top_k, scoring, renormalize, scaling, *, keys=None, layer=0, 
         SIGMOID=scoring == "sigmoid", RENORM=bool(renormalize), LOCAL=local_index is not None, STORE=store,
         TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, PRECISE=not _interpret(), BLOCK_T=block_t,
         BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(n_group),
-        **sort_const, PDL=pdl, num_warps=min(8, max(1, BLOCK_E // 512)), **launch_options(pdl))
+        **sort_const, PDL=pdl, num_warps=num_warps or routing_warps(E), **launch_options(pdl))
     return weights, out

@@ -11,7 +11,8 @@ checkpoint's routing="router").
     python -m ddtree_lab.bench.declared_route --smoke --out /tmp/declared_route_smoke.json   (CPU, the interpreter)
 
 Rows: T, triton_us, torch_us, torch_over_triton, per_forward_ms (the kernel's time × the shape's MoE layers), and
-with a baseline baseline_us, over_baseline, equal_to_baseline. `--sort` (up to ROUTE_IN_ALIGN_MAX_T tokens: AR's
+with a baseline baseline_us, over_baseline, equal_to_baseline; with `--warps W …`, warps_us: the kernel launched with
+each count of warps on the same logits (its experts checked equal to the default launch's). `--sort` (up to ROUTE_IN_ALIGN_MAX_T tokens: AR's
 steps) times instead what the engine runs there: the routing that also sorts the pairs in its launch (`routed=`,
 sorted_us) against the routing, then fused_moe.moe_align's launch (then_align_us), over the places of the experts
 the shape holds (a rank's, plus the bucket of those held elsewhere), the sorts checked equal. Every row first
@@ -53,7 +54,7 @@ def router_shape(name: str) -> dict:
 
 def bench_grouped_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
                         layers=1, n_group=1, topk_group=1, device="cuda", reps=20, progress=True,
-                        held=()) -> list[dict]:
+                        held=(), warps=()) -> list[dict]:
     """Per T, a grouped router's choice of one layer both ways (a random correction bias), its experts checked
     equal first."""
     from ..kernels.declared_route import grouped_route
@@ -73,10 +74,23 @@ def bench_grouped_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", 
                "torch_us": time_call_us(lambda: route_grouped_reference(logits, bias, *args), device, reps)}
         row["torch_over_triton"] = row["torch_us"] / row["triton_us"]
         row["per_forward_ms"] = row["triton_us"] * layers / 1000
+        if warps:
+            row["warps_us"] = _time_warps(lambda w: grouped_route(logits, bias, *args, num_warps=w), ids_tri, warps,
+                                          device, reps, T)
         rows.append(row)
         if progress:
             print(row, flush=True)
     return rows
+
+
+def _time_warps(launch, want_ids, warps, device, reps, T) -> dict:
+    """{warps: µs} for launch(num_warps), each launch's experts checked equal to `want_ids` first."""
+    out = {}
+    for w in warps:
+        if not torch.equal(launch(w)[1], want_ids):
+            raise RuntimeError(f"T={T}: {w} warps route otherwise than the default launch; no timing")
+        out[str(w)] = time_call_us(lambda: launch(w), device, reps)
+    return out
 
 
 def bench_sorted_route(tokens=(1,), experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
@@ -124,7 +138,7 @@ def bench_sorted_route(tokens=(1,), experts=384, top_k=8, scoring="sigmoid", ren
 
 def bench_declared_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid", renormalize=True, scaling=1.0,
                          layers=1, n_group=1, topk_group=1, device="cuda", reps=20, baseline=None,
-                         progress=True, held=()) -> list[dict]:
+                         progress=True, held=(), warps=()) -> list[dict]:
     """Per T, the declared routing of one layer (the shape's last MoE layer's index) both ways; `baseline`:
     another declared_route module (`load_kernel_file(PATH, …)`), timed on the same inputs. (A declared routing
     has no groups: n_group and topk_group are the router's, for bench_grouped_route.)"""
@@ -157,6 +171,12 @@ def bench_declared_route(tokens=TOKENS, experts=384, top_k=8, scoring="sigmoid",
             row["equal_to_baseline"] = bool(torch.equal(ids_old, ids_tri) and torch.equal(w_old, w_tri))
             row["baseline_us"] = time_call_us(old, device, reps)
             row["over_baseline"] = row["triton_us"] / row["baseline_us"]
+        if warps:
+            from ..kernels.declared_route import declared_route
+
+            row["warps_us"] = _time_warps(
+                lambda w: declared_route(logits, top_k, scoring, renormalize, scaling, keys=layer.keys,
+                                         layer=layer.layer, num_warps=w), ids_tri, warps, device, reps, T)
         rows.append(row)
         if progress:
             print(row, flush=True)
@@ -174,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--sort", action="store_true",
                     help="AR's steps: the routing that sorts its pairs in the same launch against it and then "
                          "moe_align's launch")
+    ap.add_argument("--warps", type=int, nargs="+", default=(), metavar="W",
+                    help="also time the routing kernel launched with each of these warp counts (1 2 4 8 16)")
     ap.add_argument("--smoke", action="store_true", help="a tiny router (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -196,17 +218,20 @@ def main(argv=None):
         ap.error(f"--tokens {tokens}: each at least 1")
     if a.router and a.baseline:
         ap.error("--baseline times the declared routing's kernel; --router times the grouped router's")
-    if a.sort and (a.router or a.baseline):
-        ap.error("--sort times declared uniform routing's two ways of sorting; leave out --router and --baseline")
+    if any(w not in (1, 2, 4, 8, 16) for w in a.warps):
+        ap.error(f"--warps {list(a.warps)}: each a power of two from 1 to 16")
+    if a.sort and (a.router or a.baseline or a.warps):
+        ap.error("--sort times declared uniform routing's two ways of sorting; leave out --router, --baseline and "
+                 "--warps")
     if a.sort and max(tokens) > ROUTE_IN_ALIGN_MAX_T:
         ap.error(f"--sort --tokens {tokens}: the routing sorts in its own launch up to {ROUTE_IN_ALIGN_MAX_T} tokens")
     baseline = load_kernel_file(a.baseline, "declared_route_baseline") if a.baseline else None
     if a.sort:
         rows = bench_sorted_route(tokens, **shape, device=device)
     elif a.router:
-        rows = bench_grouped_route(tokens, **shape, device=device)
+        rows = bench_grouped_route(tokens, **shape, device=device, warps=tuple(a.warps))
     else:
-        rows = bench_declared_route(tokens, **shape, device=device, baseline=baseline)
+        rows = bench_declared_route(tokens, **shape, device=device, baseline=baseline, warps=tuple(a.warps))
     if a.out:
         write_bench_json(a.out, rows, __name__, argv, shape=shape, shape_name=None if a.smoke else a.shape,
                          baseline=a.baseline, smoke=a.smoke, routing="router" if a.router else "uniform",

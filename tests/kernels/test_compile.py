@@ -106,6 +106,10 @@ CASES = [
      {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
       "layer_term": "i64"},
      {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512}),
+    ("declared_route", "_declared_route_kernel",  # the same in four warps (bench/declared_route.py --warps)
+     {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
+      "layer_term": "i64"},
+     {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512}, {"num_warps": 4}),
     ("declared_route", "_declared_route_kernel",  # the EP8 rank's AR step: its two tokens' pairs sorted as well,
      {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
       "layer_term": "i64"},                       # over its 48 places and the bucket of experts held elsewhere

@@ -293,10 +293,26 @@ def test_the_bench_times_the_sort_in_the_routings_launch_against_its_own_launch(
     assert all(r["sorted_experts"] == 7 and r["sorted_us"] > 0 and r["then_align_us"] > 0 for r in rows)
     assert json.loads(out.read_text())["sort"] is True
     for argv, words in ((["--smoke", "--sort", "--tokens", "3"], "up to 2 tokens"),
-                        (["--smoke", "--sort", "--router"], "leave out --router")):
+                        (["--smoke", "--sort", "--router"], "leave out --router"),
+                        (["--smoke", "--warps", "3"], "a power of two")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert words in capsys.readouterr().err
+
+
+def test_warps_are_a_launch_choice_that_changes_no_expert():
+    """num_warps overrides routing_warps(E) (one warp up to 512 experts, twice as many for twice the experts, at
+    most 8); any count routes to the same experts and the weights agree to rounding."""
+    from ddtree_lab.kernels.declared_route import routing_warps
+
+    assert [routing_warps(E) for E in (8, 384, 512, 513, 1024, 2048, 4096)] == [1, 1, 1, 2, 2, 4, 8]
+    keys, logits = inputs(3, 384, 9)
+    want_w, want_ids = declared_route(logits, 8, "sigmoid", True, 2.5, keys=keys, layer=2)
+    for w in (2, 4, 8):
+        weights, ids = declared_route(logits, 8, "sigmoid", True, 2.5, keys=keys, layer=2, num_warps=w)
+        assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, rtol=1e-6, atol=1e-7)
+    with pytest.raises(AssertionError, match="power of two"):
+        declared_route(logits, 8, "sigmoid", True, keys=keys, num_warps=3)
 
 
 def test_the_bench_times_a_grouped_routers_choice_both_ways(tmp_path, capsys):
@@ -306,8 +322,9 @@ def test_the_bench_times_a_grouped_routers_choice_both_ways(tmp_path, capsys):
     from ddtree_lab.bench import declared_route as bench
 
     out = tmp_path / "grouped.json"
-    rows = bench.main(["--smoke", "--router", "--tokens", "1", "6", "--out", str(out)])
+    rows = bench.main(["--smoke", "--router", "--tokens", "1", "6", "--warps", "2", "--out", str(out)])
     assert [r["T"] for r in rows] == [1, 6] and all(r["triton_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    assert all(list(r["warps_us"]) == ["2"] and r["warps_us"]["2"] > 0 for r in rows)  # timed, experts checked
     assert all(r["max_abs_diff_weights"] < 1e-5 for r in rows)
     assert json.loads(out.read_text())["routing"] == "router"
     with pytest.raises(SystemExit):
