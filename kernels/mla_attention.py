@@ -184,7 +184,8 @@ def _mla_fwd(Q, Cache, Out, OPart, LPart, Mask, PastPtr,
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _mla_merge(OPart, LPart, Out, M, s_oh, s_ot, num_splits,
-               H: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+               H: tl.constexpr, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               SPLIT_PAD: tl.constexpr, PDL: tl.constexpr):
     # grid: (cdiv(M, BLOCK_R), cdiv(C, BLOCK_C)): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max). Splits
     # are summed in order and empty ones (always the last) add exact zeros, so the split count changes no bit.
     _pdl_start(PDL)
@@ -193,14 +194,15 @@ def _mla_merge(OPart, LPart, Out, M, s_oh, s_ot, num_splits,
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     row_ok = rows < M
     ok = row_ok[:, None] & (offs_c < C)[None, :]
-    # MERGE_UNROLL splits a step, their loads issued together (one split after another, each waiting on its
-    # load, made an AR step's merge a chain of 2 x num_splits loads); a split past the last adds exact zeros
-    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, MERGE_UNROLL):
-        for j in tl.static_range(MERGE_UNROLL):
-            live = row_ok & (rows * 0 + s0 + j < num_splits)  # [BR]
-            mx = tl.maximum(mx, tl.load(LPart + (s0 + j) * M + rows64, mask=live, other=float("-inf")))
+    # the rows' largest log-sum-exp over every split in one load (SPLIT_PAD ≥ num_splits; a maximum is exact in any
+    # order, so this is the value a loop over the splits gives, without its chain of dependent loads)
+    offs_s = tl.arange(0, SPLIT_PAD)
+    lse = tl.load(LPart + offs_s[None, :] * M + rows64[:, None],
+                  mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"))  # [BR, SPLIT_PAD]
+    mx = tl.max(lse, axis=1)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
+    # then MERGE_UNROLL splits a step, their loads issued together (one split after another, each waiting on its
+    # load, made an AR step's merge a chain of num_splits loads); a split past the last adds exact zeros
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for s0 in range(0, num_splits, MERGE_UNROLL):
@@ -377,7 +379,8 @@ def mla_tree_attention(q, cache, past_len, mask_bits, latent_dim, scale, *, max_
     if S > 1:
         _mla_merge[(triton.cdiv(M, cfg["merge_rows"]), triton.cdiv(C, cfg["merge_cols"]))](
             o_part, l_part, out, M, out.stride(0), out.stride(1), S,
-            H=H, C=C, BLOCK_R=cfg["merge_rows"], BLOCK_C=cfg["merge_cols"], PDL=pdl, num_warps=4,
+            H=H, C=C, BLOCK_R=cfg["merge_rows"], BLOCK_C=cfg["merge_cols"], SPLIT_PAD=max(2, triton.next_power_of_2(S)),
+            PDL=pdl, num_warps=4,
             **launch_options(pdl),
         )
     return out

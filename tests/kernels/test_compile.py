@@ -230,7 +230,7 @@ CASES = [
       "num_splits": "i32"}, {"HEAD_D": 128, "SPLIT_PAD": 32}),
     ("mla_attention", "_mla_merge",
      {"OPart": "*fp32", "LPart": "*fp32", "Out": "*bf16", "M": "i32", "s_oh": "i32", "s_ot": "i32",
-      "num_splits": "i32"}, {"H": 64, "C": 512, "BLOCK_R": 16, "BLOCK_C": 64}),
+      "num_splits": "i32"}, {"H": 64, "C": 512, "BLOCK_R": 16, "BLOCK_C": 32, "SPLIT_PAD": 32}),
 ]
 
 # the kernels that take PDL (kernels/pdl.py: a programmatic dependent launch's wait first): off unless a case says
