@@ -114,3 +114,23 @@ def test_a_share_built_on_the_meta_device_gets_its_expert_table_back():
     moved.fill_local_index()
     assert torch.equal(moved.local_index, made.local_index)
     assert made.local_index.tolist() == [3, 3, 0, 3, 3, 1, 2, 3]
+
+
+def test_a_rank_decodes_the_same_under_every_launch_choice(pair, use_options, monkeypatch):
+    """The kernels' launch choices change no token of an EP rank's decode (the GPU's path, here under the
+    interpreter): its gate-up split in two with the last split summing (the arrival counts used), the down's own
+    stage count, and the launches as programmatic dependents (dropped on the CPU) against the default launches."""
+    from ddtree_lab.kernels import fused_moe as fm
+
+    rank = rank_copy(pair.target, expert_rank_share(16, RANKS, 2))
+    rank.set_routing("uniform")
+    ep = dataclasses.replace(pair, target=rank)
+    use_options(tree_kernels="triton")
+    want = dl.generate(ep, [2, 7, 1, 8], budget=8, max_new_tokens=8, stop=[]).tokens
+    counted = []
+    arrivals = fm._arrivals
+    monkeypatch.setattr(fm, "_arrivals", lambda *a: counted.append(a) or arrivals(*a))
+    use_options(moe_launch={"BLOCK_K_UP": 16, "SPLIT_K_UP": 2, "LAST_SPLIT_SUMS": 1, "STAGES_DOWN": 2},
+                launch_pdl=True)
+    assert dl.generate(ep, [2, 7, 1, 8], budget=8, max_new_tokens=8, stop=[]).tokens == want
+    assert counted  # the AR steps' gate-ups did split, and their last splits summed
