@@ -7,8 +7,8 @@
 A kernel launched with `launch_pdl` may start while the kernel before it on the stream is still running: its
 programs become resident and wait in `griddepcontrol.wait` until that kernel has finished and its writes are
 visible, so the launch and the programs' start overlap the previous kernel's tail instead of following it. An AR
-step's MoE block and MLA call are chains of short launches (docs/performance.md, "Session 23"), where that gap is a
-fair share of each kernel's time.
+step's MoE block and its attention (the kernel, then its merge) are chains of short launches (docs/performance.md,
+"Session 23"), where that gap is a fair share of each kernel's time.
 
 The rule that makes it safe: every program waits before it reads anything another kernel wrote, and before it
 exits, even a program with nothing to do. Then a kernel completes only after the one before it has, so waiting on
