@@ -673,7 +673,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
 
 def align_outputs(P: int, E: int, device, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """moe_align's four outputs for P pairs over E experts, empty (`counts`, if given, is used in place):
-    what `moe_align(out=)` and declared_route's `routed=` fill."""
+    what declared_route's `routed=` fills."""
     S = min(E, P)
     counts = torch.empty(E, dtype=torch.int32, device=device) if counts is None else counts
     assert counts.shape == (E,) and counts.dtype == torch.int32 and counts.is_contiguous()
@@ -705,21 +705,18 @@ def _align_chunks(ids, E, counts, chunk_counts, pdl=False):
 
 
 def moe_align(ids: torch.Tensor, E: int, counts: torch.Tensor | None = None, fuse: bool | None = None,
-              out: tuple[torch.Tensor, ...] | None = None, pdl: bool = False):
+              pdl: bool = False):
     """ids [T, top_k] int32 -> (counts [E] int32, slot_expert [S] int32 (-1 past the touched experts),
     slot_start [S] int32 (valid where slot_expert >= 0), sorted_pairs [T·top_k] int32), S = min(E, T·top_k).
     With `fuse` (default: T <= ROUTE_IN_ALIGN_MAX_T, as moe_route_align's) one program does it, in one launch.
-    `out`: align_outputs' four tensors to fill (then `counts` is its first). `pdl`: launched as programmatic
-    dependents (kernels/pdl.py; pdl_applies decides)."""
+    `pdl`: launched as programmatic dependents (kernels/pdl.py; pdl_applies decides)."""
     T, top_k = ids.shape
     BLOCK_E, BLOCK_T = _route_blocks(T, E)
     if T <= ROUTE_IN_ALIGN_MAX_T if fuse is None else fuse:
-        out = align_outputs(ids.numel(), E, ids.device, counts) if out is None else out
+        out = align_outputs(ids.numel(), E, ids.device, counts)
         P, S = ids.numel(), out[1].numel()
         _align_kernel[(1,)](ids, *out, P, E, S, **align_blocks(P, E), PDL=pdl, num_warps=4, **launch_options(pdl))
         return out
-    if out is not None:
-        raise ValueError("moe_align(out=) fills the one-program sort's outputs: give fuse=True or few tokens")
     chunk_counts = torch.empty(triton.cdiv(T, BLOCK_T), BLOCK_E, dtype=torch.int32, device=ids.device)
     chunk = BLOCK_T * top_k
     _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, ids.numel(), chunk, BLOCK_P=_pow2(chunk, 16),
