@@ -15,7 +15,7 @@ from ..atomic import atomic_write_json
 from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..decode import host_read_lag
 from ..environment import environment
-from ..names import AUTO, METHODS, budget_arg, non_negative_int, positive_int, tree_budget_arg
+from ..names import AUTO, METHODS, budget_arg, int_in, non_negative_int, positive_int, tree_budget_arg
 from ..pairs import load_pair
 from ..prompts import read_prompt_set
 from ..runtime import device_defaults
@@ -109,7 +109,8 @@ def add_bench_args(p) -> None:
                         "name | a dir holding target/ and drafter/")
     e.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
     e.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
-    e.add_argument("--rounds", type=positive_int, default=24, help="decoding rounds timed per method")
+    e.add_argument("--rounds", type=int_in(2, what="--rounds"), default=24,
+                   help="new tokens per method, at least 2 (the prompt's forward gives the first, the rounds the rest)")
     e.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                    help="methods timed (a long-context run in pieces: the ratios to AR need ar among them)")
     _add_routing_arg(e)

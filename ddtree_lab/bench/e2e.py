@@ -73,7 +73,11 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
               on_row=None, done_rows=()) -> dict:
     """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt). `on_row(rows,
     runs)` is called after each run with the rows so far and the number of runs in all (to keep what a cut bench
-    measured). `done_rows`: rows a cut run of the same bench already measured, taken as they are (not run again)."""
+    measured). `done_rows`: rows a cut run of the same bench already measured, taken as they are (not run again).
+    `rounds` is the new tokens a run generates: at least 2, since the prompt's forward gives the first."""
+    if rounds < 2:
+        raise ValueError(f"rounds={rounds}: a run needs at least 2 new tokens (the prompt's forward gives the first, "
+                         "the timed rounds the rest)")
     prompt = random_prompt(pair, prompt_len)
     runs = [("ar", None)] if "ar" in methods else []
     runs += [("dflash", None)] if "dflash" in methods else []

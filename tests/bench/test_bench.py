@@ -38,6 +38,20 @@ def test_e2e_rows_per_method_and_budget(tmp_path, tiny_dir):
     assert "roofline" not in res  # only on a GPU, where the copy bandwidth can be measured
 
 
+def test_e2e_refuses_a_run_with_no_round_to_time(tmp_path, tiny_dir, capsys):
+    """--rounds counts new tokens, and the prompt's forward gives the first: 1 would time no round (a division by
+    zero, once); the command line refuses it in one line, and bench_e2e itself by name."""
+    from ddtree_lab.bench.e2e import bench_e2e
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["e2e", "--model", str(tiny_dir), "--rounds", "1"])
+    assert "--rounds 1 must be at least 2" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rounds=1"):
+        bench_e2e(None, rounds=1)
+
+
 def test_e2e_times_the_methods_asked_for(tmp_path, tiny_dir):
     res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--methods", "ddtree", "--budgets", "4", "--rounds", "2",
                 "--prompt-len", "12", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa")
