@@ -34,14 +34,41 @@ invariant_rms_norm = _invariant_op("rms_norm", "(Tensor x, Tensor weight, float 
                                        x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)))
 
 
+def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    from .kernels.skinny_gemm import skinny_gemm
+
+    rows = x.reshape(-1, x.shape[-1])
+    return skinny_gemm(rows, weight, torch.float32 if out_fp32 else None).view(*x.shape[:-1], weight.shape[0])
+
+
+# options.dense_products="skinny": a few rows times a dense weight through kernels/skinny_gemm.py, a custom op so a
+# compiled layer calls it whole, as it calls the library's matmul
+skinny_linear = torch.library.custom_op("ddtree_lab::skinny_linear", _skinny_linear, mutates_args=(),
+                                        schema="(Tensor x, Tensor weight, bool out_fp32) -> Tensor")
+skinny_linear.register_fake(lambda x, weight, out_fp32: x.new_empty(
+    *x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_fp32 else x.dtype))
+
+
+def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this product runs kernels/skinny_gemm.py: the option chose it, on CUDA, up to its rows, one dtype."""
+    if options.current().dense_products != "skinny" or not x.is_cuda or x.dtype != weight.dtype:
+        return False
+    from .kernels.skinny_gemm import MAX_ROWS
+
+    return x.numel() // x.shape[-1] <= MAX_ROWS
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and checkpoint keys) that can switch to the batch-invariant kernel."""
+    """nn.Linear (same parameters and checkpoint keys) that can switch to the batch-invariant kernel, or for a few
+    rows to kernels/skinny_gemm.py (options.dense_products)."""
 
     batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return invariant_linear(x, self.weight, self.bias)
+        if self.bias is None and takes_skinny(x, self.weight):
+            return skinny_linear(x, self.weight, False)
         return F.linear(x, self.weight, self.bias)
 
 

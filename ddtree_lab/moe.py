@@ -28,7 +28,7 @@ from .kernels.int4 import VALUES_PER_WORD, Int4Weights, check_group, dequantize
 from .declared_routing import routing_kernel_runs
 from .kernels.moe_layout import (GATHER_LIMIT_BYTES, ROUTE_IN_ALIGN_MAX_T, gather_bytes, route_grouped_reference,
                                  route_reference, routing_stats)
-from .layers import GatedMLP
+from .layers import GatedMLP, skinny_linear, takes_skinny
 from .tree import use_triton
 
 
@@ -137,6 +137,8 @@ class Float32Router(nn.Module):
         # x [T, H] -> logits [T, E] fp32
         w = self.weight
         if w.dtype == x.dtype == torch.bfloat16 and x.device.type in ("cuda", "meta"):  # meta: the census's GPU
+            if takes_skinny(x, w):
+                return skinny_linear(x, w, True)
             return torch.mm(x, w.t(), out_dtype=torch.float32)  # bf16 products, fp32 sums
         return F.linear(x.float(), w.float())
 

@@ -16,6 +16,7 @@ TREE_BUILDS = ("sort", "count", "fused")
 TREE_KERNELS = ("triton", "torch")
 TREE_TOPKS = ("torch", "triton")
 DECLARED_ROUTINGS = ("torch", "triton")
+DENSE_PRODUCTS = ("torch", "skinny")
 CANDIDATE_POOLS = ("each", "shared")
 
 
@@ -33,6 +34,10 @@ class Options:
     # (kernels/declared_route.py, one launch) or "torch" (kernels/moe_layout.py's references); None: Triton where the
     # tree kernels run.
     declared_routing: str | None = None
+    # Who multiplies a few rows by a dense weight (the target's linears and a bf16 router, up to
+    # kernels/skinny_gemm.MAX_ROWS rows on CUDA): "skinny" (kernels/skinny_gemm.py, the weight streamed once)
+    # or "torch" (the library's matmul); None: torch.
+    dense_products: str | None = None
     # Host reads of new tokens in flight before the host waits for one; None: 1 on CUDA, 0 elsewhere
     # (on the CPU nothing runs while the host reads, so a lag would only compute a round past the stop).
     host_read_lag: int | None = None
@@ -54,6 +59,7 @@ class Options:
     def __post_init__(self):
         for name, allowed in (("tree_kernels", TREE_KERNELS), ("tree_build", TREE_BUILDS),
                               ("tree_topk", TREE_TOPKS), ("declared_routing", DECLARED_ROUTINGS),
+                              ("dense_products", DENSE_PRODUCTS),
                               ("candidate_pools", CANDIDATE_POOLS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:

@@ -68,6 +68,9 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--declared-routing", choices=["auto", "torch", "triton"], default="auto",
                    help="who computes a declared MoE routing (--routing uniform or trace:FILE): torch or triton "
                         "(one launch); auto: Triton where the tree kernels run")
+    p.add_argument("--dense-products", choices=["auto", "torch", "skinny"], default="auto",
+                   help="who multiplies a few rows (an AR step, a small tree) by a dense weight: torch's matmul or "
+                        "skinny (kernels/skinny_gemm.py, up to 16 rows); auto: torch")
     p.add_argument("--host-read-lag", type=non_negative_int, default=None,
                    help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
                         "0 elsewhere); 0 reads after each round")
@@ -223,7 +226,7 @@ def bench_budget_arg(text: str):
 def run_options(args) -> dict:
     """The process-wide choices (options.py) that a bench command's flags ask for."""
     chosen = {}
-    for name in ("tree_kernels", "tree_build", "tree_topk", "declared_routing"):
+    for name in ("tree_kernels", "tree_build", "tree_topk", "declared_routing", "dense_products"):
         value = getattr(args, name, "auto")
         if value != "auto":
             chosen[name] = value
@@ -451,6 +454,7 @@ def run_settings(args) -> dict:
     """The process-wide choices a bench ran under, as its JSON records them."""
     return {"tree_build": getattr(args, "tree_build", "auto"), "tree_topk": getattr(args, "tree_topk", "auto"),
             "declared_routing": getattr(args, "declared_routing", "auto"),
+            "dense_products": getattr(args, "dense_products", "auto"),
             "attn_config": dict(options.current().attention_launch),
             "moe_config": dict(options.current().moe_launch), "pdl": options.current().launch_pdl,
             "compile_mode": getattr(args, "compile_mode", "default"),

@@ -37,6 +37,29 @@ def test_triton_attention_in_the_engine_matches_sdpa(tmp_path, arch, use_options
     assert got.tokens == want.tokens and asked and all(c["pdl"] is True for c in asked)
 
 
+@cuda
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_skinny_dense_products_in_the_engine(tmp_path, arch, use_options, monkeypatch):
+    """options.dense_products="skinny" (bench --dense-products skinny): an AR step's and a small tree's linears
+    (and DeepSeek's router) run kernels/skinny_gemm.py, compiled and graph-replayed; in fp32 every budget still
+    emits AR's tokens (torch's matmul), and trees wider than its rows keep the library's."""
+    from ddtree_lab.kernels import skinny_gemm
+
+    t, d = make_tiny_pair(tmp_path, arch=arch, seed=4, tokenizer=False)
+    ref = dl.load_pair(target=t, drafter=d, device="cuda", dtype="float32", attention="triton")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = dl.generate(ref, prompt, method="ar", max_new_tokens=16, stop=[], cuda_graphs=False).tokens
+    rows = []
+    call = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, *a, **kw: rows.append(x.shape[0]) or call(x, *a, **kw))
+    use_options(dense_products="skinny")
+    pair = dl.load_pair(target=t, drafter=d, device="cuda", dtype="float32", attention="triton", compile=True)
+    for budget in (None, 4, 40):
+        method = dict(method="ar") if budget is None else dict(budget=budget)
+        assert dl.generate(pair, prompt, max_new_tokens=16, stop=[], cuda_graphs=True, **method).tokens == want
+    assert rows and max(rows) <= skinny_gemm.MAX_ROWS
+
+
 def test_compiled_layers_give_the_same_tokens(tmp_path):
     """compile=True fuses each layer's elementwise ops; decoding must not change."""
     t, d = make_tiny_pair(tmp_path, seed=4, tokenizer=False)

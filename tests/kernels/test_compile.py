@@ -231,6 +231,9 @@ CASES = [
     ("mla_attention", "_mla_merge",
      {"OPart": "*fp32", "LPart": "*fp32", "Out": "*bf16", "M": "i32", "s_oh": "i32", "s_ot": "i32",
       "num_splits": "i32"}, {"H": 64, "C": 512, "BLOCK_R": 16, "BLOCK_C": 32, "SPLIT_PAD": 32}),
+    ("skinny_gemm", "_skinny_gemm_kernel",  # an AR step's o_proj of a Kimi layer: 7168 x 8192, bf16
+     {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "T": "i32", "N": "i32", "K": "i32", "s_xt": "i32", "s_wn": "i32",
+      "s_yt": "i32"}, {"BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_K": 512, "STAGES": 4}, {"num_warps": 4}),
 ]
 
 # the kernels that take PDL (kernels/pdl.py: a programmatic dependent launch's wait first): off unless a case says
