@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from . import options
 from .kernels.int4 import VALUES_PER_WORD, Int4Weights, check_group, dequantize
 from .declared_routing import routing_kernel_runs
-from .kernels.moe_layout import (GATHER_LIMIT_BYTES, ROUTE_IN_ALIGN_MAX_T, gather_bytes, route_grouped_reference,
+from .kernels.moe_layout import (GATHER_LIMIT_BYTES, SORT_IN_ROUTING_MAX_T, gather_bytes, route_grouped_reference,
                                  route_reference, routing_stats)
 from .layers import GatedMLP, skinny_linear, takes_skinny
 from .tree import use_triton
@@ -262,7 +262,7 @@ class SparseMoE(nn.Module):
         """x [T, H] -> (weights [T, k] fp32, ids [T, k] ids_dtype) in fixed shapes: a grouped router's (torch), or
         the declared experts weighted by the router's own scores at them, normalised as the model does (one launch
         where Triton runs). `local`: the ids as places in the stack held here (experts_here: held elsewhere), else
-        the experts' own. `routed` (where routing_kernel_runs, up to ROUTE_IN_ALIGN_MAX_T tokens): fused_moe's
+        the experts' own. `routed` (where routing_kernel_runs, up to SORT_IN_ROUTING_MAX_T tokens): fused_moe's
         align_outputs, filled with the pairs' sort in the routing's launch."""
         r = self.routing
         place = self.local_index if local and self.held else None
@@ -312,9 +312,9 @@ def _dispatch(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     if moe.routing is not None or moe.declared is not None or moe.held:
         elsewhere = bool(moe.held)
         routed = None
-        if (triton and x.shape[0] <= ROUTE_IN_ALIGN_MAX_T and moe.routing_kernel_runs(x.device)
+        if (triton and x.shape[0] <= SORT_IN_ROUTING_MAX_T and moe.routing_kernel_runs(x.device)
                 and (config or {}).get("fuse_route", True)):
-            # AR's few pairs: the routing kernel sorts them in its own launch (one launch fewer); the sort covers
+            # an AR step's pairs: the routing kernel sorts them in its own launch (one launch fewer); the sort covers
             # the stack's experts and, with expert parallelism, the bucket of those held elsewhere
             from .kernels.fused_moe import align_outputs
 

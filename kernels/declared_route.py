@@ -166,10 +166,10 @@ def _declared_route_kernel(Logits, Keys, Ids, Weights, Local, Out, Bias, T, E, s
 
 
 def routing_warps(E: int) -> int:
-    """The routing kernel's warps for E experts: one up to 512 (a token a program, so the top-k's reductions stay
-    inside a warp and a tree's tokens run side by side), then twice as many for twice the experts, up to 8.
-    (bench/declared_route.py's `--warps` times others.)"""
-    return min(8, max(1, triton.next_power_of_2(E) // 512))
+    """The routing kernel's warps for E experts (a token a program): one up to 128, then twice as many for twice the
+    experts, up to 8; a Kimi layer's 384 take four, the fastest of 1, 2, 4 and 8 at every token count timed, for
+    declared and grouped routing alike (docs/kernels.md; bench/declared_route.py's `--warps` times others)."""
+    return min(8, max(1, triton.next_power_of_2(E) // 128))
 
 
 def declared_route(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, scaling: float = 1.0, *,

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 ROW_HEIGHTS = (16, 32, 64)  # the heights row_height picks from; telemetry counts blocks at each
 WIDE_ROWS_FROM_T = 257  # from this many tokens a row block holds 64 tokens
 ROUTE_IN_ALIGN_MAX_T = 2  # up to this many tokens one program routes and sorts them (docs/kernels.md: measured)
+SORT_IN_ROUTING_MAX_T = 1  # up to this many tokens the engine has the routing kernel sort its pairs (measured)
 GATHER_LIMIT_BYTES = 4 << 30  # the most the torch path's per-token gather may take: the engine refuses past it,
                               # the benchmark skips that path
 

@@ -301,14 +301,14 @@ def test_the_bench_times_the_sort_in_the_routings_launch_against_its_own_launch(
 
 
 def test_warps_are_a_launch_choice_that_changes_no_expert():
-    """num_warps overrides routing_warps(E) (one warp up to 512 experts, twice as many for twice the experts, at
-    most 8); any count routes to the same experts and the weights agree to rounding."""
+    """num_warps overrides routing_warps(E) (one warp up to 128 experts, twice as many for twice the experts, at
+    most 8: four for a Kimi layer's 384); any count routes to the same experts and the weights agree to rounding."""
     from ddtree_lab.kernels.declared_route import routing_warps
 
-    assert [routing_warps(E) for E in (8, 384, 512, 513, 1024, 2048, 4096)] == [1, 1, 1, 2, 2, 4, 8]
+    assert [routing_warps(E) for E in (8, 128, 129, 384, 512, 513, 1024, 4096)] == [1, 1, 2, 4, 4, 8, 8, 8]
     keys, logits = inputs(3, 384, 9)
     want_w, want_ids = declared_route(logits, 8, "sigmoid", True, 2.5, keys=keys, layer=2)
-    for w in (2, 4, 8):
+    for w in (1, 2, 8):
         weights, ids = declared_route(logits, 8, "sigmoid", True, 2.5, keys=keys, layer=2, num_warps=w)
         assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, rtol=1e-6, atol=1e-7)
     with pytest.raises(AssertionError, match="power of two"):
