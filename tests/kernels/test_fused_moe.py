@@ -374,10 +374,10 @@ def test_bench_of_an_expert_parallel_share_routes_over_every_expert_and_runs_its
     from ddtree_lab.kernels.moe_layout import route_reference
 
     shape = dict(experts=4, all_experts=16, top_k=2, hidden=64, width=32, layers=1)
-    rows = bench_fused_moe.bench_fused_moe([1, 6], **shape, dtype=torch.float32, device="cpu", reps=1,
+    rows = bench_fused_moe.bench_fused_moe([1, 6], **shape, dtype=torch.float32, device=DEVICE, reps=1,
                                            progress=False, int4_group=int4)
     for r in rows:
-        x, router, *_ = bench_fused_moe.block_inputs(r["T"], 4, 64, 32, torch.float32, "cpu", 0.0, seed=r["T"],
+        x, router, *_ = bench_fused_moe.block_inputs(r["T"], 4, 64, 32, torch.float32, DEVICE, 0.0, seed=r["T"],
                                                      int4_group=int4, router_experts=16)
         _, ids = route_reference(F.linear(x, router), 2, True)
         here = ids[ids < 4]
