@@ -110,11 +110,11 @@ CASES = [
      {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
       "layer_term": "i64"},
      {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512}, {"num_warps": 4}),
-    ("declared_route", "_declared_route_kernel",  # the EP8 rank's AR step: its two tokens' pairs sorted as well,
+    ("declared_route", "_declared_route_kernel",  # the EP8 rank's AR step: its token's pairs sorted as well, over
      {**ROUTE_SIGNATURE, "Logits": "*fp32", "Keys": "*i64", "Ids": "*fp32", "Local": "*i64", "Bias": "*fp32",
-      "layer_term": "i64"},                       # over its 48 places and the bucket of experts held elsewhere
-     {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512, "BLOCK_T": 2, "SORT": True,
-      "BLOCK_P": 16, "BLOCK_SE": 64}),
+      "layer_term": "i64"},                       # its 48 places and the bucket of experts held elsewhere, 4 warps
+     {**ROUTE_MODES, "HASH": True, "SIGMOID": True, "LOCAL": True, "BLOCK_E": 512, "BLOCK_T": 1, "SORT": True,
+      "BLOCK_P": 16, "BLOCK_SE": 64}, {"num_warps": 4}),
     ("declared_route", "_declared_route_kernel",  # Qwen3-30B-A3B from a trace: given experts, softmax, bf16 logits
      {**ROUTE_SIGNATURE, "Logits": "*bf16", "Keys": "*bf16", "Ids": "*i64", "Local": "*bf16", "Bias": "*bf16"},
      {**ROUTE_MODES, "BLOCK_E": 128}),
