@@ -12,8 +12,8 @@ read as zero.
 
 Why: an AR step's dense products (MLA's projections, the shared expert, the router) are one row against
 matrices of 5-120 MB, whose time should be the weight's bytes over the bandwidth. Measured (docs/kernels.md), this
-kernel and the library's both reach about 0.6 of it at those sizes, each ahead on some matrices, so the engine
-keeps the library's unless options.dense_products chooses this one.
+kernel and the library's are each ahead on some matrices and the step as a whole is slower with this one, so the
+engine keeps the library's unless options.dense_products chooses this one.
 """
 from __future__ import annotations
 
