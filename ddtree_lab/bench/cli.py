@@ -57,6 +57,12 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--compile-mode", choices=["default", "max-autotune-no-cudagraphs"], default="default",
                    help="with --compile: torch.compile's mode; max-autotune-no-cudagraphs times the compiler's own "
                         "matmul kernels against cuBLAS (compiling takes minutes)")
+    _add_option_args(p)
+
+
+def _add_option_args(p) -> None:
+    """The engine's choices that a process can switch between runs (options.py): a bench's own flags, and what
+    one of `bench e2e --variants` may change."""
     p.add_argument("--tree-kernels", choices=["auto", "torch", "triton"], default="auto",
                    help="who builds, masks and walks trees: auto (Triton on CUDA), torch, or triton")
     p.add_argument("--tree-build", choices=["auto", "sort", "count", "fused"], default="auto",
@@ -118,6 +124,13 @@ def add_bench_args(p) -> None:
                    help="methods timed (a long-context run in pieces: the ratios to AR need ar among them)")
     _add_routing_arg(e)
     _add_runtime_args(e)
+    e.add_argument("--variants", type=variant_arg, nargs="+", default=[], metavar="'FLAGS'",
+                   help="also time each run under these engine choices, one quoted set of this bench's option flags "
+                        "each, without their dashes (e.g. pdl 'moe-config LAST_SPLIT_SUMS=1'), on the same model in "
+                        "the same process, the variants taking turns in rotated order each repeat; rows: the run's "
+                        "own choices")
+    e.add_argument("--repeats", type=positive_int, default=1,
+                   help="timed runs of each method (and variant), the median kept (default 1)")
     e.add_argument("--out", default="outputs/bench/e2e.json", help="JSON written here")
     r = sub.add_parser("prompts", help="tokens/s and speedup on a pair's shipped prompts")
     _add_prompt_set_args(r, repeats=3)
@@ -223,6 +236,27 @@ def bench_budget_arg(text: str):
     return ":".join([AUTO, ",".join(f"{k}={v}" for k, v in settings.items())]) if settings else AUTO
 
 
+def variant_arg(flags: str) -> dict:
+    """One `--variants` entry, e.g. "pdl moe-config SPLIT_K_UP=1" -> {"label": the flags, "options": the choices
+    it makes (options.py names)}. Flags may drop their leading dashes (a value that starts with them would be
+    read as a flag of the bench itself); anything but this bench's option flags is refused in one line."""
+    vp = argparse.ArgumentParser(prog="--variants", add_help=False, exit_on_error=False)
+    _add_option_args(vp)
+    known = {f[2:] for f in vp._option_string_actions if f.startswith("--")}
+    words = [f"--{w}" if w in known else w for w in shlex.split(flags)]
+    try:
+        parsed, extra = vp.parse_known_args(words)
+        if extra:
+            raise ValueError(f"not an engine choice: {' '.join(extra)}")
+        chosen = run_options(parsed)
+    except (argparse.ArgumentError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{flags!r}: {e}") from None
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"{flags!r} changes no engine choice (one of: pdl, moe-config, "
+                                         "attn-config, dense-products, tree-build, …)")
+    return {"label": shlex.join(w[2:] if w[2:] in known else w for w in words), "options": chosen}
+
+
 def run_options(args) -> dict:
     """The process-wide choices (options.py) that a bench command's flags ask for."""
     chosen = {}
@@ -264,6 +298,8 @@ def command_line(args) -> str:
         if key in ("command", "func", "bench") or value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")
+        if key == "variants":  # each as typed: its flags, quoted as one argument
+            value = [v["label"] for v in value]
         parts += [flag] if value is True else [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return shlex.join(parts)
 
@@ -424,7 +460,7 @@ def bench_e2e_cli(args) -> dict:
         print(f"  resuming {args.out}: {len(done)} runs already measured by this command", file=sys.stderr)
     result = run_e2e(args.model, args.budgets, args.prompt_len, args.rounds, args.dtype, args.attention, args.device,
                      args.compile, args.tp, routing=args.routing, on_partial=keep, methods=tuple(args.methods),
-                     done_rows=done)
+                     done_rows=done, variants=args.variants, repeats=args.repeats)
     return {**result, "tree_kernels": args.tree_kernels, "bench_seconds": time.perf_counter() - start}
 
 

@@ -70,11 +70,13 @@ def random_prompt(pair: Pair, length: int) -> list[int]:
 
 def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, rounds: int = 24,
               methods=("ar", "dflash", "ddtree"), cuda_graphs: bool | None = None, progress=True,
-              on_row=None, done_rows=()) -> dict:
+              on_row=None, done_rows=(), repeats: int = 1, trace_experts: bool = True, label: str = "") -> dict:
     """Per method/budget: stage seconds per round, round time, rounds/s, tokens/s (same prompt). `on_row(rows,
     runs)` is called after each run with the rows so far and the number of runs in all (to keep what a cut bench
     measured). `done_rows`: rows a cut run of the same bench already measured, taken as they are (not run again).
-    `rounds` is the new tokens a run generates: at least 2, since the prompt's forward gives the first."""
+    `rounds` is the new tokens a run generates: at least 2, since the prompt's forward gives the first. `repeats`:
+    timed runs of each, the row the one of median round time (all of them in `round_seconds_repeats`).
+    `trace_experts`: an MoE target's rows also count the experts a few traced rounds touched."""
     if rounds < 2:
         raise ValueError(f"rounds={rounds}: a run needs at least 2 new tokens (the prompt's forward gives the first, "
                          "the timed rounds the rest)")
@@ -91,18 +93,13 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
         kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[],
                   cuda_graphs=cuda_graphs)
         generate(pair, prompt, **kw)  # warm-up: compiles kernels and captures graphs
-        res = generate(pair, prompt, **kw)
-        n = len(res.acceptance_lengths)
-        per_round = {k: v / n for k, v in res.stage_seconds.items() if k != "other"}
-        forward_s = sum(per_round.values())
-        row = {"method": method, "budget": budget, "rounds": n, "mean_tau": res.mean_acceptance,
-               "stage_seconds_per_round": per_round,
-               "round_seconds": forward_s,
-               "wall_seconds": res.wall_seconds, "prefill_seconds": res.prefill_seconds,
-               "rounds_per_second": n / max(res.wall_seconds - res.prefill_seconds, 1e-9),
-               "tokens_per_second": len(res.tokens) / max(res.wall_seconds, 1e-9),
-               "settings": res.settings}
-        if pair.target.cfg.is_moe:  # a few traced rounds: the experts each MoE layer's verify touched
+        timed = sorted((timed_row(method, budget, generate(pair, prompt, **kw)) for _ in range(repeats)),
+                       key=lambda r: r["round_seconds"])
+        row = timed[(len(timed) - 1) // 2]  # the median run (the lower one of an even count)
+        forward_s, per_round = row["round_seconds"], row["stage_seconds_per_round"]
+        if repeats > 1:
+            row["round_seconds_repeats"] = [r["round_seconds"] for r in timed]
+        if pair.target.cfg.is_moe and trace_experts:  # a few traced rounds: the experts each MoE layer's verify touched
             traced = generate(pair, prompt, **{**kw, "trace": True, "max_new_tokens": min(rounds, 8)})
             per_layer = [sum(col) / len(col) for col in zip(*(r.experts_touched for r in traced.rounds))]
             row["experts_touched_per_layer"] = per_layer
@@ -116,9 +113,75 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
         if on_row is not None:
             on_row(rows, len(runs))
         if progress:
-            print(f"  {method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "
+            print(f"  {label}{method:6s} budget={budget!s:5s} round {forward_s * 1e3:8.3f} ms  "
                   + " ".join(f"{k}={v * 1e3:.3f}" for k, v in per_round.items()), file=sys.stderr, flush=True)
     return {"rows": rows}
+
+
+def timed_row(method: str, budget, res) -> dict:
+    """A bench e2e row of one timed run (a GenerationResult): per round, its stages' seconds and their sum."""
+    n = len(res.acceptance_lengths)
+    per_round = {k: v / n for k, v in res.stage_seconds.items() if k != "other"}
+    return {"method": method, "budget": budget, "rounds": n, "mean_tau": res.mean_acceptance,
+            "stage_seconds_per_round": per_round,
+            "round_seconds": sum(per_round.values()),
+            "wall_seconds": res.wall_seconds, "prefill_seconds": res.prefill_seconds,
+            "rounds_per_second": n / max(res.wall_seconds - res.prefill_seconds, 1e-9),
+            "tokens_per_second": len(res.tokens) / max(res.wall_seconds, 1e-9),
+            "settings": res.settings}
+
+
+def bench_variants(pair: Pair, variants: list[dict], repeats: int, progress=True, **kw) -> tuple[list, list]:
+    """The runs of bench_e2e (`kw`) under the run's own engine choices and under each variant's ({"label",
+    "options"}: options.py changes), on one model: each repeat times every variant once, in an order rotated by
+    one per repeat (bench e2e --variants). -> (the own choices' rows, the median run of each, with every repeat's
+    round time; one entry a variant: label, options and rows with over_base, the median of each repeat's round
+    time ÷ the own choices' in the same repeat, and over_base_range)."""
+    runs = [{"label": "", "options": {}}] + list(variants)
+    timed = [[] for _ in runs]  # [variant][repeat] -> rows
+    for rep in range(repeats):
+        for i in repeat_order(len(runs), rep):
+            with options.using(**runs[i]["options"]):
+                label = f"[{runs[i]['label']}] " if runs[i]["label"] else ""
+                timed[i].append(bench_e2e(pair, progress=progress, trace_experts=rep == 0 and i == 0, label=label,
+                                          **kw)["rows"])
+    base = _median_rows(timed[0])
+    out = []
+    for run, reps in zip(runs[1:], timed[1:]):
+        rows = []
+        for j, row in enumerate(_median_rows(reps)):
+            ratios = sorted(reps[r][j]["round_seconds"] / timed[0][r][j]["round_seconds"] for r in range(repeats))
+            rows.append({**{k: row[k] for k in ("method", "budget", "round_seconds", "stage_seconds_per_round",
+                                                "mean_tau")},
+                         "round_seconds_repeats": [r[j]["round_seconds"] for r in reps],
+                         "over_base": statistics.median(ratios), "over_base_range": [ratios[0], ratios[-1]]})
+        out.append({"label": run["label"], "options": run["options"], "rows": rows})
+        if progress:
+            print(f"  [{run['label']}] round time ÷ the run's own, median (range) of {repeats}: " + ", ".join(
+                f"{r['method']}{'' if r['budget'] is None else ' ' + str(r['budget'])} {r['over_base']:.3f} "
+                f"({r['over_base_range'][0]:.3f}–{r['over_base_range'][1]:.3f})" for r in rows),
+                file=sys.stderr, flush=True)
+    return base, out
+
+
+def _median_rows(reps: list[list[dict]]) -> list[dict]:
+    """Rows of several repeats of the same runs -> each run's median repeat (the lower one of an even count), with
+    every repeat's round time."""
+    rows = []
+    for j in range(len(reps[0])):
+        times = sorted(r[j]["round_seconds"] for r in reps)
+        median = times[(len(times) - 1) // 2]
+        row = dict(next(r[j] for r in reps if r[j]["round_seconds"] == median))
+        if len(reps) > 1:
+            row["round_seconds_repeats"] = [r[j]["round_seconds"] for r in reps]
+        rows.append(row)
+    # the first repeat's expert counts (traced once) belong to every repeat's row of the same run
+    for row, first in zip(rows, reps[0]):
+        for key in ("experts_touched_per_layer", "experts_touched_mean", "expert_tokens_max_mean",
+                    "expert_row_blocks_mean"):
+            if key in first:
+                row[key] = first[key]
+    return rows
 
 
 def bench_model(model: str, dtype, attention, device, compile=False, tp: int = 1, routing=None) -> Pair:
@@ -160,10 +223,13 @@ def attach_layer_census(out: dict, commit: str | None = None) -> None:
 
 
 def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, compile=False, tp: int = 1,
-            routing=None, on_partial=None, methods=("ar", "dflash", "ddtree"), done_rows=()) -> dict:
+            routing=None, on_partial=None, methods=("ar", "dflash", "ddtree"), done_rows=(), variants=(),
+            repeats: int = 1) -> dict:
     """`bench e2e`'s result; `on_partial(result)` (if given) gets the result so far after each run but the last,
     marked `incomplete` (rows only: the ratios to AR and the floors are added at the end). `done_rows`: the rows
-    of a cut run of the same bench, kept (bench_e2e); the result counts them in `resumed_rows`."""
+    of a cut run of the same bench, kept (bench_e2e); the result counts them in `resumed_rows`. `variants`
+    (bench_variants): the same runs under other engine choices, taking turns with the run's own, in `variants`;
+    such a run is not resumed."""
     pair = bench_model(model, dtype, attention, device, compile, tp, routing)
     out = {"model": model, "dtype": dtype, "attention": attention, "prompt_len": prompt_len, "compile": compile,
            "tp": tp}
@@ -180,10 +246,13 @@ def run_e2e(model: str, budgets, prompt_len, rounds, dtype, attention, device, c
             on_partial({**out, "rows": list(rows), "incomplete": f"{len(rows)} of {runs} runs: the bench stopped "
                         "before the rest"})
 
-    if done_rows:
-        out["resumed_rows"] = len(done_rows)
-    out.update(bench_e2e(pair, budgets=budgets, prompt_len=prompt_len, rounds=rounds, methods=methods,
-                         on_row=partial, done_rows=done_rows))
+    kw = dict(budgets=budgets, prompt_len=prompt_len, rounds=rounds, methods=methods)
+    if variants:
+        out["rows"], out["variants"] = bench_variants(pair, variants, repeats, **kw)
+    else:
+        if done_rows:
+            out["resumed_rows"] = len(done_rows)
+        out.update(bench_e2e(pair, on_row=partial, done_rows=done_rows, repeats=repeats, **kw))
     if not compile and tp == 1 and pair.device.type == "cuda":  # eager layers on a GPU: what each row launched
         attach_census(out)
     if compile and model.startswith("random:"):  # compiled layers: what a layer of this code launches

@@ -338,6 +338,54 @@ def test_moe_launch_choices_for_a_whole_run(tmp_path, tiny_dir, use_options):
     assert res["pdl"] is True and options.current().launch_pdl is True
 
 
+def test_e2e_variants_take_turns_on_one_model_and_report_their_ratios(tmp_path, tiny_dir, monkeypatch, use_options):
+    """--variants: each run again under other engine choices, on the same model, every variant once a repeat in an
+    order rotated by one (so none always runs first); the rows are the run's own choices at their median repeat;
+    each variant's over_base is the median of its per-repeat ratios to the run's own. The choices hold only
+    during their variant's runs."""
+    from ddtree_lab.bench import e2e
+
+    use_options()
+    seen = []
+    real = e2e.generate
+    monkeypatch.setattr(e2e, "generate", lambda pair, prompt, **kw: seen.append(
+        (options.current().launch_pdl, dict(options.current().moe_launch), kw["method"], kw["trace"]))
+        or real(pair, prompt, **kw))
+    res = bench(tmp_path, "e2e", "--model", str(tiny_dir), "--methods", "ar", "ddtree", "--budgets", "4",
+                "--rounds", "3", "--prompt-len", "8", "--device", "cpu", "--dtype", "float32", "--attention", "sdpa",
+                "--variants", "pdl", "moe-config SPLIT_K_UP=2 pdl", "--repeats", "3")
+    assert [(v["label"], v["options"]) for v in res["variants"]] == [
+        ("pdl", {"launch_pdl": True}), ("moe-config SPLIT_K_UP=2 pdl", {"moe_launch": {"SPLIT_K_UP": 2},
+                                                                     "launch_pdl": True})]
+    assert "--variants pdl 'moe-config SPLIT_K_UP=2 pdl' --repeats 3" in res["command"]
+    assert options.current().launch_pdl is False and not options.current().moe_launch  # restored after each
+    # per repeat: 3 variants x 2 runs x (warm-up + timed); who ran when, from the choices each generate saw
+    per_run = [seen[i] for i in range(0, len(seen), 2)]
+    kinds = [(pdl, moe.get("SPLIT_K_UP")) for pdl, moe, method, _ in per_run if method == "ar"]
+    base, pdl, both = (False, None), (True, None), (True, 2)
+    assert kinds == [base, pdl, both, pdl, both, base, both, base, pdl]  # rotated by one each repeat
+    for r in res["rows"]:
+        reps = r["round_seconds_repeats"]
+        assert len(reps) == 3 and r["round_seconds"] == sorted(reps)[1]
+    for v in res["variants"]:
+        for r, own in zip(v["rows"], res["rows"], strict=True):
+            ratios = sorted(a / b for a, b in zip(r["round_seconds_repeats"], own["round_seconds_repeats"]))
+            assert r["over_base"] == pytest.approx(ratios[1]) and r["over_base_range"] == pytest.approx(
+                [ratios[0], ratios[-1]])
+
+
+def test_e2e_variants_are_refused_in_one_line_unless_they_change_an_engine_choice(tiny_dir, capsys):
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    for bad, why in ((["pdl --bogus"], "not an engine choice: --bogus"), ([""], "changes no engine choice"),
+                     (["tree-build bad"], "invalid choice: 'bad'"), (["moe-config FOO=1"], "'FOO=1'"),
+                     (["compile-mode default"], "not an engine choice: compile-mode")):
+        with pytest.raises(SystemExit):
+            p.parse_args(["e2e", "--model", str(tiny_dir), "--variants", *bad])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert why in err[-1] and "Traceback" not in "".join(err)
+
+
 def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkeypatch, use_options):
     use_options()  # restored after the test
     seen = []
