@@ -53,13 +53,32 @@ def launch_config(T: int, N: int, K: int, device: torch.device) -> dict:
     return dict(block_n=block_n, block_k=min(256, max(32, triton.next_power_of_2(K))), stages=4, num_warps=4)
 
 
+CONFIG_KEYS = ("block_n", "block_k", "stages", "num_warps")
+
+
+def check_config(config: dict) -> None:
+    """Launch overrides: keys of CONFIG_KEYS, tiles powers of two of at least 16, stages and warps in range;
+    anything else is refused by name."""
+    for key, value in config.items():
+        if key not in CONFIG_KEYS:
+            raise ValueError(f"{key!r} is not a launch choice of skinny_gemm (one of {', '.join(CONFIG_KEYS)})")
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if key in ("block_n", "block_k", "num_warps"):
+            ok = ok and value & (value - 1) == 0 and (value >= 16 or key == "num_warps") and value <= 1024
+        if not ok:
+            raise ValueError(f"{key}={value!r}: " + ("a power of two from 16" if key.startswith("block")
+                                                      else "a power of two" if key == "num_warps" else "at least 1"))
+
+
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                 config: dict | None = None) -> torch.Tensor:
-    """x [T, K] (T <= MAX_ROWS), w [N, K], both of one float dtype -> [T, N] in out_dtype (x's by default)."""
+    """x [T, K] (T <= MAX_ROWS), w [N, K], both of one float dtype -> [T, N] in out_dtype (x's by default).
+    `config`: launch overrides (check_config)."""
     T, K = x.shape
     N, Kw = w.shape
     if T > MAX_ROWS or K != Kw:
         raise ValueError(f"skinny_gemm takes up to {MAX_ROWS} rows of w's width: x {tuple(x.shape)}, w {tuple(w.shape)}")
+    check_config(config or {})
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     cfg = {**launch_config(T, N, K, x.device), **(config or {})}

@@ -99,6 +99,19 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="two small matrices (the interpreter on a CPU): the path runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    from ..kernels.skinny_gemm import MAX_ROWS, check_config
+
+    if not a.smoke and not torch.cuda.is_available():
+        ap.error("times a GPU: no CUDA device here (--smoke runs the path on the CPU)")
+    if any(not 1 <= t <= MAX_ROWS for t in a.tokens):
+        ap.error(f"--tokens {' '.join(map(str, a.tokens))}: the kernel takes 1 to {MAX_ROWS} rows")
+    try:
+        if not isinstance(a.configs, list) or not all(isinstance(c, dict) for c in a.configs):
+            raise ValueError("a JSON list of objects")
+        for c in a.configs:
+            check_config(c)
+    except ValueError as e:
+        ap.error(f"--configs: {e}")
     device = smoke_device(ap) if a.smoke else "cuda"
     if a.smoke:
         a.shape, a.tokens = None, [1, 3]

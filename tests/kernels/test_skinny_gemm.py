@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ddtree_lab.kernels.skinny_gemm import MAX_ROWS, skinny_gemm, skinny_gemm_reference  # noqa: E402
+from ddtree_lab.kernels.skinny_gemm import MAX_ROWS, check_config, skinny_gemm, skinny_gemm_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -50,3 +50,21 @@ def test_skinny_gemm_refuses_too_many_rows_or_mismatched_widths():
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 32, device=DEVICE), w)
     with pytest.raises(ValueError, match="width"):
         skinny_gemm(torch.zeros(2, 31, device=DEVICE), w)
+
+
+def test_launch_choices_are_checked_by_name():
+    check_config({"block_n": 32, "block_k": 128, "stages": 3, "num_warps": 8})
+    for bad, why in (({"block_m": 16}, "'block_m' is not a launch choice"), ({"block_n": 24}, "block_n=24"),
+                     ({"block_k": 8}, "block_k=8"), ({"stages": 0}, "stages=0"), ({"num_warps": 3}, "num_warps=3")):
+        with pytest.raises(ValueError, match=why):
+            check_config(bad)
+
+
+def test_the_bench_refuses_bad_input_in_one_line(capsys):
+    from ddtree_lab.bench import skinny_gemm as bench
+
+    for argv, why in ((["--smoke", "--tokens", "17"], "1 to 16 rows"), (["--smoke", "--configs", '[{"block_n": 3}]'],
+                      "--configs: block_n=3"), (["--smoke", "--configs", '{"block_n": 32}'], "a JSON list")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert why in capsys.readouterr().err
