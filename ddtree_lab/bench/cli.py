@@ -75,8 +75,8 @@ def _add_option_args(p) -> None:
                    help="who computes a declared MoE routing (--routing uniform or trace:FILE): torch or triton "
                         "(one launch); auto: Triton where the tree kernels run")
     p.add_argument("--dense-products", choices=["auto", "torch", "skinny"], default="auto",
-                   help="who multiplies a few rows (an AR step, a small tree) by a dense weight: torch's matmul or "
-                        "skinny (kernels/skinny_gemm.py, up to 16 rows); auto: torch")
+                   help="who multiplies a few rows (an AR step, a small tree) by a dense weight on CUDA: torch's "
+                        "matmul or skinny (kernels/skinny_gemm.py, up to 16 rows; elsewhere torch's); auto: torch")
     p.add_argument("--host-read-lag", type=non_negative_int, default=None,
                    help="host reads in flight before it waits (default: 1 on CUDA, the next round stays queued; "
                         "0 elsewhere); 0 reads after each round")
