@@ -1,7 +1,7 @@
 """A few rows times a wide weight, streaming the weight once: y = x @ w.T for up to MAX_ROWS rows.
 
-    skinny_gemm(x, w, out_dtype=None, block_n=None, block_k=None) -> [T, N]   x [T, K], w [N, K] (a Linear's)
-    skinny_gemm_reference(x, w, out_dtype)                                      torch's product, the ground truth
+    skinny_gemm(x, w, out_dtype=None, config=None) -> [T, N]   x [T, K], w [N, K] (a Linear's weight)
+    skinny_gemm_reference(x, w, out_dtype)                     torch's product, the ground truth
 
 One program owns BLOCK_N output columns over the whole of K: it walks K in BLOCK_K steps, each a [BLOCK_N,
 BLOCK_K] tile of w (rows of w are contiguous, so a tile is BLOCK_N runs of BLOCK_K values) and the matching x
