@@ -168,7 +168,7 @@ def test_triton_path_in_the_engine_gives_the_same_tokens(moe_dirs, use_options):
 
 
 def test_moe_launch_choices_reach_every_block(moe_dirs, use_options, monkeypatch):
-    """options.moe_launch (bench --moe-config, tools/e2e_ab.py) is each MoE block's fused-kernel launch override:
+    """options.moe_launch (bench --moe-config, bench e2e --variants) is each MoE block's fused-kernel launch override:
     a split K walk forced on every block gives the same tokens, and every launch saw the override."""
     import ddtree_lab.kernels.fused_moe as fm
 
