@@ -291,8 +291,29 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
+        if self.shared is not None and x.is_cuda and options.current().overlap_shared:
+            return _routed_beside_shared(self, x)
         out = _dispatch(self, x.reshape(-1, x.shape[-1])).view(x.shape)
         return out if self.shared is None else out + self.shared(x)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@torch.compiler.disable  # streams fork and join here, eagerly: a compiled layer calls it whole
+def _routed_beside_shared(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] -> the routed experts' output plus the shared expert's, the shared expert on a stream of its own
+    (options.overlap_shared): forked after x is written, joined before the sum. In a captured graph the fork
+    becomes a branch beside the routing and the experts."""
+    main = torch.cuda.current_stream(x.device)
+    side = _SIDE_STREAMS.setdefault(x.device, torch.cuda.Stream(x.device))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        shared = moe.shared(x)
+    routed = _dispatch(moe, x.reshape(-1, x.shape[-1])).view(x.shape)
+    main.wait_stream(side)
+    shared.record_stream(main)  # made on the side stream, read on this one: not reused before that read
+    return routed + shared
 
 
 @torch.compiler.disable  # a compiled layer calls the kernels as they are: they take no tracing

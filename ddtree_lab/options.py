@@ -38,6 +38,10 @@ class Options:
     # kernels/skinny_gemm.MAX_ROWS rows on CUDA): "skinny" (kernels/skinny_gemm.py, the weight streamed once)
     # or "torch" (the library's matmul); None: torch.
     dense_products: str | None = None
+    # An MoE layer's shared expert (DeepSeek-V3) on a CUDA stream of its own, beside the routing and the routed
+    # experts, joined before their sum: two memory-bound chains of short launches overlap. False: one after the
+    # other.
+    overlap_shared: bool = False
     # Host reads of new tokens in flight before the host waits for one; None: 1 on CUDA, 0 elsewhere
     # (on the CPU nothing runs while the host reads, so a lag would only compute a round past the stop).
     host_read_lag: int | None = None
@@ -64,8 +68,9 @@ class Options:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)} (or None)")
-        if not isinstance(self.launch_pdl, bool):
-            raise ValueError(f"launch_pdl={self.launch_pdl!r} must be True or False")
+        for name in ("launch_pdl", "overlap_shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         lag = self.host_read_lag
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
             raise ValueError(f"host_read_lag={lag!r} must be an integer ≥ 0 (or None)")

@@ -86,6 +86,9 @@ def _add_option_args(p) -> None:
     p.add_argument("--moe-config", nargs="*", default=[], metavar="KEY=INT",
                    help="fused-MoE launch choices for every MoE block of the run (kernels/fused_moe.py: "
                         "launch_config), e.g. SPLIT_K_UP=1 BLOCK_N_DOWN=128")
+    p.add_argument("--overlap-shared", action="store_true",
+                   help="an MoE layer's shared expert on a CUDA stream of its own, beside the routed experts "
+                        "(DeepSeek-V3 targets)")
     p.add_argument("--pdl", action="store_true",
                    help="launch the MoE block's and MLA's Triton kernels as programmatic dependents of the kernel "
                         "before each (Hopper and later; kernels/pdl.py)")
@@ -277,6 +280,8 @@ def run_options(args) -> dict:
         chosen["moe_launch"] = moe_config
     if getattr(args, "pdl", False):
         chosen["launch_pdl"] = True
+    if getattr(args, "overlap_shared", False):
+        chosen["overlap_shared"] = True
     return chosen
 
 
@@ -493,6 +498,7 @@ def run_settings(args) -> dict:
             "dense_products": getattr(args, "dense_products", "auto"),
             "attn_config": dict(options.current().attention_launch),
             "moe_config": dict(options.current().moe_launch), "pdl": options.current().launch_pdl,
+            "overlap_shared": options.current().overlap_shared,
             "compile_mode": getattr(args, "compile_mode", "default"),
             "host_read_lag": host_read_lag(getattr(args, "device", "cuda"))}
 

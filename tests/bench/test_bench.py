@@ -375,6 +375,10 @@ def test_e2e_variants_take_turns_on_one_model_and_report_their_ratios(tmp_path, 
 
 
 def test_e2e_variants_are_refused_in_one_line_unless_they_change_an_engine_choice(tiny_dir, capsys):
+    from ddtree_lab.bench.cli import variant_arg
+
+    assert variant_arg("overlap-shared") == {"label": "overlap-shared", "options": {"overlap_shared": True}}
+    assert variant_arg("--dense-products skinny")["options"] == {"dense_products": "skinny"}  # dashes may stay
     p = argparse.ArgumentParser()
     add_bench_args(p)
     for bad, why in ((["pdl --bogus"], "not an engine choice: --bogus"), ([""], "changes no engine choice"),

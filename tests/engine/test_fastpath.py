@@ -60,6 +60,33 @@ def test_skinny_dense_products_in_the_engine(tmp_path, arch, use_options, monkey
     assert rows and max(rows) <= skinny_gemm.MAX_ROWS
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shared_expert_beside_the_routed_ones_changes_no_token(tmp_path, compiled, use_options, monkeypatch):
+    """options.overlap_shared (bench --overlap-shared): on a GPU each MoE layer forks its shared expert onto a
+    stream of its own and joins it before the sum, eager and inside captured graphs, compiled or not, and every
+    budget's tokens stay those of the layer run in order; on the CPU (no streams) the option leaves the layer as
+    it is."""
+    from ddtree_lab import moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t, d = make_tiny_pair(tmp_path, arch="deepseek_v3", seed=4, tokenizer=False)
+    pair = dl.load_pair(target=t, drafter=d, device=device, dtype="float32", compile=compiled,
+                        attention="triton" if device == "cuda" else "sdpa")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    graphs = [False, True] if device == "cuda" else [False]
+    want = {(b, g): dl.generate(pair, prompt, max_new_tokens=12, stop=[], cuda_graphs=g,
+                                **(dict(method="ar") if b is None else dict(budget=b))).tokens
+            for b in (None, 5) for g in graphs}
+    side_streams = {}
+    monkeypatch.setattr(moe, "_SIDE_STREAMS", side_streams)  # filled where a layer forks
+    use_options(overlap_shared=True)
+    for (b, g), tokens in want.items():
+        got = dl.generate(pair, prompt, max_new_tokens=12, stop=[], cuda_graphs=g,
+                          **(dict(method="ar") if b is None else dict(budget=b)))
+        assert got.tokens == tokens, (b, g)
+    assert bool(side_streams) == (device == "cuda")
+
+
 def test_compiled_layers_give_the_same_tokens(tmp_path):
     """compile=True fuses each layer's elementwise ops; decoding must not change."""
     t, d = make_tiny_pair(tmp_path, seed=4, tokenizer=False)
