@@ -293,8 +293,12 @@ class SparseMoE(nn.Module):
         # x [B, T, H] -> [B, T, H]
         if self.shared is not None and x.is_cuda and options.current().overlap_shared:
             return _routed_beside_shared(self, x)
-        out = _dispatch(self, x.reshape(-1, x.shape[-1])).view(x.shape)
+        out = self.routed(x)
         return out if self.shared is None else out + self.shared(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> the routed experts' output [B, T, H] (the shared expert's not added)."""
+        return _dispatch(self, x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -310,7 +314,7 @@ def _routed_beside_shared(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     side.wait_stream(main)
     with torch.cuda.stream(side):
         shared = moe.shared(x)
-    routed = _dispatch(moe, x.reshape(-1, x.shape[-1])).view(x.shape)
+    routed = moe.routed(x)
     main.wait_stream(side)
     shared.record_stream(main)  # made on the side stream, read on this one: not reused before that read
     return routed + shared

@@ -93,12 +93,8 @@ def bench_e2e(pair: Pair, budgets=(16, 64, 256, 1024), prompt_len: int = 512, ro
         kw = dict(method=method, budget=budget, max_new_tokens=rounds, trace=False, stop=[],
                   cuda_graphs=cuda_graphs)
         generate(pair, prompt, **kw)  # warm-up: compiles kernels and captures graphs
-        timed = sorted((timed_row(method, budget, generate(pair, prompt, **kw)) for _ in range(repeats)),
-                       key=lambda r: r["round_seconds"])
-        row = timed[(len(timed) - 1) // 2]  # the median run (the lower one of an even count)
+        row = median_row([timed_row(method, budget, generate(pair, prompt, **kw)) for _ in range(repeats)])
         forward_s, per_round = row["round_seconds"], row["stage_seconds_per_round"]
-        if repeats > 1:
-            row["round_seconds_repeats"] = [r["round_seconds"] for r in timed]
         if pair.target.cfg.is_moe and trace_experts:  # a few traced rounds: the experts each MoE layer's verify touched
             traced = generate(pair, prompt, **{**kw, "trace": True, "max_new_tokens": min(rounds, 8)})
             per_layer = [sum(col) / len(col) for col in zip(*(r.experts_touched for r in traced.rounds))]
@@ -164,17 +160,18 @@ def bench_variants(pair: Pair, variants: list[dict], repeats: int, progress=True
     return base, out
 
 
+def median_row(repeats: list[dict]) -> dict:
+    """Rows of one run timed several times -> the repeat of median round time (the lower one of an even count),
+    with every repeat's round time in order (`round_seconds_repeats`) when there are several."""
+    row = dict(sorted(repeats, key=lambda r: r["round_seconds"])[(len(repeats) - 1) // 2])
+    if len(repeats) > 1:
+        row["round_seconds_repeats"] = [r["round_seconds"] for r in repeats]
+    return row
+
+
 def _median_rows(reps: list[list[dict]]) -> list[dict]:
-    """Rows of several repeats of the same runs -> each run's median repeat (the lower one of an even count), with
-    every repeat's round time."""
-    rows = []
-    for j in range(len(reps[0])):
-        times = sorted(r[j]["round_seconds"] for r in reps)
-        median = times[(len(times) - 1) // 2]
-        row = dict(next(r[j] for r in reps if r[j]["round_seconds"] == median))
-        if len(reps) > 1:
-            row["round_seconds_repeats"] = [r[j]["round_seconds"] for r in reps]
-        rows.append(row)
+    """Rows of several repeats of the same runs ([repeat][run]) -> each run's median_row."""
+    rows = [median_row([r[j] for r in reps]) for j in range(len(reps[0]))]
     # the first repeat's expert counts (traced once) belong to every repeat's row of the same run
     for row, first in zip(rows, reps[0]):
         for key in ("experts_touched_per_layer", "experts_touched_mean", "expert_tokens_max_mean",
