@@ -40,9 +40,10 @@ def smoke_device(ap) -> str:
 
 def load_kernel_file(path: str, name: str):
     """A kernel file from elsewhere (`git show REV:kernels/X.py > old.py`) as a module of its own, `name`. A
-    neighbour it imports as a lone file (`from auto_budget import …`) is found beside it, else it is this
-    checkout's own module (a file kept alone in /tmp still finds `moe_layout`, and the INT4 weights it is handed
-    are instances of the classes it checks for)."""
+    neighbour it imports as a lone file (`from auto_budget import …`) is the file beside it where that folder is
+    not this checkout's kernels/, else this checkout's own module: a file kept alone in /tmp still finds
+    `moe_layout`, and the INT4 weights it is handed are instances of the classes it checks for, whatever an earlier
+    load of another folder left in sys.modules."""
     import importlib
     import importlib.util
     import sys
@@ -53,9 +54,16 @@ def load_kernel_file(path: str, name: str):
     folder = Path(path).resolve().parent
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    for ours in Path(kernels.__file__).parent.glob("*.py"):
-        if ours.stem != "__init__" and not (folder / ours.name).exists():
-            sys.modules.setdefault(ours.stem, importlib.import_module(f"{kernels.__name__}.{ours.stem}"))
+    for ours in Path(kernels.__file__).resolve().parent.glob("*.py"):
+        beside = folder / ours.name
+        if ours.stem == "__init__":
+            continue
+        if beside.exists() and beside != ours:  # its own neighbour: a module loaded from elsewhere is dropped
+            loaded = getattr(sys.modules.get(ours.stem), "__file__", None)
+            if loaded is not None and Path(loaded).resolve() != beside:
+                del sys.modules[ours.stem]
+        else:
+            sys.modules[ours.stem] = importlib.import_module(f"{kernels.__name__}.{ours.stem}")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -15,6 +15,8 @@ from ddtree_lab.moe import Float32Router
 from ddtree_lab.testing import random_init, tiny_drafter_config
 from ddtree_lab.tree import ancestor_matrix
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 160
@@ -386,8 +388,8 @@ def test_launch_pdl_reaches_the_moe_and_mla_kernels_and_changes_no_token(hf_pair
     from ddtree_lab.kernels import declared_route, fused_moe, mla_attention
 
     _, tdir, ddir = hf_pair
-    pair = dl.load_pair(target=str(tdir), drafter=str(ddir), attention="triton")
-    use_options(tree_kernels="triton")  # the GPU's path, under the interpreter
+    pair = dl.load_pair(target=str(tdir), drafter=str(ddir), attention="triton", device=DEVICE)
+    use_options(tree_kernels="triton")  # the GPU's path (on the CPU, under the interpreter)
     want = dl.generate(pair, [3, 5, 7], budget=4, max_new_tokens=6, stop=[]).tokens
     seen = []
 
@@ -402,7 +404,7 @@ def test_launch_pdl_reaches_the_moe_and_mla_kernels_and_changes_no_token(hf_pair
     assert dl.generate(pair, [3, 5, 7], budget=4, max_new_tokens=6, stop=[]).tokens == want
     assert {name for name, _ in seen} == {"fused_moe_routed", "grouped_route", "mla_tree_attention"}
     assert all(value is True for _, value in seen)
-    assert not fused_moe.pdl_applies(True, torch.zeros(1))  # on the CPU: plain launches
+    assert fused_moe.pdl_applies(True, torch.zeros(1, device=DEVICE)) == (DEVICE == "cuda")  # CPU: plain launches
 
 
 def test_compiled_layers_give_the_same_tokens(hf_pair):

@@ -14,11 +14,13 @@ from ddtree_lab.pairs.random import KIMI_DEPTH, RANK_SHAPES, shape_configs, unkn
 from ddtree_lab.testing import make_tiny_pair
 
 RANKS = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rank_copy(target: Target, held: tuple[int, ...]) -> Target:
     """A Target holding `held` of target's experts (same weights otherwise), as a rank of an EP deployment."""
-    local = Target(dataclasses.replace(target.cfg, experts_held=held)).to(next(target.parameters()).dtype)
+    first = next(target.parameters())
+    local = Target(dataclasses.replace(target.cfg, experts_held=held)).to(first.device, first.dtype)
     state = {k: v[list(held)] if k.endswith(("mlp.gate_up", "mlp.down")) else v
              for k, v in target.state_dict().items()}
     local.load_state_dict(state, strict=True)
@@ -30,7 +32,7 @@ def rank_copy(target: Target, held: tuple[int, ...]) -> Target:
 def pair(tmp_path_factory):
     t, d = make_tiny_pair(tmp_path_factory.mktemp("ep"), arch="deepseek_v3", seed=5, tokenizer=False,
                           num_experts=16, num_experts_per_tok=4)
-    return dl.load_pair(target=t, drafter=d)
+    return dl.load_pair(target=t, drafter=d, device=DEVICE)
 
 
 @pytest.mark.parametrize("routing", ["router", "uniform"])
@@ -44,8 +46,8 @@ def test_the_ranks_blocks_sum_to_the_whole_block(pair, use_options, routing, tok
     ranks = [rank_copy(full, expert_rank_share(E, RANKS, r)) for r in range(RANKS)]
     for m in (full, *ranks):
         m.set_routing(routing)
-    x = torch.randn(1, tokens, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    keys = torch.arange(tokens) * 7919
+    x = torch.randn(1, tokens, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    keys = torch.arange(tokens, device=DEVICE) * 7919
     blocks = [[blk for blk in m.modules() if isinstance(blk, SparseMoE)] for m in (full, *ranks)]
     for layer, (whole, *shares) in enumerate(zip(*blocks)):
         for b in (whole, *shares):

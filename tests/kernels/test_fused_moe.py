@@ -425,14 +425,18 @@ def test_bench_times_a_baseline_kernel_side_by_side(tmp_path):
     import shutil
 
     from ddtree_lab.bench import fused_moe as bench_fused_moe
+    from ddtree_lab.bench import load_kernel_file
+    from ddtree_lab.kernels import declared_route
     from ddtree_lab.kernels import fused_moe as kernel
 
+    load_kernel_file(declared_route.__file__, "declared_route_from_its_folder")
     copy = tmp_path / "fused_moe_copy.py"
     shutil.copy(kernel.__file__, copy)
     rows = bench_fused_moe.main(["--smoke", "--tokens", "3", "--baseline", str(copy)])
     assert rows[0]["equal_to_baseline"] and rows[0]["baseline_us"] > 0 and rows[0]["over_baseline"] > 0
     # INT4 experts too: the copy's lone-file imports resolve to this checkout's modules, so the Int4Weights it is
-    # handed are of the class it checks for
+    # handed are of the class it checks for, even after a load from kernels/ itself (above: the routing bench's
+    # baseline) put that folder's files in sys.modules as lone modules
     rows = bench_fused_moe.main(["--smoke", "--int4", "32", "--tokens", "3", "--baseline", str(copy)])
     assert rows[0]["equal_to_baseline"]
     with pytest.raises(SystemExit):
