@@ -179,6 +179,7 @@ def kept(pair, kind: str, key: tuple, with_drafter: bool, make, release):
     bound = _cache_signature(pair, with_drafter)
     key = key + options.key() + (bound,)
     cache = pair.__dict__.setdefault(kind, {})
+    pair.__dict__.setdefault("_kept_release", {})[kind] = release
     if key not in cache:
         held = set(_cache_signature(pair, pair.drafter is not None))
         stale = [k for k in cache if not set(k[-1]) <= held]
@@ -188,6 +189,15 @@ def kept(pair, kind: str, key: tuple, with_drafter: bool, make, release):
             release(cache.pop(k))
         cache[key] = make()
     return cache[key]
+
+
+def release_kept(pair) -> None:
+    """Drop every entry kept on the pair now, each release()d: a bench that switches engine choices (bench e2e
+    --variants) would otherwise hold every choice's graphs at once, since the options are part of each key."""
+    for kind, release in pair.__dict__.get("_kept_release", {}).items():
+        cache = pair.__dict__.get(kind, {})
+        while cache:
+            release(cache.popitem()[1])
 
 
 def prefill_for(pair, n: int, layers: list[int], with_drafter: bool) -> Prefill:

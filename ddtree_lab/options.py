@@ -39,9 +39,9 @@ class Options:
     # or "torch" (the library's matmul); None: torch.
     dense_products: str | None = None
     # An MoE layer's shared expert (DeepSeek-V3) on a CUDA stream of its own, beside the routing and the routed
-    # experts, joined before their sum: two memory-bound chains of short launches overlap. False: one after the
-    # other.
-    overlap_shared: bool = False
+    # experts, joined before their sum: two memory-bound chains of short launches overlap (faster on both Kimi
+    # ranks, every round timed: docs/performance.md, Session 25). False: one after the other.
+    overlap_shared: bool = True
     # Host reads of new tokens in flight before the host waits for one; None: 1 on CUDA, 0 elsewhere
     # (on the CPU nothing runs while the host reads, so a lag would only compute a round past the stop).
     host_read_lag: int | None = None

@@ -60,6 +60,9 @@ def _add_runtime_args(p) -> None:
     _add_option_args(p)
 
 
+NEGATABLE = ("overlap_shared",)  # engine choices that are on unless a --no- flag turns them off
+
+
 def _add_option_args(p) -> None:
     """The engine's choices that a process can switch between runs (options.py): a bench's own flags, and what
     one of `bench e2e --variants` may change."""
@@ -86,9 +89,9 @@ def _add_option_args(p) -> None:
     p.add_argument("--moe-config", nargs="*", default=[], metavar="KEY=INT",
                    help="fused-MoE launch choices for every MoE block of the run (kernels/fused_moe.py: "
                         "launch_config), e.g. SPLIT_K_UP=1 BLOCK_N_DOWN=128")
-    p.add_argument("--overlap-shared", action="store_true",
+    p.add_argument("--overlap-shared", action=argparse.BooleanOptionalAction, default=None,
                    help="an MoE layer's shared expert on a CUDA stream of its own, beside the routed experts "
-                        "(DeepSeek-V3 targets)")
+                        "(DeepSeek-V3 targets; the default), or after them (--no-overlap-shared)")
     p.add_argument("--pdl", action="store_true",
                    help="launch the MoE block's and MLA's Triton kernels as programmatic dependents of the kernel "
                         "before each (Hopper and later; kernels/pdl.py)")
@@ -280,8 +283,8 @@ def run_options(args) -> dict:
         chosen["moe_launch"] = moe_config
     if getattr(args, "pdl", False):
         chosen["launch_pdl"] = True
-    if getattr(args, "overlap_shared", False):
-        chosen["overlap_shared"] = True
+    if getattr(args, "overlap_shared", None) is not None:
+        chosen["overlap_shared"] = args.overlap_shared
     return chosen
 
 
@@ -300,6 +303,8 @@ def command_line(args) -> str:
     `command`."""
     parts = ["ddtree-lab", "bench", args.bench]
     for key, value in vars(args).items():
+        if key in NEGATABLE and value is False:  # a default of on, turned off
+            parts.append("--no-" + key.replace("_", "-"))
         if key in ("command", "func", "bench") or value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")

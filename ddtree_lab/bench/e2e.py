@@ -23,7 +23,7 @@ from .. import options
 from ..auto_budget import AutoBudget, auto_label_settings, is_auto_label
 from ..checkpoint import Pair
 from ..decode import generate
-from ..graphs import captures
+from ..graphs import captures, release_kept
 from ..kernels.moe_layout import expert_bytes
 from ..model import Target
 from ..names import STAGES
@@ -137,6 +137,7 @@ def bench_variants(pair: Pair, variants: list[dict], repeats: int, progress=True
     timed = [[] for _ in runs]  # [variant][repeat] -> rows
     for rep in range(repeats):
         for i in repeat_order(len(runs), rep):
+            release_kept(pair)  # the last choice's graphs: every choice's at once ran a deep model out of memory
             with options.using(**runs[i]["options"]):
                 label = f"[{runs[i]['label']}] " if runs[i]["label"] else ""
                 timed[i].append(bench_e2e(pair, progress=progress, trace_experts=rep == 0 and i == 0, label=label,

@@ -1,6 +1,7 @@
 """`ddtree-lab bench` on the CPU: the JSON each subcommand writes, on small pairs (timings are not checked)."""
 import argparse
 import json
+import shlex
 
 import pytest
 import torch
@@ -377,7 +378,8 @@ def test_e2e_variants_take_turns_on_one_model_and_report_their_ratios(tmp_path, 
 def test_e2e_variants_are_refused_in_one_line_unless_they_change_an_engine_choice(tiny_dir, capsys):
     from ddtree_lab.bench.cli import variant_arg
 
-    assert variant_arg("overlap-shared") == {"label": "overlap-shared", "options": {"overlap_shared": True}}
+    assert variant_arg("no-overlap-shared") == {"label": "no-overlap-shared", "options": {"overlap_shared": False}}
+    assert variant_arg("overlap-shared")["options"] == {"overlap_shared": True}
     assert variant_arg("--dense-products skinny")["options"] == {"dense_products": "skinny"}  # dashes may stay
     p = argparse.ArgumentParser()
     add_bench_args(p)
@@ -515,3 +517,18 @@ def test_a_kernel_bench_smoke_run_needs_no_interpreter_flag_from_the_user(tmp_pa
                           str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert [r["T"] for r in json.loads(out.read_text())["rows"]] == [1]
+
+
+def test_a_choice_that_is_on_unless_turned_off_keeps_its_off_in_the_recorded_command(tiny_dir):
+    """--no-overlap-shared (the shared expert after the routed ones) is spelled out in a JSON's `command`, so
+    running that command again makes the same choice; left alone, the choice stays the engine's default."""
+    from ddtree_lab.bench.cli import command_line, run_options
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    off = p.parse_args(["e2e", "--model", str(tiny_dir), "--no-overlap-shared"])
+    assert run_options(off)["overlap_shared"] is False and "--no-overlap-shared" in command_line(off)
+    again = p.parse_args(shlex.split(command_line(off))[2:])  # after "ddtree-lab bench"
+    assert run_options(again)["overlap_shared"] is False
+    plain = p.parse_args(["e2e", "--model", str(tiny_dir)])
+    assert "overlap_shared" not in run_options(plain) and "overlap-shared" not in command_line(plain)

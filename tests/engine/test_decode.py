@@ -302,6 +302,20 @@ def test_kept_entries_bound_to_a_replaced_cache_are_released():
     assert released == [a, b, c] and len(pair._things) == 1
 
 
+def test_release_kept_drops_every_kind_at_once(tiny_pair):
+    """graphs.release_kept (between bench e2e --variants' choices): every program and prefill kept on the pair is
+    released, each by its own kind's release, and the next run makes its own again with the same tokens."""
+    from ddtree_lab.graphs import release_kept
+
+    want = dl.generate(tiny_pair, [3, 1, 4], budget=6, max_new_tokens=8, stop=[]).tokens
+    kinds = [k for k in tiny_pair.__dict__.get("_kept_release", {}) if tiny_pair.__dict__.get(k)]
+    assert "_programs" in kinds
+    release_kept(tiny_pair)
+    assert all(not tiny_pair.__dict__[k] for k in kinds)
+    assert dl.generate(tiny_pair, [3, 1, 4], budget=6, max_new_tokens=8, stop=[]).tokens == want
+    assert tiny_pair.__dict__["_programs"]
+
+
 def test_a_static_cache_grows_along_its_slots_only():
     held = static_cache(None, (2, 2, 3, 64, 8), "cpu", torch.float32)
     assert static_cache(held, (2, 2, 3, 40, 8), "cpu", torch.float32) is held      # fewer slots: kept

@@ -62,10 +62,10 @@ def test_skinny_dense_products_in_the_engine(tmp_path, arch, use_options, monkey
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_shared_expert_beside_the_routed_ones_changes_no_token(tmp_path, compiled, use_options, monkeypatch):
-    """options.overlap_shared (bench --overlap-shared): on a GPU each MoE layer forks its shared expert onto a
-    stream of its own and joins it before the sum, eager and inside captured graphs, compiled or not, and every
-    budget's tokens stay those of the layer run in order; on the CPU (no streams) the option leaves the layer as
-    it is."""
+    """options.overlap_shared (the default; bench --no-overlap-shared turns it off): on a GPU each MoE layer
+    forks its shared expert onto a stream of its own and joins it before the sum, eager and inside captured graphs,
+    compiled or not, and every budget's tokens stay those of the layer run in order; on the CPU (no streams) the
+    option leaves the layer as it is."""
     from ddtree_lab import moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,6 +74,7 @@ def test_shared_expert_beside_the_routed_ones_changes_no_token(tmp_path, compile
                         attention="triton" if device == "cuda" else "sdpa")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     graphs = [False, True] if device == "cuda" else [False]
+    use_options(overlap_shared=False)
     want = {(b, g): dl.generate(pair, prompt, max_new_tokens=12, stop=[], cuda_graphs=g,
                                 **(dict(method="ar") if b is None else dict(budget=b))).tokens
             for b in (None, 5) for g in graphs}
