@@ -267,7 +267,8 @@ def _main(argv) -> int:
             message = (e.strerror or str(e)) + (f" ({e.filename})" if getattr(e, "filename", None) else "")
         except _out_of_memory() as e:  # the model, its cache and the prompt's activations outgrew the GPU
             message = (f"out of GPU memory ({_first_sentences(str(e))}); what was written stays: a shorter prompt, a "
-                       "smaller budget or fewer layers (random:<shape>@<layers>) may fit")
+                       "smaller budget, fewer layers (random:<shape>@<layers>) or fewer weight sets "
+                       "(random:<shape>~<sets>) may fit")
         # a rank other than 0 has its stderr silenced (rank_zero_reports), so it writes to the real one
         print(f"ddtree-lab {args.command}{rank}: error: {message}", file=sys.__stderr__ if rank else sys.stderr)
         return 2

@@ -120,8 +120,9 @@ def add_bench_args(p) -> None:
     la.add_argument("--out", default="outputs/bench/mla.json", help="JSON written here")
     e = sub.add_parser("e2e", help="end-to-end rounds: AR, DFlash, DDTree at several budgets")
     e.add_argument("--model", default="random:qwen3-8b",
-                   help="random:<shape> (random:qwen3-8b, random:qwen3-30b-a3b, random:kimi-k2.6-ep8-rank, …) | a pair "
-                        "name | a dir holding target/ and drafter/")
+                   help="random:<shape> (random:qwen3-8b, random:qwen3-30b-a3b, random:kimi-k2.6-ep8-rank, …; "
+                        "@<layers> another depth, ~<sets> every layer on <sets> layers' weights) | a pair name | a "
+                        "dir holding target/ and drafter/")
     e.add_argument("--budgets", type=tree_budget_arg, nargs="+", default=[16, 64, 256, 1024], help="DDTree budgets")
     e.add_argument("--prompt-len", type=positive_int, default=512, help="random prompt tokens")
     e.add_argument("--rounds", type=int_in(2, what="--rounds"), default=24,

@@ -49,7 +49,8 @@ def weight_bytes_per_step(target: Target, experts_touched: list[float] | None = 
         # parameters); the router and shared experts are counted whole below
         total += n * expert_bytes(H, two_i // 2, m.gate_up.element_size())
     experts = {id(w) for m in moe for w in (m.gate_up, m.down)}
-    for name, p in target.named_parameters():
+    # every layer's, shared ones too (random:<shape>~<sets>): each layer reads its weights again
+    for name, p in target.named_parameters(remove_duplicate=False):
         if name == "embed_tokens.weight" and target.lm_head is not None:
             continue  # untied: the step reads one row, not the table
         if id(p) not in experts:

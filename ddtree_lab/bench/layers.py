@@ -16,17 +16,20 @@ import sys
 from pathlib import Path
 
 from ..atomic import atomic_write_json
-from ..pairs.random import DEPTH_SEPARATOR
+from ..pairs.random import DEPTH_SEPARATOR, WEIGHT_SETS_SEPARATOR, split_shape_name
 
 SAME = ("dtype", "attention", "compile", "prompt_len", "tree_kernels", "routing")  # settings both profiles share
 
 
 def depth_of(model: str) -> tuple[str, int]:
-    """'random:<shape>@D' -> ('random:<shape>', D); ValueError for a model without a depth."""
-    base, sep, depth = (model or "").partition(DEPTH_SEPARATOR)
-    if not (base.startswith("random:") and sep and depth.isdigit()):
+    """'random:<shape>@D' -> ('random:<shape>', D), and 'random:<shape>@D~S' -> ('random:<shape>~S', D);
+    ValueError for a model without a depth."""
+    prefix, _, shape = (model or "").partition("random:")
+    parts = split_shape_name(shape) if not prefix else None
+    if not parts or parts[1] is None:
         raise ValueError(f"model {model!r}: not a random shape at a given depth (random:<shape>{DEPTH_SEPARATOR}D)")
-    return base, int(depth)
+    base, depth, sets = parts
+    return "random:" + base + ("" if sets is None else f"{WEIGHT_SETS_SEPARATOR}{sets}"), depth
 
 
 def per_layer(shallow: dict, deep: dict) -> dict:

@@ -128,10 +128,13 @@ def resolve(name: str) -> tuple[Path, Path]:
 def check(name: str) -> None:
     """Raise CheckpointError unless `name` would load (without loading it): for refusing a study early."""
     if name.startswith(RANDOM_PREFIX):
-        from .random import shape_entry, unknown_shape_message
+        from .random import shape_entry, unknown_shape_message, weight_sets_problem
 
-        if shape_entry(name[len(RANDOM_PREFIX):]) is None:
-            raise CheckpointError(unknown_shape_message(name[len(RANDOM_PREFIX):]))
+        shape = name[len(RANDOM_PREFIX):]
+        if shape_entry(shape) is None:
+            raise CheckpointError(unknown_shape_message(shape))
+        if weight_sets_problem(shape):
+            raise CheckpointError(weight_sets_problem(shape))
         return
     resolve(name)
 

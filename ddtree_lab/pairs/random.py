@@ -62,6 +62,11 @@ RANK_SHAPES = {
 SHAPE_NAMES = (*RANDOM_SHAPES, *RANK_SHAPES)  # every name random:<name> takes
 INT4_VALUE_STD = (255 / 12) ** 0.5  # the spread of a uniform 4-bit value (-8 … 7): random nibbles over it
 DEPTH_SEPARATOR = "@"  # random:<shape>@<layers>: the shape at another depth (its drafter taps spread over it)
+# random:<shape>~<sets>: every layer its own module and cache, but the weights of only <sets> layers, read by the
+# others in turn (tied_layers): a deep shape on a smaller card. A step reads as many bytes and launches the same
+# kernels, so its time is a distinct-weight model's wherever one layer's weights outgrow the L2 cache (a Kimi
+# rank's layer: hundreds of MB against tens).
+WEIGHT_SETS_SEPARATOR = "~"
 DRAFT_LAYERS = 5  # the public block-16 drafters of these targets have five layers
 # The drafters' sizes where they are not the target's attention and dense MLP sizes (a drafter is dense: an MoE
 # target's expert width is never its size). Kimi's published DFlash drafter: six layers of 64 query and 8 KV
@@ -72,9 +77,25 @@ DRAFTER_OVERRIDES = {
 }
 
 
+def split_shape_name(shape: str) -> tuple[str, int | None, int | None] | None:
+    """'<shape>[@<layers>][~<sets>]' -> (shape, layers, weight sets), None for a part not given; None where a
+    number is not in 1..256."""
+    rest, sets_sep, sets = shape.partition(WEIGHT_SETS_SEPARATOR)
+    base, depth_sep, depth = rest.partition(DEPTH_SEPARATOR)
+    numbers = []
+    for sep, text in ((depth_sep, depth), (sets_sep, sets)):
+        if sep and not (text.isdigit() and 1 <= int(text) <= 256):
+            return None
+        numbers.append(int(text) if sep else None)
+    return base, numbers[0], numbers[1]
+
+
 def _model_entry(shape: str) -> tuple[str, dict] | None:
     """(the model shape's name, its sizes at the name's depth) of a shape name, rank shapes included."""
-    base, sep, depth = shape.partition(DEPTH_SEPARATOR)
+    parts = split_shape_name(shape)
+    if parts is None:
+        return None
+    base, depth, sets = parts
     rank = RANK_SHAPES.get(base)
     model = rank.shape if rank else base
     entry = RANDOM_SHAPES.get(model)
@@ -82,10 +103,10 @@ def _model_entry(shape: str) -> tuple[str, dict] | None:
         return None
     if rank:
         entry = {**entry, "num_hidden_layers": rank.layers}
-    if sep:
-        if not depth.isdigit() or not 1 <= int(depth) <= 256:
-            return None
-        entry = {**entry, "num_hidden_layers": int(depth)}
+    if depth is not None:
+        entry = {**entry, "num_hidden_layers": depth}
+    if sets is not None and sets > entry["num_hidden_layers"]:
+        return None
     return model, entry
 
 
@@ -96,7 +117,7 @@ def shape_entry(shape: str) -> dict | None:
     if found is None:
         return None
     entry = found[1]
-    rank = RANK_SHAPES.get(shape.partition(DEPTH_SEPARATOR)[0])
+    rank = RANK_SHAPES.get(split_shape_name(shape)[0])
     if rank is None:
         return entry
     if rank.layout == "ep":
@@ -105,9 +126,26 @@ def shape_entry(shape: str) -> dict | None:
     return {f.name: getattr(share, f.name) for f in dataclasses.fields(share)}
 
 
+def weight_sets_problem(shape: str) -> str | None:
+    """Why a known shape name's weight sets (`~<sets>`) cannot serve its layers, or None: each kind of layer (dense,
+    MoE) needs one of its kind among the first <sets>, whose weights it reads (torch-free)."""
+    sets = split_shape_name(shape)[2]
+    if sets is None:
+        return None
+    cfg = TargetConfig(**shape_entry(shape))
+    missing = [i for i in range(sets, cfg.num_hidden_layers)
+               if all(cfg.is_moe_layer(j) != cfg.is_moe_layer(i) for j in range(sets))]
+    if missing:
+        kind = "an MoE" if cfg.is_moe_layer(missing[0]) else "a dense"
+        return (f"random:{shape}: layer {missing[0]} is {kind} layer and none of the first {sets} is, so it has no "
+                f"weights to read; give more weight sets ({WEIGHT_SETS_SEPARATOR}{sets + 1} or more)")
+    return None
+
+
 def unknown_shape_message(shape: str) -> str:
     return (f"unknown random shape {shape!r}; known: {', '.join('random:' + s for s in SHAPE_NAMES)} "
-            f"(any of them at another depth: random:<shape>{DEPTH_SEPARATOR}<layers>, 1..256)")
+            f"(any of them at another depth: random:<shape>{DEPTH_SEPARATOR}<layers>, 1..256; its layers on fewer "
+            f"weight sets, up to one a layer: random:<shape>{WEIGHT_SETS_SEPARATOR}<sets>)")
 
 
 def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
@@ -132,6 +170,38 @@ def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
     return TargetConfig(**shape_entry(shape)), DrafterConfig(**drafter)
 
 
+def tied_layers(layers, sets: int) -> dict[int, int]:
+    """Layer i >= sets -> the layer < sets whose weights it reads. Each kind of layer (its tensors' names, shapes
+    and dtypes: Kimi's leading dense block, its MoE blocks) takes that kind's layers among the first `sets` in
+    turn, so neighbouring layers read different weights. ValueError where a kind has none there."""
+    def kind(layer):
+        return tuple((n, tuple(t.shape), t.dtype) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+
+    distinct: dict[tuple, list[int]] = {}
+    for i in range(min(sets, len(layers))):
+        distinct.setdefault(kind(layers[i]), []).append(i)
+    tied, taken = {}, {}
+    for i in range(sets, len(layers)):
+        own = distinct.get(kind(layers[i]))
+        if not own:
+            raise ValueError(f"layer {i} has no layer of its kind among the first {sets}: "
+                             f"{WEIGHT_SETS_SEPARATOR}{sets} weight sets are too few for this shape")
+        n = taken.get(own[0], 0)
+        tied[i], taken[own[0]] = own[n % len(own)], n + 1
+    return tied
+
+
+def share_weights(layer, source) -> None:
+    """`layer` reads `source`'s weights from now on: each parameter and persistent buffer (INT4 experts) becomes
+    the same tensor; its own state (expert counts, routing tables) stays its own."""
+    for mod, src in zip(layer.modules(), source.modules(), strict=True):
+        for name in mod._parameters:
+            mod._parameters[name] = src._parameters[name]
+        for name in mod._buffers:
+            if name not in mod._non_persistent_buffers_set:
+                mod._buffers[name] = src._buffers[name]
+
+
 def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton", seed=0, compile: bool = False,
                 tp: int = 1, routing=None):
     """A real-size target + DFlash drafter with random weights (N(0, 0.02) matrices, unit norms). With tp=N,
@@ -139,6 +209,7 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     by `routing` (declared_routing.py: "uniform" unless told; "router" is the random weights' own)."""
     # torch and the models load here, not at import: study files are checked against RANDOM_SHAPES torch-free
     import torch
+    import torch.nn as nn
 
     from .. import parallel
     from ..checkpoint import Pair, torch_dtype
@@ -148,6 +219,10 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
 
     if shape_entry(shape) is None:
         raise ValueError(unknown_shape_message(shape))
+    sets = split_shape_name(shape)[2]
+    if sets is not None and tp != 1:
+        raise ValueError(f"random:{shape}: a shape on fewer weight sets ({WEIGHT_SETS_SEPARATOR}{sets}) loads "
+                         f"whole, not split over {tp} processes")
     dtype = torch_dtype(dtype)
     rank = 0
     if tp != 1:
@@ -158,7 +233,14 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     for cls, cfg in zip((Target, Drafter), shape_configs(shape)):
         with torch.device("meta"):
             m = cls(cfg).to(dtype)  # allocated in its dtype at once: a wide shape has no room for an fp32 copy
+        tied = tied_layers(m.layers, sets) if cls is Target and sets is not None else {}
+        later = {i: m.layers[i] for i in tied}
+        for i in tied:
+            m.layers[i] = nn.Module()  # allocated below, one at a time, its weights then dropped for its source's
         m = m.to_empty(device=device)
+        for i, j in tied.items():
+            m.layers[i] = later[i].to_empty(device=device)
+            share_weights(m.layers[i], m.layers[j])
         with torch.no_grad():
             for _, p in m.named_parameters():
                 p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
@@ -171,6 +253,8 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
                 experts.scale.fill_(0.02 / INT4_VALUE_STD)
                 if experts.zero is not None:
                     experts.zero.fill_(0x88888888 - 2**32)  # every zero point at the offset: symmetric values
+        for i, j in tied.items():  # again: keep_bf16 gave each router a weight of its own
+            share_weights(m.layers[i], m.layers[j])
         m.rotary = type(m.rotary)(cfg.rope_dim, cfg.rope, m.rotary.max_positions).to(device)
         models.append(m.eval().requires_grad_(False))
     target, drafter = models

@@ -38,6 +38,7 @@ def test_a_layer_is_the_difference_over_the_layers_between():
 @pytest.mark.parametrize("shallow, deep, message", [
     (profile(8), profile(4), "depths 8 and 4: the second profile must be of the deeper model"),
     (profile(4), {**profile(8), "model": "random:kimi-k2.6-tp8-rank@8"}, "two shapes"),
+    (profile(4), {**profile(8), "model": "random:kimi-k2.6-ep8-rank@8~4"}, "two shapes"),  # on fewer weight sets
     (profile(4), profile(8, compile=False), "other settings: compile (True vs False)"),
     ({**profile(4), "model": "random:qwen3-8b"}, profile(8), "not a random shape at a given depth"),
     ({**profile(4), "rows": profile(4)["rows"][:1]}, profile(8), "without a shallower one: [('ddtree', 16)]"),

@@ -232,23 +232,24 @@ def census_key(shape: str, routing: str | None = None) -> str:
 
 
 def model_shape(name: str) -> ModelShape:
-    """A pair's shape by name: a whole model of FULL_MODELS (`kimi-k2.6`), `random:<shape>[@<layers>]`, a named
+    """A pair's shape by name: a whole model of FULL_MODELS (`kimi-k2.6`), `random:<shape>[@<layers>][~<sets>]`, a named
     pair (`lab`, ...) or a directory holding target/ and drafter/ (reads config.json only)."""
-    from ...pairs.random import SHAPE_NAMES, shape_configs, shape_entry
+    from ...pairs.random import SHAPE_NAMES, shape_configs, shape_entry, split_shape_name
 
     known = [*FULL_MODELS, *("random:" + s for s in SHAPE_NAMES)]
     if name in FULL_MODELS:
         full = FULL_MODELS[name]
         t, d = shape_configs(full["shape"])
         shape = shape_from_configs(name, t, d, {**shape_entry(full["shape"]), **full})
-        return dataclasses.replace(shape, census_shape=full["shape"].split("@")[0])
+        return dataclasses.replace(shape, census_shape=split_shape_name(full["shape"])[0])
     if name.startswith("random:"):
         shape = name.split(":", 1)[1]
         if shape_entry(shape) is None:
             raise AdvisorError(f"unknown model {name!r}; known: {', '.join(known)} (a random shape at another depth: "
                                "random:<shape>@<layers>)")
         t, d = shape_configs(shape)
-        return dataclasses.replace(shape_from_configs(name, t, d, shape_entry(shape)), census_shape=shape.split("@")[0])
+        return dataclasses.replace(shape_from_configs(name, t, d, shape_entry(shape)),
+                                   census_shape=split_shape_name(shape)[0])
     path = Path(name)
     if (path / "target").is_dir():
         tdir, ddir = path / "target", path / "drafter"
