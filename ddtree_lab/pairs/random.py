@@ -127,18 +127,13 @@ def shape_entry(shape: str) -> dict | None:
 
 
 def weight_sets_problem(shape: str) -> str | None:
-    """Why a known shape name's weight sets (`~<sets>`) cannot serve its layers, or None: each kind of layer (dense,
-    MoE) needs one of its kind among the first <sets>, whose weights it reads (torch-free)."""
+    """Why a known shape name's weight sets (`~<sets>`) cannot serve its layers (tied_layers), or None
+    (torch-free)."""
     sets = split_shape_name(shape)[2]
-    if sets is None:
-        return None
-    cfg = TargetConfig(**shape_entry(shape))
-    missing = [i for i in range(sets, cfg.num_hidden_layers)
-               if all(cfg.is_moe_layer(j) != cfg.is_moe_layer(i) for j in range(sets))]
-    if missing:
-        kind = "an MoE" if cfg.is_moe_layer(missing[0]) else "a dense"
-        return (f"random:{shape}: layer {missing[0]} is {kind} layer and none of the first {sets} is, so it has no "
-                f"weights to read; give more weight sets ({WEIGHT_SETS_SEPARATOR}{sets + 1} or more)")
+    try:
+        tied_layers(TargetConfig(**shape_entry(shape)), sets)
+    except ValueError as e:
+        return f"random:{shape}: {e}"
     return None
 
 
@@ -170,24 +165,25 @@ def shape_configs(shape: str) -> tuple[TargetConfig, DrafterConfig]:
     return TargetConfig(**shape_entry(shape)), DrafterConfig(**drafter)
 
 
-def tied_layers(layers, sets: int) -> dict[int, int]:
-    """Layer i >= sets -> the layer < sets whose weights it reads. Each kind of layer (its tensors' names, shapes
-    and dtypes: Kimi's leading dense block, its MoE blocks) takes that kind's layers among the first `sets` in
-    turn, so neighbouring layers read different weights. ValueError where a kind has none there."""
-    def kind(layer):
-        return tuple((n, tuple(t.shape), t.dtype) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
-
-    distinct: dict[tuple, list[int]] = {}
-    for i in range(min(sets, len(layers))):
-        distinct.setdefault(kind(layers[i]), []).append(i)
+def tied_layers(cfg: TargetConfig, sets: int | None) -> dict[int, int]:
+    """Layer i >= sets -> the layer < sets whose weights it reads ({} for None). Each kind of layer (dense or MoE:
+    Kimi's leading dense block, its MoE blocks) takes the layers of its kind among the first `sets` in turn, so
+    neighbouring layers read different weights. ValueError where a kind has none there."""
+    if sets is None:
+        return {}
+    kind = cfg.is_moe_layer
+    distinct: dict[bool, list[int]] = {}
+    for i in range(min(sets, cfg.num_hidden_layers)):
+        distinct.setdefault(kind(i), []).append(i)
     tied, taken = {}, {}
-    for i in range(sets, len(layers)):
-        own = distinct.get(kind(layers[i]))
+    for i in range(sets, cfg.num_hidden_layers):
+        own = distinct.get(kind(i))
         if not own:
-            raise ValueError(f"layer {i} has no layer of its kind among the first {sets}: "
-                             f"{WEIGHT_SETS_SEPARATOR}{sets} weight sets are too few for this shape")
-        n = taken.get(own[0], 0)
-        tied[i], taken[own[0]] = own[n % len(own)], n + 1
+            raise ValueError(f"layer {i} is {'an MoE' if kind(i) else 'a dense'} layer and none of the first {sets} "
+                             f"is, so it has no weights to read; give more weight sets "
+                             f"({WEIGHT_SETS_SEPARATOR}{sets + 1} or more)")
+        n = taken.get(kind(i), 0)
+        tied[i], taken[kind(i)] = own[n % len(own)], n + 1
     return tied
 
 
@@ -233,7 +229,7 @@ def random_pair(shape: str, device="cuda", dtype="bfloat16", attention="triton",
     for cls, cfg in zip((Target, Drafter), shape_configs(shape)):
         with torch.device("meta"):
             m = cls(cfg).to(dtype)  # allocated in its dtype at once: a wide shape has no room for an fp32 copy
-        tied = tied_layers(m.layers, sets) if cls is Target and sets is not None else {}
+        tied = tied_layers(cfg, sets) if cls is Target else {}
         later = {i: m.layers[i] for i in tied}
         for i in tied:
             m.layers[i] = nn.Module()  # allocated below, one at a time, its weights then dropped for its source's

@@ -33,8 +33,9 @@ def held_bytes(model) -> int:
 
 
 def test_each_kind_of_layer_reads_its_kinds_weights_in_turn_and_keeps_its_own_state(tiny_kimi):
-    layers = load(tiny_kimi + "~3").target.layers
-    tied = shapes.tied_layers(layers, 3)
+    target = load(tiny_kimi + "~3").target
+    layers = target.layers
+    tied = shapes.tied_layers(target.cfg, 3)
     assert tied == {3: 1, 4: 2, 5: 1}  # layer 0 is the only dense one; MoE layers take layers 1 and 2 in turn
     for i, j in tied.items():
         mine, source = layers[i].state_dict(keep_vars=True), layers[j].state_dict(keep_vars=True)
