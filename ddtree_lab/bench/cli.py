@@ -466,6 +466,12 @@ def bench_e2e_cli(args) -> dict:
     def keep(partial: dict) -> None:  # each run's row on disk as it ends: a bench cut short keeps what it measured
         write_result(args, {**header, **partial, "tree_kernels": args.tree_kernels, **run_settings(args)})
 
+    own = options.current()  # the run's own choices (run_bench_cli set them)
+    for variant in args.variants:
+        with options.using(**variant["options"]):
+            if options.current() == own:
+                raise ValueError(f"--variants {variant['label']!r} changes nothing: the run makes those choices "
+                                 "already (the engine's defaults and its own flags)")
     done = resumable_rows(args.out, header)
     if done:
         print(f"  resuming {args.out}: {len(done)} runs already measured by this command", file=sys.stderr)

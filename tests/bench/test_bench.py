@@ -390,6 +390,14 @@ def test_e2e_variants_are_refused_in_one_line_unless_they_change_an_engine_choic
             p.parse_args(["e2e", "--model", str(tiny_dir), "--variants", *bad])
         err = capsys.readouterr().err.strip().splitlines()
         assert why in err[-1] and "Traceback" not in "".join(err)
+    # a variant the run's own choices already make (here the default) is refused before anything runs
+    from ddtree_lab.cli import main
+
+    out = tiny_dir / "same.json"
+    assert main(["bench", "e2e", "--model", str(tiny_dir), "--device", "cpu", "--variants", "overlap-shared",
+                 "--out", str(out)]) == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "'overlap-shared' changes nothing" in err[-1] and "Traceback" not in "".join(err)
 
 
 def test_compile_mode_reaches_every_compiled_function(tmp_path, tiny_dir, monkeypatch, use_options):
