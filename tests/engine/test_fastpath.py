@@ -237,11 +237,12 @@ def test_mla_cuda_graphs_equal_eager_for_every_budget(mla_gpu_pairs, key):
 
 
 @cuda
-@pytest.mark.parametrize("shape", ["kimi-k2.6-ep8-rank@2", "kimi-k2.6-tp8-rank@2"])
+@pytest.mark.parametrize("shape", ["kimi-k2.6-ep8-rank@2", "kimi-k2.6-tp8-rank@2", "kimi-k2.6-ep8-rank@3~2"])
 def test_rank_shapes_cuda_graphs_equal_eager_for_every_budget(shape):
     """One GPU's share of Kimi K2.6 over 8 (EP: 48 of 384 experts at full width; TP: 1/8 of every width and head),
     bf16 with INT4 experts, declared uniform routing, two of its layers (one dense, one MoE): graph replay ==
-    eager at every budget, as the MLA sweep above."""
+    eager at every budget, as the MLA sweep above. Also three layers on two weight sets (~2: the third reads the
+    second's weights, through its own cache and routing)."""
     pair = dl.load_pair(f"random:{shape}", device="cuda", dtype="bfloat16", attention="triton")
     prompt = list(range(100, 140))
     for budget in GRAPH_BUDGETS:
