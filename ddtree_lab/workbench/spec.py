@@ -23,7 +23,7 @@ from ..prompts import SHIPPED_SET, read_prompt_set, resolve_prompt_set
 from ..runtime import RuntimeCheckError, check_runtime
 
 DEVICES = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
-PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
+PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@~\-]*$")  # @ and ~: a random shape's depth and weight sets
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 

@@ -153,6 +153,11 @@ def test_check_refuses_what_every_run_would_fail(env, monkeypatch):
     base["models"]["pair"] = "random:qwen3-30b-a3b"
     base["models"].pop("target", None), base["models"].pop("drafter", None)
     assert "has MoE layers" in refused(tmp, base, "models.attention")
+    base["models"]["attention"] = "sdpa"  # a random shape's depth and weight sets are part of its name
+    base["models"]["pair"] = "random:kimi-k2.6-ep8-rank@4~2"
+    assert study_spec.load_study(write(tmp, base)).models.pair == "random:kimi-k2.6-ep8-rank@4~2"
+    base["models"]["pair"] = "random:kimi-k2.6-ep8-rank@4~1"  # layer 1 (MoE) would have no weights to read
+    assert "layer 1 is an MoE layer and none of the first 1 is" in refused(tmp, base, "models.pair")
 
 
 def test_bad_yaml_and_missing_file(tmp_path):
