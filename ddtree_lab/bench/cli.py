@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -58,9 +59,6 @@ def _add_runtime_args(p) -> None:
                    help="with --compile: torch.compile's mode; max-autotune-no-cudagraphs times the compiler's own "
                         "matmul kernels against cuBLAS (compiling takes minutes)")
     _add_option_args(p)
-
-
-NEGATABLE = ("overlap_shared",)  # engine choices that are on unless a --no- flag turns them off
 
 
 def _add_option_args(p) -> None:
@@ -243,6 +241,14 @@ def bench_budget_arg(text: str):
     return ":".join([AUTO, ",".join(f"{k}={v}" for k, v in settings.items())]) if settings else AUTO
 
 
+@functools.cache
+def _negatable() -> frozenset[str]:
+    """The engine choices a --no- flag turns off (on by default): their --X/--no-X pairs in _add_option_args."""
+    vp = argparse.ArgumentParser(add_help=False)
+    _add_option_args(vp)
+    return frozenset(a.dest for a in vp._actions if isinstance(a, argparse.BooleanOptionalAction))
+
+
 def variant_arg(flags: str) -> dict:
     """One `--variants` entry, e.g. "pdl moe-config SPLIT_K_UP=1" -> {"label": the flags, "options": the choices
     it makes (options.py names)}. Flags may drop their leading dashes (a value that starts with them would be
@@ -304,7 +310,7 @@ def command_line(args) -> str:
     `command`."""
     parts = ["ddtree-lab", "bench", args.bench]
     for key, value in vars(args).items():
-        if key in NEGATABLE and value is False:  # a default of on, turned off
+        if key in _negatable() and value is False:  # a default of on, turned off
             parts.append("--no-" + key.replace("_", "-"))
         if key in ("command", "func", "bench") or value is None or value is False or value == []:
             continue

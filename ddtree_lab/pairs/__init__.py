@@ -133,8 +133,9 @@ def check(name: str) -> None:
         shape = name[len(RANDOM_PREFIX):]
         if shape_entry(shape) is None:
             raise CheckpointError(unknown_shape_message(shape))
-        if weight_sets_problem(shape):
-            raise CheckpointError(weight_sets_problem(shape))
+        problem = weight_sets_problem(shape)
+        if problem:
+            raise CheckpointError(problem)
         return
     resolve(name)
 
